@@ -1,0 +1,226 @@
+"""Every LoRDO knob in one place, validated with errors that say how to fix the value.
+
+Two groups of knobs exist:
+
+* optimizer knobs (:data:`OPTIMIZER_DEFAULTS`): what one local step computes (SPEC §3, §6, §6b) and how a
+  new basis is installed (SPEC §4.4-4.5). They live in each param group, so they can differ per group.
+* synchronization knobs (:class:`SyncConfig`): what happens every ``sync_every`` optimizer steps
+  (SPEC §4-5). They belong to the strategy.
+
+Every check raises ``ValueError`` naming the argument, the value given, what is allowed and how to fix it.
+Nothing is silently clamped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from numbers import Real
+from typing import Any, Union
+
+import torch
+
+NORMALIZERS = ("col_rms", "factored", "scalar", "lifted")
+PROJECTIONS = ("power", "randomized", "svd")
+TRANSITIONS = ("rotate", "reset", "keep")
+EF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+OUTER_OPTIMIZERS = ("average", "nesterov")
+BASIS_SCOPES = ("global", "local")
+INITIAL_BASES = ("gradient", "random")
+PAYLOADS = ("full",)
+PAYLOAD_DTYPES = ("float32",)
+
+#: Defaults of the optimizer knobs. ``lr``, ``betas``, ``eps`` and ``weight_decay`` mean what they mean in
+#: :class:`torch.optim.AdamW`; the rest are LoRDO's (see :class:`lightning_lordo.LoRDO`).
+OPTIMIZER_DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 1e-2,
+    "rank": 16,
+    "omega": 0.7,
+    "mu": 1.0,
+    "normalizer": "col_rms",
+    "lifted_floor": 0.1,
+    "projection": "power",
+    "power_iters": 1,
+    "oversample": 4,
+    "transition": "rotate",
+    "error_feedback": False,
+    "ef_dtype": "float32",
+    "ef_decay": 1.0,
+}
+
+
+def _fail(name: str, value: Any, allowed: str, fix: str) -> ValueError:
+    return ValueError(f"Invalid {name}={value!r}: {allowed}. {fix}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def check_unit_interval(name: str, value: Any, *, closed_right: bool) -> float:
+    """``value`` in [0, 1] (``closed_right``) or [0, 1)."""
+    right = "]" if closed_right else ")"
+    ok = _is_number(value) and 0.0 <= value and (value <= 1.0 if closed_right else value < 1.0)
+    if not ok:
+        raise _fail(name, value, f"it must be a number in [0, 1{right}", f"Pass e.g. {name}=0.9.")
+    return float(value)
+
+
+def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    ok = _is_number(value) and math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise _fail(name, value, f"it must be a finite number {bound}", f"Pass a value {bound}.")
+    return float(value)
+
+
+def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise _fail(name, value, f"it must be an integer >= {minimum}", f"Pass e.g. {name}={max(minimum, 1)}.")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise _fail(name, value, f"allowed values are {', '.join(map(repr, choices))}", "Pick one of them.")
+    return value
+
+
+def check_rank(value: Any, *, allow_zero: bool) -> Union[int, float]:
+    """An integer rank >= 1, a fraction in (0, 1] of each matrix's smaller side, or 0 (full-rank) in a group."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value >= 1 or (allow_zero and value == 0):
+            return value
+    elif isinstance(value, float) and 0.0 < value <= 1.0:
+        return value
+    zero = " or 0 in a param group to run that group full-rank" if allow_zero else ""
+    raise _fail(
+        "rank",
+        value,
+        f"it must be an integer >= 1, a float in (0, 1] (a fraction of each matrix's smaller side){zero}",
+        'Pass e.g. rank=16, or rank=0.25; opt a group out with {"params": ..., "rank": 0}.',
+    )
+
+
+def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
+    """Validate the optimizer knobs present in ``knobs`` (a param group or the constructor's defaults)."""
+    if "lr" in knobs and not isinstance(knobs["lr"], torch.Tensor):
+        check_positive("lr", knobs["lr"], allow_zero=True)
+    if "betas" in knobs:
+        betas = knobs["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise _fail("betas", betas, "it must be a pair (beta1, beta2)", "Pass e.g. betas=(0.9, 0.999).")
+        check_unit_interval("betas[0]", betas[0], closed_right=False)
+        check_unit_interval("betas[1]", betas[1], closed_right=False)
+    if "eps" in knobs:
+        check_positive("eps", knobs["eps"])
+    if "weight_decay" in knobs:
+        check_positive("weight_decay", knobs["weight_decay"], allow_zero=True)
+    if "rank" in knobs:
+        check_rank(knobs["rank"], allow_zero=in_group)
+    if "omega" in knobs:
+        check_unit_interval("omega", knobs["omega"], closed_right=True)
+    if "mu" in knobs and knobs["mu"] != "auto":
+        if not _is_number(knobs["mu"]) or not math.isfinite(knobs["mu"]) or knobs["mu"] <= 0:
+            raise _fail("mu", knobs["mu"], 'it must be a finite number > 0 or "auto"', 'Pass e.g. mu=1.0 or mu="auto".')
+    if "normalizer" in knobs:
+        check_choice("normalizer", knobs["normalizer"], NORMALIZERS)
+    if "lifted_floor" in knobs:
+        check_positive("lifted_floor", knobs["lifted_floor"])
+    if "projection" in knobs:
+        check_choice("projection", knobs["projection"], PROJECTIONS)
+    if "power_iters" in knobs:
+        check_positive_int("power_iters", knobs["power_iters"])
+    if "oversample" in knobs:
+        check_positive_int("oversample", knobs["oversample"], minimum=0)
+    if "transition" in knobs:
+        check_choice("transition", knobs["transition"], TRANSITIONS)
+    if "error_feedback" in knobs and not isinstance(knobs["error_feedback"], bool):
+        raise _fail("error_feedback", knobs["error_feedback"], "it must be True or False", "Pass a bool.")
+    if "ef_dtype" in knobs:
+        check_choice("ef_dtype", knobs["ef_dtype"], tuple(EF_DTYPES))
+    if "ef_decay" in knobs:
+        decay = knobs["ef_decay"]
+        if not _is_number(decay) or not 0.0 < decay <= 1.0:
+            raise _fail("ef_decay", decay, "it must be a number in (0, 1]", "Pass 1.0 to keep all feedback.")
+
+
+@dataclass
+class SyncConfig:
+    """Synchronization knobs of the strategy (SPEC §4-5).
+
+    Attributes:
+        sync_every: K, the number of optimizer steps between synchronizations.
+        outer_optimizer: ``"average"`` (plain parameter averaging) or ``"nesterov"`` (DiLoCo's outer SGD).
+        outer_lr: learning rate of the Nesterov outer step (ignored by ``"average"``).
+        outer_momentum: momentum of the Nesterov outer step (ignored by ``"average"``).
+        average_moments: average the low-rank Adam moments across workers at each sync.
+        basis_scope: ``"global"`` (basis from the averaged pseudo-gradient) or ``"local"`` (each worker's own
+            pseudo-gradient, the paper's LoRDO-Local).
+        initial_basis: ``"gradient"`` (from the averaged first gradient, one extra all-reduce) or ``"random"``
+            (a seeded random orthonormal basis, identical on all ranks, no traffic).
+        payload: what travels for the pseudo-gradient; only ``"full"`` in this version.
+        payload_dtype: dtype of the payload; only ``"float32"`` in this version.
+        broadcast_bases: compute bases on rank 0 and broadcast them (a*r numbers per matrix) instead of
+            relying on identical computation on every rank; use it on clusters with mixed hardware.
+        timeout: timeout of every collective the plugin issues; a rank that does not answer in time makes
+            the others fail with an error instead of hanging.
+        seed: seed of random bases and randomized projections (identical on all ranks).
+    """
+
+    sync_every: int = 16
+    outer_optimizer: str = "average"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    average_moments: bool = True
+    basis_scope: str = "global"
+    initial_basis: str = "gradient"
+    payload: str = "full"
+    payload_dtype: str = "float32"
+    broadcast_bases: bool = False
+    timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive_int("sync_every", self.sync_every)
+        check_choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        check_positive("outer_lr", self.outer_lr)
+        check_unit_interval("outer_momentum", self.outer_momentum, closed_right=False)
+        for name in ("average_moments", "broadcast_bases"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, getattr(self, name), "it must be True or False", "Pass a bool.")
+        check_choice("basis_scope", self.basis_scope, BASIS_SCOPES)
+        check_choice("initial_basis", self.initial_basis, INITIAL_BASES)
+        check_choice("payload", self.payload, PAYLOADS)
+        check_choice("payload_dtype", self.payload_dtype, PAYLOAD_DTYPES)
+        if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
+            self.timeout = timedelta(seconds=check_positive("timeout", self.timeout))
+        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
+            raise _fail("timeout", self.timeout, "it must be a positive timedelta or number of seconds",
+                        "Pass e.g. timeout=timedelta(minutes=5).")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise _fail("seed", self.seed, "it must be an integer", "Pass e.g. seed=0.")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def split_knobs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Split keyword arguments into (optimizer knobs, sync knobs, the rest)."""
+    sync_names = set(SyncConfig.__dataclass_fields__)
+    opt = {k: v for k, v in kwargs.items() if k in OPTIMIZER_DEFAULTS}
+    sync = {k: v for k, v in kwargs.items() if k in sync_names}
+    rest = {k: v for k, v in kwargs.items() if k not in opt and k not in sync}
+    return opt, sync, rest
+
+
+def resolve_rank(rank: Union[int, float], smaller_side: int) -> int:
+    """The integer rank a matrix with ``smaller_side`` gets for a configured ``rank`` (0 means full-rank)."""
+    if isinstance(rank, float):
+        return max(1, int(math.floor(rank * smaller_side)))
+    return rank
+

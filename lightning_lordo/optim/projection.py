@@ -1,0 +1,103 @@
+r"""Bases of rank-r subspaces and the rotation of Adam moments between them (SPEC §4.4-4.5).
+
+All functions are pure tensor math in float32, whatever the dtype of their inputs. A matrix ``M`` is
+``a x b`` in the canonical orientation (``a <= b``); a basis ``Q`` is ``a x r`` with orthonormal columns
+spanning (an estimate of) the top-r left singular subspace of ``M``.
+
+Random numbers come from a CPU generator seeded explicitly, so every rank that passes the same seed and
+the same ``M`` gets the same basis, bit for bit, on the same hardware.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def random_basis(a: int, r: int, seed: int, device: torch.device) -> Tensor:
+    """A seeded random ``a x r`` matrix with orthonormal columns (identical for identical seeds)."""
+    generator = torch.Generator().manual_seed(seed)
+    gaussian = torch.randn(a, r, generator=generator, dtype=torch.float32)
+    return _orthonormalize(gaussian.to(device))
+
+
+def _orthonormalize(y: Tensor) -> Tensor:
+    # Householder QR: the returned columns are orthonormal even when ``y`` is rank-deficient.
+    return torch.linalg.qr(y, mode="reduced").Q
+
+
+def power_basis(m: Tensor, warm: Tensor, iters: int) -> Tensor:
+    """Block power iteration on ``M M^T`` warm-started from ``warm`` (``iters`` steps, QR after each)."""
+    m = m.float()
+    q = warm.float()
+    for _ in range(iters):
+        q = _orthonormalize(m @ (m.mT @ q))
+    return q
+
+
+def randomized_basis(m: Tensor, r: int, oversample: int, iters: int, seed: int) -> Tensor:
+    """Randomized range finder (Halko et al.) with ``iters`` power steps, truncated to rank ``r`` by SVD."""
+    m = m.float()
+    k = min(r + oversample, m.shape[0])
+    generator = torch.Generator().manual_seed(seed)
+    omega = torch.randn(m.shape[1], k, generator=generator, dtype=torch.float32).to(m.device)
+    y = _orthonormalize(m @ omega)
+    for _ in range(iters):
+        y = _orthonormalize(m @ (m.mT @ y))
+    u_small = torch.linalg.svd(y.mT @ m, full_matrices=False).U
+    return y @ u_small[:, :r]
+
+
+def svd_basis(m: Tensor, r: int) -> Tensor:
+    """The exact top-``r`` left singular vectors of ``M``."""
+    return torch.linalg.svd(m.float(), full_matrices=False).U[:, :r].contiguous()
+
+
+def compute_basis(
+    m: Tensor,
+    r: int,
+    method: str,
+    warm: Optional[Tensor] = None,
+    power_iters: int = 1,
+    oversample: int = 4,
+    seed: int = 0,
+) -> Tensor:
+    """A new rank-``r`` basis of the column space of ``m`` by ``method`` (``power``, ``randomized``, ``svd``).
+
+    ``power`` needs a warm start; without one (the very first basis) it falls back to ``randomized`` with the
+    same number of power steps, since one power step from a random start captures little.
+    """
+    if method == "svd":
+        return svd_basis(m, r)
+    if method == "power" and warm is not None:
+        return power_basis(m, warm, power_iters)
+    return randomized_basis(m, r, oversample, power_iters, seed)
+
+
+def rotate_moments(
+    exp_avg: Tensor, exp_avg_sq: Tensor, change: Tensor, bias1: float, bias2: float
+) -> tuple[Tensor, Tensor]:
+    r"""Express Adam's moments in a new basis (LDAdam's projection-aware update, SPEC §4.5).
+
+    With ``C = Q_new^T Q_old`` (``change``), :math:`b_1 = 1-\beta_1^t`, :math:`b_2 = 1-\beta_2^t`:
+
+    .. math::
+        u' = C u, \qquad
+        v' = b_2 \left| (C \odot C)\left(\frac{v}{b_2} - \frac{u \odot u}{b_1^2}\right)
+             + \frac{u' \odot u'}{b_1^2} \right|
+
+    The second line treats each old coordinate as independent with mean :math:`\hat u` and variance
+    :math:`\hat v - \hat u^2`, and takes the second moment of the rotated coordinate.
+    """
+    new_avg = change @ exp_avg
+    variance = exp_avg_sq / bias2 - exp_avg.square() / bias1**2
+    new_sq = (change.square() @ variance + new_avg.square() / bias1**2).abs_().mul_(bias2)
+    return new_avg, new_sq
+
+
+def subspace_movement(old: Tensor, new: Tensor) -> Tensor:
+    """How much of the old subspace the new basis lost: ``1 - ||Q_new^T Q_old||_F^2 / r`` in [0, 1]."""
+    r = old.shape[1]
+    return (1.0 - (new.mT @ old).square().sum() / r).clamp_(min=0.0)
