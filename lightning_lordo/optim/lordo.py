@@ -23,8 +23,8 @@ with :math:`b_i = 1-\beta_i^t` and :math:`S` the full-rank normalizer of SPEC §
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -62,6 +62,8 @@ class LoRDO(Optimizer):
         ef_dtype: dtype of that buffer, ``"float32"`` or ``"bfloat16"``.
         ef_decay: ``gamma``, the buffer's decay per step (1 keeps everything).
         seed: seed of random bases and randomized projections (use the same on every worker).
+        full_rank: parameters that take the AdamW step whatever their group's rank (the strategy passes
+            embeddings and output heads here, SPEC §2).
 
     Attributes:
         basis_source: optional hook used before the very first update of matrices that have no basis yet:
@@ -78,6 +80,7 @@ class LoRDO(Optimizer):
         weight_decay: float = OPTIMIZER_DEFAULTS["weight_decay"],
         *,
         seed: int = 0,
+        full_rank: Iterable[Tensor] = (),
         **knobs: Any,
     ) -> None:
         unknown = set(knobs) - set(OPTIMIZER_DEFAULTS)
@@ -88,6 +91,7 @@ class LoRDO(Optimizer):
         defaults = {**OPTIMIZER_DEFAULTS, **knobs, "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         check_optimizer_knobs(defaults, in_group=False)
         self.seed = seed
+        self._full_rank = {id(p) for p in full_rank}
         self.basis_source: Optional[BasisSource] = None
         self._warned: set[tuple[tuple[int, ...], int]] = set()
         self._stats: dict[str, Tensor] = {}
@@ -110,10 +114,9 @@ class LoRDO(Optimizer):
                         stacklevel=3,
                     )
 
-    @staticmethod
-    def lowrank_rank(p: Tensor, group: Mapping[str, Any]) -> int:
+    def lowrank_rank(self, p: Tensor, group: Mapping[str, Any]) -> int:
         """The rank this parameter runs at in this group, or 0 when it takes the AdamW step."""
-        if p.ndim != 2 or group["rank"] == 0:
+        if p.ndim != 2 or group["rank"] == 0 or id(p) in self._full_rank:
             return 0
         r = resolve_rank(group["rank"], min(p.shape))
         return r if r <= min(p.shape) else 0
@@ -132,6 +135,8 @@ class LoRDO(Optimizer):
                     reason = f"2-D, rank {r} <= smaller side {min(p.shape)}"
                 elif p.ndim != 2:
                     reason = f"{p.ndim}-D"
+                elif id(p) in self._full_rank:
+                    reason = "listed in full_rank (embedding or output head)"
                 elif group["rank"] == 0:
                     reason = "opted out (rank=0)"
                 else:

@@ -1,0 +1,328 @@
+"""``LoRDOStrategy``: Lightning's DDP strategy without the per-step gradient all-reduce.
+
+Each rank trains its own replica with local LoRDO steps; every ``sync_every`` optimizer steps (and at the end
+of ``fit``) the ranks synchronize (``lightning_lordo.sync``). The model is never wrapped in
+``DistributedDataParallel``: parameters and buffers are broadcast from rank 0 once at setup, and each rank
+draws its own data through Lightning's usual distributed sampler.
+
+Validation during ``fit`` and every checkpoint see the *synchronized* model (the anchor), identical on all
+ranks and free to produce; it lags the local replicas by the steps since the last sync.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_lordo.accounting import CommAccountant, Communicator
+from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig, check_optimizer_knobs, split_knobs
+from lightning_lordo.lightning_optimizer import LoRDOLightningOptimizer
+from lightning_lordo.optim.lordo import LoRDO
+from lightning_lordo.sync import Synchronizer, SyncReport
+
+#: Parameter names (regular expressions) that run full-rank AdamW by default, besides every ``nn.Embedding``
+#: weight (and anything tied to it): the usual output-head names (SPEC §2).
+DEFAULT_FULL_RANK_PARAMS = (r"(^|\.)(lm_head|head|classifier|output)\.weight$",)
+
+# Keys of torch.optim.Adam/AdamW param groups that LoRDO does not take (checked or dropped on conversion).
+_ADAM_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+
+
+class LoRDOStrategy(DDPStrategy):
+    """Local LoRDO steps with a low-rank synchronization every ``sync_every`` optimizer steps.
+
+    Args:
+        sync_every: K, optimizer steps between synchronizations.
+        lowrank: convert the user's Adam/AdamW into :class:`~lightning_lordo.LoRDO` (``True``), or keep the
+            user's optimizer, whatever it is, and only synchronize (``False``: DiLoCo).
+        full_rank_params: regular expressions on parameter names that run AdamW (embeddings always do).
+        monitor: add a :class:`~lightning_lordo.CommunicationMonitor` unless the Trainer already has one.
+        start_method: how processes are launched (``"popen"``, ``"spawn"``, ``"fork"``), as in DDP.
+        **knobs: optimizer knobs of :class:`~lightning_lordo.LoRDO` (``rank``, ``omega``, ``mu``,
+            ``normalizer``, ``projection``, ``transition``, ``error_feedback``, ...) used as defaults when the
+            user's Adam/AdamW is converted, and synchronization knobs of
+            :class:`~lightning_lordo.config.SyncConfig` (``outer_optimizer``, ``average_moments``,
+            ``basis_scope``, ``initial_basis``, ``timeout``, ...). Remaining DDP arguments (``accelerator``,
+            ``cluster_environment``, ``process_group_backend``, ...) are passed to ``DDPStrategy``.
+    """
+
+    strategy_name = "lordo"
+
+    def __init__(
+        self,
+        sync_every: int = 16,
+        *,
+        lowrank: bool = True,
+        full_rank_params: Sequence[str] = DEFAULT_FULL_RANK_PARAMS,
+        monitor: bool = True,
+        start_method: str = "popen",
+        **knobs: Any,
+    ) -> None:
+        optimizer_knobs, sync_knobs, ddp_kwargs = split_knobs(knobs)
+        ddp_allowed = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
+                       "precision_plugin", "process_group_backend"}
+        unknown = set(ddp_kwargs) - ddp_allowed
+        if unknown:
+            raise TypeError(
+                f"LoRDOStrategy got unknown arguments {sorted(unknown)}. Optimizer knobs: "
+                f"{sorted(OPTIMIZER_DEFAULTS)}; sync knobs: {sorted(SyncConfig.__dataclass_fields__)}; "
+                f"DDP arguments: {sorted(ddp_allowed)}."
+            )
+        check_optimizer_knobs(optimizer_knobs, in_group=False)
+        self.sync_config = SyncConfig(sync_every=sync_every, **sync_knobs)
+        if not isinstance(lowrank, bool):
+            raise ValueError(f"Invalid lowrank={lowrank!r}: it must be True or False.")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"Invalid start_method={start_method!r}: allowed 'popen', 'spawn', 'fork', 'forkserver'.")
+        self._full_rank_patterns = [re.compile(p) for p in full_rank_params]
+        self.optimizer_knobs = optimizer_knobs
+        self.lowrank = lowrank
+        self.monitor = monitor
+        super().__init__(timeout=self.sync_config.timeout, start_method=start_method, **ddp_kwargs)
+        self.accountant = CommAccountant()
+        self.communicator: Optional[Communicator] = None
+        self.synchronizer: Optional[Synchronizer] = None
+        self.sync_reports: list[SyncReport] = []
+        self.parameter_names: dict[Tensor, str] = {}
+        self._ddp_bytes_per_step = 0
+        self._swapped_for_eval = False
+        self._restored: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        presets = {
+            "lordo": ({}, "LoRDO: global basis from the averaged pseudo-gradient + full-rank QHM term"),
+            "lordo_local": ({"basis_scope": "local", "average_moments": False},
+                            "LoRDO-Local: each worker computes its own basis"),
+            "diloco": ({"lowrank": False}, "DiLoCo: the user's optimizer locally, averaged every K steps"),
+        }
+        for name, (preset, description) in presets.items():
+            for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+                if name + suffix not in strategy_registry:
+                    strategy_registry.register(name + suffix, cls, description=f"{description} ({start_method})",
+                                               start_method=start_method, **preset)
+
+    # ------------------------------------------------------------------ optimizers
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[Optimizer]) -> None:
+        # Lightning wraps optimizers in LightningOptimizer here; ours counts steps and synchronizes.
+        self._optimizers = optimizers
+        self._lightning_optimizers = [LoRDOLightningOptimizer._to_lightning_optimizer(o, self) for o in optimizers]
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        from lightning_lordo.callbacks import CommunicationMonitor
+
+        if self.monitor and not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
+            trainer.callbacks.append(CommunicationMonitor())
+        super().setup(trainer)
+
+    @override
+    def configure_ddp(self) -> None:
+        """No DistributedDataParallel wrapper: replicas start identical (broadcast from rank 0), then run free."""
+        assert isinstance(self.model, LightningModule)
+        if not self.model.automatic_optimization:
+            raise RuntimeError(
+                "LoRDOStrategy supports automatic optimization only (it synchronizes after each "
+                "optimizer.step() Lightning makes). Set `self.automatic_optimization = True`, or use "
+                "strategy='ddp' for manual optimization."
+            )
+        self.communicator = Communicator(self.accountant, self.sync_config.timeout)
+        state = list(self.model.parameters()) + list(self.model.buffers())
+        self.communicator.broadcast([t.data for t in state], "setup_broadcast")
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise RuntimeError(
+                f"LoRDOStrategy supports exactly one optimizer; configure_optimizers returned "
+                f"{len(self.optimizers)}. Return a single optimizer (with param groups), or use strategy='ddp'."
+            )
+        module = self.lightning_module
+        assert module is not None and self.communicator is not None
+        self.parameter_names = {p: n for n, p in module.named_parameters()}
+        user_optimizer = self.optimizers[0]
+        optimizer = self._convert(user_optimizer, module) if self.lowrank else user_optimizer
+        if optimizer is not user_optimizer:
+            _repoint_schedulers(self.lr_scheduler_configs, user_optimizer, optimizer)
+            self.optimizers = [optimizer]
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self._ddp_bytes_per_step = sum(p.numel() * p.element_size() for p in trainable)
+        self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
+                                         self.communicator)
+        if self._restored is not None:
+            self._apply_restored_state()
+        if isinstance(optimizer, LoRDO):
+            lowrank = sum(1 for row in optimizer.describe() if row["step"] == "lowrank")
+            rank_zero_info(f"LoRDO: {lowrank} weight matrices take the low-rank step, "
+                           f"{len(optimizer.describe()) - lowrank} tensors take AdamW "
+                           "(strategy.parameter_plan() lists them).")
+
+    def _convert(self, optimizer: Optimizer, module: nn.Module) -> LoRDO:
+        """The user's Adam/AdamW as a LoRDO optimizer with the same groups and hyperparameters."""
+        full_rank = self._full_rank_params(module)
+        if isinstance(optimizer, LoRDO):
+            return optimizer
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            raise TypeError(
+                f"strategy='lordo' converts torch.optim.Adam or AdamW into LoRDO, but configure_optimizers returned "
+                f"{type(optimizer).__name__}. Return Adam/AdamW or lightning_lordo.LoRDO, or use strategy='diloco' "
+                "(full-rank local steps with any optimizer, averaged every K steps)."
+            )
+        groups = []
+        for group in optimizer.param_groups:
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError("LoRDO has no amsgrad or maximize mode; create the Adam/AdamW without them.")
+            coupled_decay = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay")
+            if coupled_decay and group["weight_decay"]:
+                warnings.warn("LoRDO applies weight decay decoupled (as AdamW); your Adam's L2 weight_decay="
+                              f"{group['weight_decay']} becomes decoupled decay.", stacklevel=2)
+            groups.append({k: v for k, v in group.items() if k not in _ADAM_ONLY_KEYS})
+        return LoRDO(groups, seed=self.sync_config.seed, full_rank=full_rank, **self.optimizer_knobs)
+
+    def _full_rank_params(self, module: nn.Module) -> list[Tensor]:
+        embeddings = [m.weight for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+        named = [p for n, p in module.named_parameters() if any(r.search(n) for r in self._full_rank_patterns)]
+        return embeddings + named
+
+    def parameter_plan(self) -> list[dict[str, Any]]:
+        """Which parameter takes the low-rank step and which takes AdamW, with names and reasons."""
+        optimizer = self.optimizers[0] if self.optimizers else None
+        if not isinstance(optimizer, LoRDO):
+            return []
+        return optimizer.describe(self.parameter_names)
+
+    # ------------------------------------------------------------------ synchronization
+    def after_optimizer_step(self) -> None:
+        """Called by the LightningOptimizer after each optimizer step."""
+        assert self.synchronizer is not None
+        report = self.synchronizer.on_optimizer_step()
+        if report is not None:
+            self.sync_reports.append(report)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        # Lightning broadcasts one int64 from rank 0 every batch (its SIGTERM check): real traffic, counted.
+        if self.world_size > 1 and self.global_rank == 0:
+            self.accountant.add("lightning_sigterm_check", torch.tensor(0).element_size())
+
+    @override
+    def on_train_end(self) -> None:
+        """The final synchronization: training ends with one model, identical on all ranks."""
+        if self.synchronizer is not None and self.synchronizer.steps_since_sync > 0:
+            self.sync_reports.append(self.synchronizer.sync())
+        super().on_train_end()
+
+    @property
+    def ddp_equivalent_bytes(self) -> int:
+        """Bytes DDP's gradient all-reduce would have passed for the optimizer steps taken so far."""
+        steps = self.synchronizer.optimizer_steps if self.synchronizer is not None else 0
+        return self._ddp_bytes_per_step * steps
+
+    # ------------------------------------------------------------------ one model for evaluation and checkpoints
+    def _mid_round(self) -> bool:
+        return self.synchronizer is not None and self.synchronizer.steps_since_sync > 0
+
+    def _swap_anchor(self) -> None:
+        assert self.synchronizer is not None
+        anchor = self.synchronizer.anchor
+        for i, p in enumerate(self.synchronizer.params):  # O(1) memory: exchange the storages
+            p.data, anchor[i] = anchor[i], p.data
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._mid_round():
+            self._swap_anchor()  # validate the synchronized model: identical on all ranks, no traffic
+            self._swapped_for_eval = True
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._swapped_for_eval:
+            self._swap_anchor()
+            self._swapped_for_eval = False
+        super().on_validation_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self._mid_round() and not self._swapped_for_eval:
+            assert self.synchronizer is not None
+            anchor = {id(p): a for p, a in zip(self.synchronizer.params, self.synchronizer.anchor)}
+            module = self.lightning_module
+            assert module is not None
+            for name, p in module.named_parameters():
+                if id(p) in anchor and name in state:
+                    state[name] = anchor[id(p)].detach().clone()
+        return state
+
+    # ------------------------------------------------------------------ checkpoint state
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self.synchronizer is not None:
+            checkpoint["lordo"] = self.lordo_state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def lordo_state_dict(self) -> dict[str, Any]:
+        assert self.synchronizer is not None
+        return {"sync": self.synchronizer.state_dict(), "comm": self.accountant.state_dict()}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._restored = checkpoint.get("lordo")  # applied after setup, when the synchronizer exists
+        return checkpoint
+
+    def _apply_restored_state(self) -> None:
+        assert self._restored is not None and self.synchronizer is not None
+        self.synchronizer.load_state_dict(self._restored["sync"])
+        self.accountant.load_state_dict(self._restored["comm"])
+        self._restored = None
+
+
+def _repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> None:
+    """Make the user's LR schedulers drive ``new`` (same groups, same order) and keep their step counts."""
+    for config in configs:
+        scheduler = config.scheduler
+        if getattr(scheduler, "optimizer", None) is old:
+            scheduler.optimizer = new
+    _track_step_calls(new)
+
+
+def _track_step_calls(optimizer: Optimizer) -> None:
+    """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does, so that re-pointed
+    schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``."""
+    import functools
+    import weakref
+
+    step = type(optimizer).step
+    ref = weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
