@@ -99,9 +99,10 @@ class LoRDO(Optimizer):
 
     # ------------------------------------------------------------------ layout
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # validate before appending, so a rejected group is not left behind in ``param_groups``
+        check_optimizer_knobs({**self.defaults, **param_group}, in_group=True)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        check_optimizer_knobs(group, in_group=True)
         for p in group["params"]:
             if p.ndim == 2 and group["rank"] != 0:
                 r, a = resolve_rank(group["rank"], min(p.shape)), min(p.shape)
@@ -203,7 +204,7 @@ class LoRDO(Optimizer):
         if group["error_feedback"]:
             residual = accumulated - q @ projected
             ef.copy_(residual)
-            self._add_stat("ef_sq", residual.square().sum())
+            self._add_stat("ef_sq", ef.float().square().sum())  # the stored buffer (maybe bf16), not the residual
 
         state["exp_avg"].lerp_(projected, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(projected, projected, value=1 - beta2)
