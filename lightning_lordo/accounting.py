@@ -31,6 +31,10 @@ class CommAccountant:
         self.totals[purpose] += nbytes
         self.round[purpose] += nbytes
 
+    def start_round(self) -> None:
+        """Start counting a new round (bytes sent between rounds stay in the totals only)."""
+        self.round = defaultdict(int)
+
     def end_round(self) -> dict[str, int]:
         """Return the bytes of the round that just ended, by purpose, and start a new round."""
         finished = dict(self.round)

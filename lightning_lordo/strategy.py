@@ -150,12 +150,9 @@ class LoRDOStrategy(DDPStrategy):
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
+        # One optimizer: Lightning already refuses several under automatic optimization, and configure_ddp
+        # refuses manual optimization.
         super().setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
-            raise RuntimeError(
-                f"LoRDOStrategy supports exactly one optimizer; configure_optimizers returned "
-                f"{len(self.optimizers)}. Return a single optimizer (with param groups), or use strategy='ddp'."
-            )
         module = self.lightning_module
         assert module is not None and self.communicator is not None
         self.parameter_names = {p: n for n, p in module.named_parameters()}

@@ -116,6 +116,7 @@ class Synchronizer:
     def sync(self) -> SyncReport:
         """One synchronization round; every worker must call it at the same point."""
         start = time.perf_counter()
+        self.comm.accountant.start_round()
         self.comm.context = f"sync {self.syncs_done + 1} (optimizer step {self.optimizer_steps})"
         with record_function("lordo.prepare_sync"):
             averaged = [(a.float() - p.float()) for a, p in zip(self.anchor, self.params)]

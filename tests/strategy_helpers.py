@@ -1,0 +1,83 @@
+"""A tiny model and a fit helper for the strategy tests (2 processes launched by fork, asserts in workers)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_lordo  # noqa: F401  (registers the strategy names)
+from lightning_lordo import LoRDOStrategy
+
+
+class TinyRegressor(L.LightningModule):
+    """Three linear layers (two of them low-rank at rank 4) and a LayerNorm, on a synthetic regression."""
+
+    def __init__(self, optimizer: str = "adamw", lr: float = 1e-2, scheduler: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.LayerNorm(24), nn.Linear(24, 16), nn.GELU(),
+                                 nn.Linear(16, 3))
+        self.optimizer_name, self.lr, self.scheduler = optimizer, lr, scheduler
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "sgd":
+            optimizer: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        elif self.optimizer_name == "adam":
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        else:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        if not self.scheduler:
+            return optimizer
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5) * 0.9**step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+def regression_data(n: int = 256, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 12, generator=generator)
+    w = torch.randn(12, 3, generator=generator)
+    return TensorDataset(x, torch.tanh(x @ w))
+
+
+def loader(n: int = 256, batch_size: int = 8) -> DataLoader:
+    return DataLoader(regression_data(n), batch_size=batch_size, shuffle=False)
+
+
+def lordo(sync_every: int = 4, start_method: str = "fork", **knobs: Any) -> LoRDOStrategy:
+    """The strategy for tests: fork for 2 workers; ``start_method="popen"`` runs a 1-device fit in this process."""
+    knobs.setdefault("rank", 4)
+    return LoRDOStrategy(sync_every=sync_every, start_method=start_method, timeout=timedelta(seconds=60), **knobs)
+
+
+def trainer(strategy: Any, devices: int = 2, callbacks: Any = (), **kwargs: Any) -> L.Trainer:
+    defaults: dict[str, Any] = dict(accelerator="cpu", devices=devices, max_steps=10, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False)
+    defaults.update(kwargs)
+    return L.Trainer(strategy=strategy, callbacks=list(callbacks), **defaults)
+
+
+def gather(t: torch.Tensor) -> list[torch.Tensor]:
+    """All ranks' copies of ``t`` (test-only traffic, not counted by the plugin)."""
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])

@@ -1,0 +1,295 @@
+"""The strategy end to end: 2 processes launched by fork, assertions inside the workers."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
+
+from lightning_lordo import CommunicationMonitor, LoRDO, LoRDOStrategy
+
+
+class ReplicaChecker(L.Callback):
+    """After every batch: replicas identical right after a sync, different in between; bases always equal."""
+
+    def __init__(self, sync_every: int) -> None:
+        self.k = sync_every
+        self.checked_identical = 0
+        self.checked_different = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        sync = trainer.strategy.synchronizer
+        assert sync.syncs_done == sync.optimizer_steps // self.k
+        assert sync.steps_since_sync == sync.optimizer_steps % self.k
+        copies = gather(flat_params(module))
+        if sync.steps_since_sync == 0:
+            assert torch.equal(copies[0], copies[1]), f"replicas differ right after sync {sync.syncs_done}"
+            self.checked_identical += 1
+        else:
+            assert not torch.equal(copies[0], copies[1]), "replicas identical between syncs: no local steps?"
+            self.checked_different += 1
+            # a checkpoint taken mid-round holds the synchronized model (the anchor), identical on all ranks
+            state = trainer.strategy.lightning_module_state_dict()
+            saved = torch.cat([state[n].reshape(-1) for n, _ in module.named_parameters()])
+            assert torch.equal(saved, torch.cat([a.reshape(-1) for a in sync.anchor]))
+            assert torch.equal(*gather(saved))
+        optimizer = sync.optimizer
+        for p in optimizer.lowrank_params() if sync.optimizer_steps else []:
+            bases = gather(optimizer.state[p]["basis"])
+            assert torch.equal(bases[0], bases[1]), "bases differ between ranks"
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        sync = trainer.strategy.synchronizer
+        assert sync.steps_since_sync == 0 and sync.syncs_done == math.ceil(sync.optimizer_steps / self.k)
+        assert torch.equal(*gather(flat_params(module))), "training must end with one model"
+        assert self.checked_identical > 0 and self.checked_different > 0
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_replicas_differ_between_syncs_and_match_after(accumulate: int) -> None:
+    checker = ReplicaChecker(sync_every=3)
+    trainer(lordo(sync_every=3), callbacks=[checker], max_steps=10,
+            accumulate_grad_batches=accumulate).fit(TinyRegressor(), loader())
+
+
+class ByteChecker(L.Callback):
+    """Bytes counted per purpose equal numel x itemsize of what SPEC §4-5 says travels."""
+
+    def __init__(self, steps: int, k: int, batches: int) -> None:
+        self.steps, self.k, self.batches = steps, k, batches
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        strategy: LoRDOStrategy = trainer.strategy
+        optimizer: LoRDO = strategy.synchronizer.optimizer
+        params = list(module.parameters())
+        syncs = math.ceil(self.steps / self.k)
+        lowrank = optimizer.lowrank_params()
+        moments = sum(2 * optimizer.lowrank_rank(p, optimizer.param_groups[0]) * max(p.shape) * 4 for p in lowrank)
+        expected = {
+            "initial_gradients": sum(p.numel() * 4 for p in lowrank),
+            "pseudo_gradients": syncs * sum(p.numel() * 4 for p in params),
+            "moments": syncs * moments,
+        }
+        if trainer.global_rank == 0:  # broadcasts count on the sender
+            expected["setup_broadcast"] = sum(t.numel() * t.element_size() for t in [*params, *module.buffers()])
+            expected["lightning_sigterm_check"] = self.batches * 8
+        assert dict(strategy.accountant.totals) == expected
+        assert sum(r.bytes_sent for r in strategy.sync_reports) == expected["pseudo_gradients"] + expected["moments"]
+        assert strategy.ddp_equivalent_bytes == self.steps * sum(p.numel() * 4 for p in params)
+        assert len(lowrank) == 2  # the (3, 16) head is smaller than the rank: it runs AdamW
+
+
+def test_bytes_counted_are_what_travels() -> None:
+    checker = ByteChecker(steps=10, k=4, batches=10)
+    trainer(lordo(sync_every=4), callbacks=[checker], max_steps=10).fit(TinyRegressor(), loader())
+
+
+class SaveParams(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            torch.save(flat_params(module), self.path)
+
+
+def _final_params(strategy: Any, module: L.LightningModule, path: Path, **kwargs: Any) -> torch.Tensor:
+    torch.manual_seed(0)
+    trainer(strategy, callbacks=[SaveParams(path)], max_steps=12, **kwargs).fit(module, loader())
+    return torch.load(path)
+
+
+def test_diloco_k1_with_sgd_is_ddp(tmp_path: Path) -> None:
+    """Averaging one local momentum-SGD step per worker equals DDP's step on the averaged gradient."""
+    torch.manual_seed(0)
+    module = TinyRegressor(optimizer="sgd", lr=0.05)
+    init = {k: v.clone() for k, v in module.state_dict().items()}
+    ddp = _final_params("ddp_fork", module, tmp_path / "ddp.pt")
+    module.load_state_dict(init)
+    diloco = _final_params(LoRDOStrategy(sync_every=1, lowrank=False, start_method="fork"), module,
+                           tmp_path / "diloco.pt")
+    assert not torch.equal(ddp, flat_params(TinyRegressor()))
+    torch.testing.assert_close(diloco, ddp, rtol=1e-5, atol=1e-6)
+
+
+def test_diloco_k1_with_adamw_on_the_same_data_is_ddp(tmp_path: Path) -> None:
+    """With every worker on the same batches, DiLoCo K=1 with AdamW equals DDP-AdamW (no double averaging)."""
+    torch.manual_seed(0)
+    module = TinyRegressor()
+    init = {k: v.clone() for k, v in module.state_dict().items()}
+    ddp = _final_params("ddp_fork", module, tmp_path / "ddp.pt", use_distributed_sampler=False)
+    module.load_state_dict(init)
+    diloco = _final_params("diloco_fork", module, tmp_path / "diloco.pt", use_distributed_sampler=False)
+    torch.testing.assert_close(diloco, ddp, rtol=1e-5, atol=1e-6)
+
+
+class MovementRecorder(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            moves = [r.subspace_movement for r in trainer.strategy.sync_reports if r.subspace_movement is not None]
+            torch.save({"params": flat_params(module), "movement": torch.tensor(moves)}, self.path)
+
+
+def test_lordo_k1_omega1_is_single_process_lowrank_training_and_stagnates(tmp_path: Path) -> None:
+    """K=1, omega=1 on 2 workers with the same data equals the 1-process run (nothing lost in the averaging),
+    and its global basis never moves (every update lies in span(Q)); with omega=0.7 it moves."""
+    torch.manual_seed(0)
+    module = TinyRegressor()
+    init = {k: v.clone() for k, v in module.state_dict().items()}
+    results = {}
+    for devices, omega in ((2, 1.0), (1, 1.0), (2, 0.7)):
+        module.load_state_dict(init)
+        path = tmp_path / f"{devices}_{omega}.pt"
+        trainer(lordo(sync_every=1, omega=omega), devices=devices, callbacks=[MovementRecorder(path)],
+                max_steps=12, use_distributed_sampler=False).fit(module, loader())
+        results[(devices, omega)] = torch.load(path)
+    torch.testing.assert_close(results[(2, 1.0)]["params"], results[(1, 1.0)]["params"], rtol=1e-5, atol=1e-6)
+    assert results[(2, 1.0)]["movement"].max() < 1e-4
+    assert results[(2, 0.7)]["movement"].mean() > 1e-3
+
+
+class LRRecorder(L.Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_converted_optimizer_keeps_the_lr_schedule_without_warnings() -> None:
+    sequences = {}
+    for name in ("auto", "lordo"):
+        recorder = LRRecorder()
+        strategy = lordo(sync_every=3, start_method="popen") if name == "lordo" else name
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer(strategy, devices=1, callbacks=[recorder], max_steps=9).fit(TinyRegressor(scheduler=True),
+                                                                                 loader())
+        assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
+        sequences[name] = recorder.lrs
+    assert sequences["lordo"] == sequences["auto"]
+    assert len(set(sequences["lordo"])) > 3  # the schedule really moved the LR
+
+
+def test_adam_and_adamw_are_converted_and_other_optimizers_rejected() -> None:
+    for name in ("adam", "adamw"):
+        fit = trainer(lordo(start_method="popen"), devices=1, max_steps=2)
+        fit.fit(TinyRegressor(optimizer=name), loader())
+        assert isinstance(fit.strategy.optimizers[0], LoRDO)
+        assert [row["step"] for row in fit.strategy.parameter_plan()].count("lowrank") == 2
+    with pytest.raises(TypeError, match="diloco"):
+        trainer(lordo(start_method="popen"), devices=1, max_steps=2).fit(TinyRegressor(optimizer="sgd"), loader())
+    fit = trainer(LoRDOStrategy(lowrank=False, start_method="popen"), devices=1, max_steps=2)
+    fit.fit(TinyRegressor(optimizer="sgd"), loader())  # diloco takes any optimizer
+    assert isinstance(fit.strategy.optimizers[0], torch.optim.SGD)
+
+
+class ManualModule(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class TwoOptimizers(TinyRegressor):
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.AdamW(self.net[0].parameters()), torch.optim.AdamW(self.net[3].parameters())]
+
+
+@pytest.mark.parametrize(("module", "message"), [(ManualModule, "automatic optimization"),
+                                                  (TwoOptimizers, "multiple optimizers")])
+def test_unsupported_setups_fail_at_setup(module: type, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        trainer(lordo(start_method="popen"), devices=1, max_steps=2).fit(module(), loader())
+
+
+def test_strategy_names_are_registered() -> None:
+    import importlib
+
+    import lightning_lordo
+
+    importlib.reload(lightning_lordo)  # registering twice must not raise
+    for name in ("lordo", "lordo_local", "diloco"):
+        for suffix in ("", "_fork", "_spawn"):
+            assert name + suffix in StrategyRegistry
+    fit = L.Trainer(strategy="lordo_local", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(fit.strategy, LoRDOStrategy) and fit.strategy.sync_config.basis_scope == "local"
+    assert L.Trainer(strategy="diloco", accelerator="cpu", devices=1, logger=False).strategy.lowrank is False
+
+
+def test_single_device_trains_locally_and_sends_nothing() -> None:
+    fit = trainer(lordo(sync_every=2, start_method="popen"), devices=1, max_steps=20)
+    module = TinyRegressor()
+    fit.fit(module, loader())
+    strategy = fit.strategy
+    assert strategy.accountant.total_bytes == 0
+    assert strategy.synchronizer.syncs_done == 10
+    assert fit.callback_metrics["train_loss"] < 0.5
+
+
+def test_monitor_logs_to_csv_and_tensorboard(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    csv, tb = CSVLogger(tmp_path, name="csv", version=0), TensorBoardLogger(tmp_path, name="tb", version=0)
+    fit = trainer(lordo(sync_every=4), logger=[csv, tb], max_steps=10)
+    fit.fit(TinyRegressor(), loader())
+    header, *rows = (Path(csv.log_dir) / "metrics.csv").read_text().splitlines()
+    columns = header.split(",")
+    for name in ("bytes_sent_sync", "bytes_sent_total", "ddp_equivalent_bytes", "bytes_saving_vs_ddp",
+                 "sync_seconds", "basis_seconds", "subspace_movement", "pseudo_gradient_norm", "term_ratio",
+                 "optimizer_state_bytes", "adamw_state_bytes", "error_feedback_bytes", "sync_buffer_bytes"):
+        assert f"lordo/{name}" in columns
+    totals = [float(r.split(",")[columns.index("lordo/bytes_sent_total")]) for r in rows
+              if r.split(",")[columns.index("lordo/bytes_sent_total")]]
+    assert len(totals) == 3 and totals == sorted(totals) and totals[0] > 0  # 2 syncs + the final one
+    events = b"".join(p.read_bytes() for p in Path(tb.log_dir).glob("events.out.tfevents.*"))
+    assert b"lordo/bytes_sent_total" in events
+
+
+def test_user_monitor_is_not_duplicated() -> None:
+    mine = CommunicationMonitor(summary=False)
+    fit = trainer(lordo(start_method="popen"), devices=1, callbacks=[mine], max_steps=2)
+    fit.fit(TinyRegressor(), loader())
+    assert sum(isinstance(c, CommunicationMonitor) for c in fit.callbacks) == 1
+
+
+@pytest.mark.timeout(280)
+def test_popen_launcher_end_to_end(tmp_path: Path) -> None:
+    """Lightning's default launcher re-runs the script for rank 1: run it as a subprocess."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch, lightning as L
+        import lightning_lordo
+        from strategy_helpers import TinyRegressor, loader
+        torch.set_num_threads(1)
+        fit = L.Trainer(strategy="lordo", accelerator="cpu", devices=2, max_steps=8, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        fit.fit(TinyRegressor(), loader())
+        s = fit.strategy
+        assert s.world_size == 2 and s.synchronizer.syncs_done == 1, s.synchronizer.syncs_done
+        print("RANK", fit.global_rank, "BYTES", s.accountant.total_bytes)
+    """))
+    # 1-device fits earlier in this process left Lightning's rank variables in os.environ; with LOCAL_RANK set, a
+    # child would think an external launcher started it and wait for peers that never come.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "RANK 0 BYTES" in done.stdout and "RANK 1 BYTES" in done.stdout
+    assert "saving vs DDP" in done.stdout  # the monitor's summary table, printed by rank 0
