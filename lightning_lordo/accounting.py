@@ -109,19 +109,6 @@ class Communicator:
             if self.rank == src:
                 self.accountant.add(purpose, t.numel() * t.element_size())
 
-    def all_true(self, flag: bool, purpose: str) -> bool:
-        """Whether ``flag`` holds on every worker (one int32 all-reduce)."""
-        if self.world_size == 1:
-            return flag
-        value = torch.tensor([0 if flag else 1], dtype=torch.int32, device=self._device())
-        self._run(dist.all_reduce(value, group=self.group, async_op=True), purpose, "all_reduce")
-        self.accountant.add(purpose, value.numel() * value.element_size())
-        return int(value.item()) == 0
-
-    def _device(self) -> torch.device:
-        backend = dist.get_backend(self.group)
-        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
     def _run(self, work: Any, purpose: str, op: str) -> None:
         try:
             completed = work.wait(self.timeout)

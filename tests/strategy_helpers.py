@@ -20,6 +20,7 @@ class TinyRegressor(L.LightningModule):
 
     def __init__(self, optimizer: str = "adamw", lr: float = 1e-2, scheduler: bool = False) -> None:
         super().__init__()
+        self.save_hyperparameters()
         self.net = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.LayerNorm(24), nn.Linear(24, 16), nn.GELU(),
                                  nn.Linear(16, 3))
         self.optimizer_name, self.lr, self.scheduler = optimizer, lr, scheduler

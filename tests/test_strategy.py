@@ -293,3 +293,29 @@ def test_popen_launcher_end_to_end(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "RANK 0 BYTES" in done.stdout and "RANK 1 BYTES" in done.stdout
     assert "saving vs DDP" in done.stdout  # the monitor's summary table, printed by rank 0
+
+
+class TotalsChecker(L.Callback):
+    def __init__(self, expected_pseudo_gradient_bytes: int) -> None:
+        self.expected = expected_pseudo_gradient_bytes
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        assert trainer.strategy.accountant.totals["pseudo_gradients"] == self.expected
+        assert trainer.strategy.synchronizer.syncs_done == 3 and trainer.strategy.synchronizer.optimizer_steps == 12
+
+
+def test_checkpoint_holds_communication_totals_and_loads_plainly(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = TinyRegressor()
+    per_sync = sum(p.numel() * 4 for p in module.parameters())
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="step8", every_n_train_steps=8, save_top_k=-1)
+    trainer(lordo(sync_every=4), callbacks=[saver], max_steps=8, enable_checkpointing=True).fit(module, loader())
+    path = tmp_path / "step8.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["lordo"]["comm"]["totals"]["pseudo_gradients"] == 2 * per_sync
+    assert checkpoint["lordo"]["sync"]["syncs_done"] == 2
+    plain = TinyRegressor.load_from_checkpoint(path)  # plain Lightning, no strategy involved
+    assert all(torch.isfinite(p).all() for p in plain.parameters())
+    trainer(lordo(sync_every=4), callbacks=[TotalsChecker(3 * per_sync)], max_steps=12).fit(
+        TinyRegressor(), loader(), ckpt_path=path)
