@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lordo.accounting import CommAccountant, Communicator
-from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig, check_optimizer_knobs, split_knobs
+from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig, check_choice, check_optimizer_knobs, split_knobs
 from lightning_lordo.lightning_optimizer import LoRDOLightningOptimizer
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync import Synchronizer, SyncReport
@@ -79,13 +79,19 @@ class LoRDOStrategy(DDPStrategy):
                 f"{sorted(OPTIMIZER_DEFAULTS)}; sync knobs: {sorted(SyncConfig.__dataclass_fields__)}; "
                 f"DDP arguments: {sorted(ddp_allowed)}."
             )
+        from_user = sorted(set(optimizer_knobs) & {"lr", "betas", "eps", "weight_decay"})
+        if from_user:
+            raise ValueError(
+                f"LoRDOStrategy got {from_user}: these come from the optimizer your configure_optimizers returns "
+                "(and your LR schedulers keep driving lr). Set them there."
+            )
         check_optimizer_knobs(optimizer_knobs, in_group=False)
         self.sync_config = SyncConfig(sync_every=sync_every, **sync_knobs)
-        if not isinstance(lowrank, bool):
-            raise ValueError(f"Invalid lowrank={lowrank!r}: it must be True or False.")
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"Invalid start_method={start_method!r}: allowed 'popen', 'spawn', 'fork', 'forkserver'.")
-        self._full_rank_patterns = [re.compile(p) for p in full_rank_params]
+        for name, flag in (("lowrank", lowrank), ("monitor", monitor)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"Invalid {name}={flag!r}: it must be True or False.")
+        check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
+        self._full_rank_patterns = _compile_patterns(full_rank_params)
         self.optimizer_knobs = optimizer_knobs
         self.lowrank = lowrank
         self.monitor = monitor
@@ -193,7 +199,11 @@ class LoRDOStrategy(DDPStrategy):
                 warnings.warn("LoRDO applies weight decay decoupled (as AdamW); your Adam's L2 weight_decay="
                               f"{group['weight_decay']} becomes decoupled decay.", stacklevel=2)
             groups.append({k: v for k, v in group.items() if k not in _ADAM_ONLY_KEYS})
-        return LoRDO(groups, seed=self.sync_config.seed, full_rank=full_rank, **self.optimizer_knobs)
+        with warnings.catch_warnings():  # the optimizer warns per shape; the strategy says it once, below
+            warnings.simplefilter("ignore", UserWarning)
+            lordo = LoRDO(groups, seed=self.sync_config.seed, full_rank=full_rank, **self.optimizer_knobs)
+        _warn_about_fullrank_matrices(lordo, self.parameter_names)
+        return lordo
 
     def _full_rank_params(self, module: nn.Module) -> list[Tensor]:
         embeddings = [m.weight for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
@@ -295,6 +305,31 @@ class LoRDOStrategy(DDPStrategy):
         self.synchronizer.load_state_dict(self._restored["sync"])
         self.accountant.load_state_dict(self._restored["comm"])
         self._restored = None
+
+
+def _compile_patterns(patterns: Sequence[str]) -> list[re.Pattern[str]]:
+    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+        raise ValueError(f"Invalid full_rank_params={patterns!r}: it must be a sequence of regular expressions "
+                         r"(strings), e.g. full_rank_params=[r'lm_head\.weight$'].")
+    try:
+        return [re.compile(p) for p in patterns]
+    except re.error as err:
+        raise ValueError(f"Invalid full_rank_params={patterns!r}: {err}. Pass valid regular expressions.") from err
+
+
+def _warn_about_fullrank_matrices(optimizer: LoRDO, names: dict[Tensor, str]) -> None:
+    """One warning for the matrices the rank cannot help (smaller side below the rank), or for a model with none
+    that takes the low-rank step at all."""
+    rows = optimizer.describe(names)
+    too_small = [f"{r['name'] or r['shape']} {r['shape']}" for r in rows if r["reason"].startswith("rank ")]
+    if not any(r["step"] == "lowrank" for r in rows):
+        warnings.warn("LoRDO: no parameter of this model takes the low-rank step (it needs 2-D weights whose "
+                      "smaller side is at least the rank); every parameter runs AdamW locally, synchronized every "
+                      "sync_every steps. Lower `rank` to use the low-rank step.", stacklevel=3)
+    elif too_small:
+        warnings.warn(f"LoRDO: {len(too_small)} weight matrices are smaller than the rank and run AdamW: "
+                      f"{', '.join(too_small[:5])}{' ...' if len(too_small) > 5 else ''}. Lower `rank`, or opt "
+                      "them out with rank=0 in their param group to silence this.", stacklevel=3)
 
 
 def _repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> None:
