@@ -26,6 +26,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lordo.accounting import CommAccountant, Communicator
+from lightning_lordo.checkpoint import (
+    convert_adam_state,
+    gather_to_rank_zero,
+    is_lordo_optimizer_state,
+    reset_error_feedback,
+    to_cpu,
+    warn_on_rank_zero,
+)
 from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig, check_choice, check_optimizer_knobs, split_knobs
 from lightning_lordo.lightning_optimizer import LoRDOLightningOptimizer
 from lightning_lordo.optim.lordo import LoRDO
@@ -104,6 +112,8 @@ class LoRDOStrategy(DDPStrategy):
         self._ddp_bytes_per_step = 0
         self._swapped_for_eval = False
         self._restored: Optional[dict[str, Any]] = None
+        self._restored_optimizer: Optional[dict[str, Any]] = None
+        self._reset_on_load = False
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -283,16 +293,27 @@ class LoRDOStrategy(DDPStrategy):
                     state[name] = anchor[id(p)].detach().clone()
         return state
 
-    # ------------------------------------------------------------------ checkpoint state
+    # ------------------------------------------------------------------ checkpoint state (see checkpoint.py)
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Every rank gathers its local state to rank 0, which writes one file (a collective: all ranks call it)."""
         if self.synchronizer is not None:
-            checkpoint["lordo"] = self.lordo_state_dict()
+            swapped = self._swapped_for_eval
+            if swapped:  # saved from within validation: put the local replica back while gathering it
+                self._swap_anchor()
+            checkpoint["lordo"] = self._gather_lordo_state()
+            if swapped:
+                self._swap_anchor()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    def lordo_state_dict(self) -> dict[str, Any]:
+    def _gather_lordo_state(self) -> dict[str, Any]:
         assert self.synchronizer is not None
-        return {"sync": self.synchronizer.state_dict(), "comm": self.accountant.state_dict()}
+        local: dict[str, Any] = {"optimizer": to_cpu(self.optimizers[0].state_dict()),
+                                 "comm": self.accountant.state_dict()}
+        if self.synchronizer.steps_since_sync > 0:
+            local["params"] = to_cpu(self.synchronizer.params)
+        ranks = gather_to_rank_zero(local, self.world_size, self.global_rank)
+        return {"sync": to_cpu(self.synchronizer.state_dict()), "world_size": self.world_size, "ranks": ranks}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -302,9 +323,40 @@ class LoRDOStrategy(DDPStrategy):
 
     def _apply_restored_state(self) -> None:
         assert self._restored is not None and self.synchronizer is not None
-        self.synchronizer.load_state_dict(self._restored["sync"])
-        self.accountant.load_state_dict(self._restored["comm"])
-        self._restored = None
+        restored, self._restored = self._restored, None
+        same_world = restored["world_size"] == self.world_size
+        self.synchronizer.load_state_dict(restored["sync"])
+        mine = restored["ranks"][self.global_rank if same_world else 0]
+        self.accountant.load_state_dict(mine["comm"])
+        self._restored_optimizer = mine["optimizer"]
+        if same_world:
+            for p, saved in zip(self.synchronizer.params, mine.get("params", self.synchronizer.anchor), strict=True):
+                p.data.copy_(saved)
+            return
+        self.synchronizer.steps_since_sync = 0  # the round restarts from the synchronized model
+        self._reset_on_load = True
+        warn_on_rank_zero(
+            f"LoRDO: this checkpoint was written by {restored['world_size']} workers and is resumed by "
+            f"{self.world_size}. Resumed from the synchronized model; reset: each worker's progress since the last "
+            "sync and the error-feedback buffers; every worker starts from rank 0's optimizer moments and "
+            "communication totals.", self.global_rank)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        optimizer = self.optimizers[0]
+        if self._restored_optimizer is not None:  # a LoRDO checkpoint: this rank's own optimizer state
+            optimizer.load_state_dict(self._restored_optimizer)
+            self._restored_optimizer = None
+            if self._reset_on_load:
+                reset_error_feedback(optimizer)
+            return
+        saved = checkpoint["optimizer_states"][0]
+        if isinstance(optimizer, LoRDO) and not is_lordo_optimizer_state(saved):
+            what = convert_adam_state(optimizer, saved)
+            warn_on_rank_zero(f"LoRDO: resuming a checkpoint of another strategy (no LoRDO state in it): {what}.",
+                              self.global_rank)
+            return
+        super().load_optimizer_state_dict(checkpoint)
 
 
 def _compile_patterns(patterns: Sequence[str]) -> list[re.Pattern[str]]:
