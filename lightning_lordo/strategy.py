@@ -216,9 +216,7 @@ class LoRDOStrategy(DDPStrategy):
         return lordo
 
     def _full_rank_params(self, module: nn.Module) -> list[Tensor]:
-        embeddings = [m.weight for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-        named = [p for n, p in module.named_parameters() if any(r.search(n) for r in self._full_rank_patterns)]
-        return embeddings + named
+        return full_rank_params(module, self._full_rank_patterns)
 
     def parameter_plan(self) -> list[dict[str, Any]]:
         """Which parameter takes the low-rank step and which takes AdamW, with names and reasons."""
@@ -357,6 +355,16 @@ class LoRDOStrategy(DDPStrategy):
                               self.global_rank)
             return
         super().load_optimizer_state_dict(checkpoint)
+
+
+def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()) -> list[Tensor]:
+    """The parameters SPEC §2 keeps full-rank: every embedding weight (and a head tied to it), and the parameters
+    whose name matches one of ``patterns`` (default: the usual output-head names)."""
+    if not patterns:
+        patterns = _compile_patterns(DEFAULT_FULL_RANK_PARAMS)
+    embeddings = [m.weight for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    named = [p for n, p in module.named_parameters() if any(r.search(n) for r in patterns)]
+    return embeddings + named
 
 
 def _compile_patterns(patterns: Sequence[str]) -> list[re.Pattern[str]]:

@@ -1,0 +1,110 @@
+"""The quality benchmark (issue: reproduce the paper's claims at small scale), in parts.
+
+Each part appends one JSON line per run to ``benchmarks/results/<part>.jsonl`` (a header line first, with the
+command, commit, versions and machine) and skips runs already there, so an interrupted part resumes.
+
+Parts (times measured on the project's 2-core machine, 4 worker processes):
+
+* ``lr-sweep``: every method at 3 learning rates, one seed (18 runs, about 20 minutes).
+* ``main``: every method at its best swept LR, 3 seeds (18 runs, about 20 minutes).
+* ``long``: ddp, lowrank_ddp, diloco and lordo at 4x the steps (4 runs, about 20 minutes).
+* ``ablations``: the sweeps that pick SPEC's open defaults, one seed at LoRDO's best LR (about 35 minutes).
+* ``wikitext``: every method at its best LR on WikiText-2 (6 runs, about 8 minutes).
+
+``--quick`` runs every method for 128 steps at one LR into ``quick.jsonl`` (about 2 minutes).
+
+Usage: ``python benchmarks/quality.py --part main --data ../shared/data/tinyshakespeare.txt``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness import METHODS, ROOT, RunSpec, append, done, load, provenance, run
+
+RESULTS = ROOT / "results"
+LRS = (1e-3, 3e-3, 1e-2)
+LONG_METHODS = ("ddp", "lowrank_ddp", "diloco", "lordo")
+
+
+def best_lrs(data_tag: str = "") -> dict[str, float]:
+    """Each method's LR with the lowest final validation loss in the ``lr-sweep`` part."""
+    records = [r for r in load(RESULTS / "lr-sweep.jsonl") if "spec" in r]
+    best: dict[str, tuple[float, float]] = {}
+    for r in records:
+        method, loss = r["spec"]["method"], r["final_val_loss"]
+        if method not in best or loss < best[method][0]:
+            best[method] = (loss, r["spec"]["lr"])
+    missing = set(METHODS) - set(best)
+    if missing:
+        raise SystemExit(f"run the lr-sweep part first: no result for {sorted(missing)}")
+    return {m: lr for m, (_, lr) in best.items()}
+
+
+def ablation_specs(base: RunSpec) -> list[RunSpec]:
+    """One knob at a time away from the defaults, on LoRDO (SPEC §4-6b)."""
+    variants: list[dict[str, Any]] = []
+    variants += [{"omega": w, "mu": mu} for w in (0.5, 0.7, 0.9, 1.0) for mu in (1.0, "auto")]
+    variants += [{"normalizer": n} for n in ("col_rms", "factored", "scalar", "lifted")]
+    variants += [{"error_feedback": True}, {"error_feedback": True, "ef_dtype": "bfloat16"},
+                 {"error_feedback": True, "ef_decay": 0.9}]
+    variants += [{"outer_optimizer": "nesterov"}, {"average_moments": False}]
+    variants += [{"projection": "svd"}, {"power_iters": 3}, {"initial_basis": "random"}]
+    specs = [dataclasses.replace(base, knobs=v) for v in variants]
+    specs += [dataclasses.replace(base, rank=r) for r in (2, 4, 16)]  # d/32, d/16, d/4 (d/8 = 8 is the base)
+    specs += [dataclasses.replace(base, sync_every=k, val_every=64) for k in (4, 64)]
+    specs += [dataclasses.replace(base, batch_size=b) for b in (2, 32)]
+    specs += [dataclasses.replace(base, method="lordo_local", batch_size=2, knobs={}),
+              dataclasses.replace(base, method="lordo_local", rank=2, knobs={})]
+    return specs
+
+
+def specs_for(part: str, data: str, quick: bool) -> list[RunSpec]:
+    if quick:
+        return [RunSpec(method=m, lr=3e-3, data=data, steps=128, val_every=64) for m in METHODS]
+    if part == "lr-sweep":
+        return [RunSpec(method=m, lr=lr, data=data) for m in METHODS for lr in LRS]
+    lrs = best_lrs()
+    if part in ("main", "wikitext"):
+        seeds = (0, 1, 2) if part == "main" else (0,)
+        return [RunSpec(method=m, lr=lrs[m], data=data, seed=s) for s in seeds for m in METHODS]
+    if part == "long":
+        return [RunSpec(method=m, lr=lrs[m], data=data, steps=2560, val_every=256) for m in LONG_METHODS]
+    if part == "ablations":
+        return ablation_specs(RunSpec(method="lordo", lr=lrs["lordo"], data=data))
+    raise SystemExit(f"unknown part {part!r}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("lr-sweep", "main", "long", "ablations", "wikitext"), default="main")
+    parser.add_argument("--data", required=True, help="text file (e.g. ../shared/data/tinyshakespeare.txt)")
+    parser.add_argument("--quick", action="store_true", help="every method, 128 steps, one LR (~2 minutes)")
+    args = parser.parse_args(argv)
+    if not Path(args.data).is_file():
+        raise SystemExit(f"--data={args.data}: no such file")
+    name = "quick" if args.quick else args.part
+    out = RESULTS / f"{name}.jsonl"
+    records = load(out)
+    if not records:
+        append(out, {"header": provenance("python benchmarks/quality.py " + " ".join(argv)),
+                     "data": Path(args.data).name})
+    for spec in specs_for(args.part, args.data, args.quick):
+        spec = dataclasses.replace(spec, data=str(Path(args.data).resolve()))
+        if done(records, spec):
+            continue
+        record = run(spec)
+        append(out, record)
+        records.append(record)
+        print(f"{name}: {record['label']:<40} lr={spec.lr:<7g} seed={spec.seed} steps={spec.steps} "
+              f"val_loss={record['final_val_loss']:.4f} bytes={record['bytes_sent']:.3e} "
+              f"wall={record['wall_seconds']:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
