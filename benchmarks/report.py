@@ -1,0 +1,197 @@
+"""Tables and figures from the committed results (no training): ``python benchmarks/report.py``.
+
+Prints rich tables, writes ``benchmarks/results/summary.md`` (the tables as Markdown, used by README.md) and
+PNG figures under ``benchmarks/results/``: validation loss vs step, validation loss vs cumulative bytes sent
+(log axis), and bytes / memory bars. The wall-clock model uses SPEC §8's ring all-reduce time with M = 4.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from collections import defaultdict
+from typing import Any
+
+from harness import METHODS, ROOT, load
+from rich.console import Console
+from rich.table import Table
+
+from lightning_lordo.accounting import ring_allreduce_seconds
+
+RESULTS = ROOT / "results"
+NAMES = {"ddp": "DDP (AdamW)", "lowrank_ddp": "low-rank DDP", "diloco": "DiLoCo", "lordo_noqhm": "LoRDO w/o QHM",
+         "lordo_local": "LoRDO-Local", "lordo": "LoRDO"}
+LINKS = {"1 Gbit/s": 1e9 / 8, "10 Gbit/s": 10e9 / 8, "100 Gbit/s": 100e9 / 8}
+LATENCY = 50e-6  # seconds per ring hop (alpha)
+
+
+def _runs(part: str) -> list[dict[str, Any]]:
+    return [r for r in load(RESULTS / f"{part}.jsonl") if "spec" in r]
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.1f} MB"
+
+
+def main_table(part: str) -> list[list[str]]:
+    by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in _runs(part):
+        by_method[r["spec"]["method"]].append(r)
+    rows = []
+    ref = by_method.get("lowrank_ddp")
+    ref_ppl = statistics.fmean(math.exp(r["final_val_loss"]) for r in ref) if ref else float("nan")
+    ddp_bytes = statistics.fmean(r["bytes_sent"] for r in by_method["ddp"]) if "ddp" in by_method else float("nan")
+    for method in METHODS:
+        runs = by_method.get(method)
+        if not runs:
+            continue
+        loss, loss_sd = _mean_std([r["final_val_loss"] for r in runs])
+        ppl, ppl_sd = _mean_std([math.exp(r["final_val_loss"]) for r in runs])
+        sent = statistics.fmean(r["bytes_sent"] for r in runs)
+        memory = runs[0]["optimizer_memory"]
+        state = memory.get("adamw_state", sum(memory.get(k, 0) for k in ("lowrank_moments", "bases",
+                                                                          "fullrank_moments", "other")))
+        moves = [r.get("subspace_movement_mean") for r in runs if r.get("subspace_movement_mean") is not None]
+        rows.append([NAMES[method], f"{runs[0]['spec']['lr']:g}", str(len(runs)), f"{loss:.4f} ± {loss_sd:.4f}",
+                     f"{ppl:.3f} ± {ppl_sd:.3f}", f"{100 * (ppl / ref_ppl - 1):+.1f} %", _mb(sent),
+                     f"{ddp_bytes / sent:.1f}x", _mb(state),
+                     f"{statistics.fmean(moves):.4f}" if moves else "-"])
+    return rows
+
+
+MAIN_COLUMNS = ["method", "lr", "seeds", "val loss (nats/byte)", "val ppl", "ppl vs low-rank DDP",
+                "sent / worker", "DDP bytes / this", "optimizer state", "subspace movement / sync"]
+
+
+def ablation_rows() -> list[list[str]]:
+    rows = []
+    for r in _runs("ablations"):
+        spec = r["spec"]
+        change = {k: v for k, v in spec["knobs"].items()}
+        for key, default in (("rank", 8), ("sync_every", 16), ("batch_size", 8)):
+            if spec[key] != default:
+                change[key] = spec[key]
+        label = spec["method"] + (" " + ", ".join(f"{k}={v}" for k, v in change.items()) if change else "")
+        memory = r["optimizer_memory"]
+        rows.append([label, f"{r['final_val_loss']:.4f}", _mb(r["bytes_sent"]),
+                     _mb(memory.get("error_feedback", 0)), f"{r.get('subspace_movement_mean') or 0:.4f}",
+                     f"{r.get('diagnostics', {}).get('term_ratio', float('nan')):.2f}"])
+    return rows
+
+
+ABLATION_COLUMNS = ["variant (LoRDO unless named)", "val loss", "sent / worker", "EF buffers", "movement",
+                    "term ratio"]
+
+
+def time_to_target(part: str = "main") -> list[list[str]]:
+    """Modelled wall time to reach the worst method's final loss: measured compute + ring all-reduce time."""
+    runs = [r for r in _runs(part) if r["spec"]["seed"] == 0]
+    if not runs:
+        return []
+    target = max(r["final_val_loss"] for r in runs if r["spec"]["method"] in ("ddp", "lowrank_ddp", "lordo"))
+    rows = []
+    for r in runs:
+        spec = r["spec"]
+        compute_per_step = r["wall_seconds"] / spec["steps"]
+        reached = next((p for p in r["curve"] if p["val_loss"] <= target), None)
+        row = [NAMES[spec["method"]], f"{target:.3f}", str(reached["step"]) if reached else "not reached"]
+        for bandwidth in LINKS.values():
+            if reached is None:
+                row.append("-")
+                continue
+            collectives = reached["step"] if spec["method"] in ("ddp", "lowrank_ddp") else reached["step"] // \
+                spec["sync_every"]
+            comm = ring_allreduce_seconds(reached["bytes"], spec["workers"], bandwidth, 0.0) + \
+                collectives * ring_allreduce_seconds(0, spec["workers"], bandwidth, LATENCY)
+            row.append(f"{reached['step'] * compute_per_step + comm:.0f} s")
+        rows.append(row)
+    return rows
+
+
+def _markdown(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def figures(part: str = "main") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in _runs(part) if r["spec"]["seed"] == 0]
+    if not runs:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in runs:
+        steps = [p["step"] for p in r["curve"]]
+        losses = [p["val_loss"] for p in r["curve"]]
+        name = NAMES[r["spec"]["method"]]
+        ax1.plot(steps, losses, marker="o", markersize=3, label=name)
+        ax2.plot([p["bytes"] for p in r["curve"]], losses, marker="o", markersize=3, label=name)
+    ax1.set(xlabel="optimizer step", ylabel="validation loss (nats/byte)", title="Validation loss vs step")
+    ax2.set(xscale="log", xlabel="bytes sent per worker (log)", ylabel="validation loss (nats/byte)",
+            title="Validation loss vs communication")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{part}_loss.png", dpi=110)
+    plt.close(fig)
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    names = [NAMES[r["spec"]["method"]] for r in runs]
+    ax1.barh(names, [r["bytes_sent"] / 1e6 for r in runs])
+    ax1.set(xscale="log", xlabel="MB sent per worker (log)", title="Communication")
+    states = [r["optimizer_memory"].get("adamw_state", sum(r["optimizer_memory"].get(k, 0) for k in (
+        "lowrank_moments", "bases", "fullrank_moments", "other"))) / 1e6 for r in runs]
+    ax2.barh(names, states)
+    ax2.set(xlabel="optimizer state per worker (MB)", title="Optimizer memory")
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{part}_bytes_memory.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    console = Console(width=160)
+    sections = []
+    for part, title in (("main", "Main comparison (tinyshakespeare)"), ("long", "Longer runs (4x steps)"),
+                        ("wikitext", "WikiText-2 (validation split as corpus)"), ("quick", "Quick mode")):
+        rows = main_table(part) if _runs(part) else []
+        if not rows:
+            continue
+        table = Table(title=title)
+        for c in MAIN_COLUMNS:
+            table.add_column(c)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        sections.append(f"### {title}\n\n{_markdown(MAIN_COLUMNS, rows)}")
+    if _runs("ablations"):
+        rows = ablation_rows()
+        sections.append(f"### Ablations\n\n{_markdown(ABLATION_COLUMNS, rows)}")
+        table = Table(title="Ablations")
+        for c in ABLATION_COLUMNS:
+            table.add_column(c)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    rows = time_to_target()
+    if rows:
+        columns = ["method", "target loss", "step reached", *(f"time at {k}" for k in LINKS)]
+        sections.append("### Modelled time to target (M = 4, ring all-reduce, 50 µs per hop)\n\n"
+                        + _markdown(columns, rows))
+        figures("main")
+        figures("long")
+    (RESULTS / "summary.md").write_text("\n\n".join(sections) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
