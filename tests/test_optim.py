@@ -25,16 +25,6 @@ NORMALIZERS = ("col_rms", "factored", "scalar", "lifted")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """These matrices are tiny: with 2+ intra-op threads on a busy 2-core machine torch spends its time
-    spinning (measured 100x slower), so each test here runs single-threaded; the setting is restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

@@ -25,15 +25,6 @@ SHAPES = {"narrow": (5, 13), "wide": (8, 30), "square": (9, 9)}
 RANK = 3
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny matrices: multithreading only costs time on a busy 2-core machine (setting restored after)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
