@@ -286,7 +286,7 @@ class LoRDOStrategy(DDPStrategy):
             anchor = {id(p): a for p, a in zip(self.synchronizer.params, self.synchronizer.anchor)}
             module = self.lightning_module
             assert module is not None
-            for name, p in module.named_parameters():
+            for name, p in module.named_parameters(remove_duplicate=False):  # tied weights: every name
                 if id(p) in anchor and name in state:
                     state[name] = anchor[id(p)].detach().clone()
         return state
@@ -368,7 +368,7 @@ def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()
 
 
 def _compile_patterns(patterns: Sequence[str]) -> list[re.Pattern[str]]:
-    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
         raise ValueError(f"Invalid full_rank_params={patterns!r}: it must be a sequence of regular expressions "
                          r"(strings), e.g. full_rank_params=[r'lm_head\.weight$'].")
     try:

@@ -90,9 +90,17 @@ class LoRDO(Optimizer):
             )
         defaults = {**OPTIMIZER_DEFAULTS, **knobs, "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         check_optimizer_knobs(defaults, in_group=False)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"Invalid seed={seed!r}: it must be an integer. Pass e.g. seed=0.")
+        given = full_rank
+        full_rank = list(full_rank) if isinstance(full_rank, Iterable) and not isinstance(full_rank, Tensor) else None
+        if full_rank is None or not all(isinstance(p, Tensor) for p in full_rank):
+            raise ValueError(f"Invalid full_rank={given!r}: it must be an iterable of parameters (tensors). "
+                             "Pass e.g. full_rank=[model.lm_head.weight].")
         self.seed = seed
         self._full_rank = {id(p) for p in full_rank}
         self.basis_source: Optional[BasisSource] = None
+        self._random_bases = False  # set by init_random_bases: later bases are seeded random ones too
         self._warned: set[tuple[tuple[int, ...], int]] = set()
         self._stats: dict[str, Tensor] = {}
         super().__init__(params, defaults)
@@ -286,18 +294,25 @@ class LoRDO(Optimizer):
         return (self.seed * 1_000_003 + index * 7_919 + int(state["step"].item())) % (2**63)
 
     def _ensure_bases(self) -> None:
+        # Frozen parameters (requires_grad=False, no gradient) never step: no basis, no state, no traffic.
         missing = {}
         for group in self.param_groups:
             for p in group["params"]:
-                if self.lowrank_rank(p, group) and "basis" not in self.state[p]:
+                if self.lowrank_rank(p, group) and _trainable(p) and "basis" not in self.state[p]:
                     missing[p] = p.grad if p.grad is not None else torch.zeros_like(p)
-        if missing:
+        if missing and self._random_bases:  # e.g. a parameter unfrozen later: a seeded basis, as the others got
+            self.init_random_bases()
+        elif missing:
             self.install_bases(self.basis_source(missing) if self.basis_source is not None else missing)
 
     @torch.no_grad()
     def init_random_bases(self) -> None:
-        """Give every low-rank matrix without a basis a seeded random one (identical on all workers)."""
+        """Give every trainable low-rank matrix without a basis a seeded random one (identical on all workers);
+        matrices that become trainable later get theirs the same way at their first step."""
+        self._random_bases = True
         for index, (p, group, r) in enumerate(self._lowrank_entries()):
+            if not _trainable(p):
+                continue
             state = self._init_lowrank_state(p, group, r)
             if "basis" not in state:
                 state["basis"] = random_basis(min(p.shape), r, self._seed_for(index, state), p.device)
@@ -395,6 +410,11 @@ def _category(key: str, lowrank: bool) -> str:
 def _canonical(t: Tensor, p: Tensor) -> Tensor:
     """``t`` (shaped like ``p``) as an ``a x b`` view with ``a <= b``; applied twice it gives ``t`` back."""
     return t.mT if p.shape[0] > p.shape[1] else t
+
+
+def _trainable(p: Tensor) -> bool:
+    """False for a frozen parameter (``requires_grad=False`` and no gradient): it never steps."""
+    return p.requires_grad or p.grad is not None
 
 
 def _rms(t: Tensor) -> Tensor:

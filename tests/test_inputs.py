@@ -1,0 +1,230 @@
+"""Bad input is refused when the strategy or the optimizer is built, before any process is launched.
+
+Every knob of ``LoRDOStrategy`` (optimizer knobs, ``SyncConfig`` fields, its own arguments) gets at least one
+bad value (wrong type, out of range, a bool where a number is expected, NaN/inf where a number is expected)
+and one good value. A bad value raises ``ValueError`` naming the argument, showing the value (its ``repr``) and
+saying what is allowed; a good value is stored as given.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import re
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lightning_lordo  # noqa: F401  (registers the strategy names)
+from lightning_lordo import LoRDO, LoRDOStrategy, SyncConfig
+from lightning_lordo.config import OPTIMIZER_DEFAULTS
+
+NAN, INF = float("nan"), float("inf")
+FROM_USER_OPTIMIZER = ("lr", "betas", "eps", "weight_decay")
+STRATEGY_OPTIMIZER_KNOBS = tuple(k for k in OPTIMIZER_DEFAULTS if k not in FROM_USER_OPTIMIZER)
+SYNC_KNOBS = tuple(SyncConfig.__dataclass_fields__)
+OWN_ARGS = ("lowrank", "monitor", "start_method", "full_rank_params")
+
+# (argument, bad value, what the message must show of it). ``shown`` is repr(value) unless a part is blamed.
+BAD: list[tuple[str, Any, str]] = [
+    # optimizer knobs
+    ("rank", 0, "0"), ("rank", -2, "-2"), ("rank", 1.5, "1.5"), ("rank", True, "True"), ("rank", NAN, "nan"),
+    ("rank", INF, "inf"), ("rank", "16", "'16'"), ("rank", 0.0, "0.0"),
+    ("omega", -0.1, "-0.1"), ("omega", 1.5, "1.5"), ("omega", True, "True"), ("omega", NAN, "nan"),
+    ("omega", "0.7", "'0.7'"),
+    ("mu", 0.0, "0.0"), ("mu", -1.0, "-1.0"), ("mu", NAN, "nan"), ("mu", INF, "inf"), ("mu", True, "True"),
+    ("mu", "Auto", "'Auto'"),
+    ("normalizer", "rms", "'rms'"), ("normalizer", None, "None"),
+    ("lifted_floor", 0.0, "0.0"), ("lifted_floor", -0.1, "-0.1"), ("lifted_floor", NAN, "nan"),
+    ("lifted_floor", INF, "inf"), ("lifted_floor", True, "True"),
+    ("projection", "qr", "'qr'"), ("projection", 1, "1"),
+    ("power_iters", 0, "0"), ("power_iters", 2.0, "2.0"), ("power_iters", True, "True"),
+    ("oversample", -1, "-1"), ("oversample", 2.5, "2.5"), ("oversample", True, "True"),
+    ("transition", "rotated", "'rotated'"),
+    ("error_feedback", 1, "1"), ("error_feedback", "on", "'on'"),
+    ("ef_dtype", "float16", "'float16'"), ("ef_dtype", torch.bfloat16, "torch.bfloat16"),
+    ("ef_decay", 0.0, "0.0"), ("ef_decay", 1.5, "1.5"), ("ef_decay", NAN, "nan"), ("ef_decay", True, "True"),
+    # synchronization knobs
+    ("sync_every", 0, "0"), ("sync_every", -4, "-4"), ("sync_every", 4.0, "4.0"), ("sync_every", True, "True"),
+    ("sync_every", None, "None"),
+    ("outer_optimizer", "adam", "'adam'"), ("outer_optimizer", None, "None"),
+    ("outer_lr", 0.0, "0.0"), ("outer_lr", -0.7, "-0.7"), ("outer_lr", NAN, "nan"), ("outer_lr", INF, "inf"),
+    ("outer_lr", True, "True"),
+    ("outer_momentum", 1.0, "1.0"), ("outer_momentum", -0.1, "-0.1"), ("outer_momentum", NAN, "nan"),
+    ("outer_momentum", True, "True"),
+    ("average_moments", 1, "1"), ("average_moments", "yes", "'yes'"),
+    ("basis_scope", "globl", "'globl'"),
+    ("initial_basis", "zeros", "'zeros'"),
+    ("payload", "lowrank", "'lowrank'"),
+    ("payload_dtype", "bfloat16", "'bfloat16'"),
+    ("broadcast_bases", 0, "0"), ("broadcast_bases", None, "None"),
+    ("timeout", 0, "0"), ("timeout", -5.0, "-5.0"), ("timeout", NAN, "nan"), ("timeout", INF, "inf"),
+    ("timeout", True, "True"), ("timeout", "30", "'30'"), ("timeout", timedelta(0), repr(timedelta(0))),
+    ("timeout", timedelta(seconds=-1), repr(timedelta(seconds=-1))),
+    ("seed", 1.5, "1.5"), ("seed", True, "True"), ("seed", "0", "'0'"), ("seed", None, "None"),
+    # the strategy's own arguments
+    ("lowrank", 1, "1"), ("lowrank", "yes", "'yes'"),
+    ("monitor", 0, "0"), ("monitor", None, "None"),
+    ("start_method", "thread", "'thread'"), ("start_method", None, "None"),
+    ("full_rank_params", 5, "5"), ("full_rank_params", "head", "'head'"), ("full_rank_params", [3], "[3]"),
+    ("full_rank_params", ["("], "['(']"),
+]
+
+GOOD: list[tuple[str, Any]] = [
+    ("rank", 8), ("rank", 0.25), ("rank", 1.0), ("omega", 0.0), ("omega", 1.0), ("omega", 1), ("mu", "auto"),
+    ("mu", 2), ("normalizer", "lifted"), ("normalizer", "factored"), ("lifted_floor", 0.05),
+    ("projection", "randomized"), ("projection", "svd"), ("power_iters", 3), ("oversample", 0),
+    ("transition", "reset"), ("transition", "keep"), ("error_feedback", True), ("ef_dtype", "bfloat16"),
+    ("ef_decay", 0.9), ("ef_decay", 1),
+    ("sync_every", 1), ("sync_every", 1000), ("outer_optimizer", "nesterov"), ("outer_lr", 1.0), ("outer_lr", 2),
+    ("outer_momentum", 0.0), ("outer_momentum", 0.95), ("average_moments", False), ("basis_scope", "local"),
+    ("initial_basis", "random"), ("payload", "full"), ("payload_dtype", "float32"), ("broadcast_bases", True),
+    ("timeout", 5), ("timeout", 0.5), ("timeout", timedelta(minutes=1)), ("seed", 7), ("seed", 0),
+    ("lowrank", False), ("monitor", False), ("start_method", "spawn"), ("start_method", "fork"),
+    ("full_rank_params", [r"fc\.weight$"]), ("full_rank_params", ()),
+]
+
+
+def _id(name: str, value: Any) -> str:
+    return f"{name}={value!r}"
+
+
+def test_the_lists_cover_every_knob() -> None:
+    """Adding a knob without a bad and a good value here fails this test."""
+    every = set(STRATEGY_OPTIMIZER_KNOBS) | set(SYNC_KNOBS) | set(OWN_ARGS)
+    assert {name for name, _, _ in BAD} == every
+    assert {name for name, _ in GOOD} == every
+
+
+@pytest.mark.parametrize(("name", "value", "shown"), BAD, ids=[_id(n, v) for n, v, _ in BAD])
+def test_strategy_refuses_a_bad_value_naming_it(name: str, value: Any, shown: str) -> None:
+    with pytest.raises(ValueError) as info:
+        LoRDOStrategy(**{name: value})
+    message = str(info.value)
+    assert f"{name}={shown}" in message, message  # the argument and the value as the user wrote it
+    assert re.search(r"must be|allowed values|Pass valid", message), message  # and what is allowed
+
+
+@pytest.mark.parametrize(("name", "value"), GOOD, ids=[_id(n, v) for n, v in GOOD])
+def test_strategy_accepts_a_good_value(name: str, value: Any) -> None:
+    strategy = LoRDOStrategy(**{name: value})
+    if name in STRATEGY_OPTIMIZER_KNOBS:
+        assert strategy.optimizer_knobs[name] == value
+    elif name == "timeout":
+        expected = value if isinstance(value, timedelta) else timedelta(seconds=value)
+        assert strategy.sync_config.timeout == expected
+        assert strategy._timeout == expected  # the process group gets the same timeout
+    elif name in SYNC_KNOBS:
+        assert getattr(strategy.sync_config, name) == value
+    elif name == "full_rank_params":
+        assert [p.pattern for p in strategy._full_rank_patterns] == list(value)
+    elif name == "start_method":
+        assert strategy._start_method == value
+    else:
+        assert getattr(strategy, name) == value
+
+
+@pytest.mark.parametrize("name", FROM_USER_OPTIMIZER)
+def test_strategy_refuses_knobs_that_come_from_the_users_optimizer(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"\b{name}\b.*configure_optimizers") as info:
+        LoRDOStrategy(**{name: OPTIMIZER_DEFAULTS[name]})
+    assert "LR schedulers" in str(info.value) or "Set them there" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["sync_evry", "rnak", "learning_rate", "find_unused_parameters"])
+def test_strategy_refuses_unknown_keywords_with_type_error(name: str) -> None:
+    with pytest.raises(TypeError, match=name) as info:
+        LoRDOStrategy(**{name: 1})
+    assert "sync_every" in str(info.value) and "rank" in str(info.value)  # it lists what is known
+
+
+def test_sync_config_alone_validates_the_same_way() -> None:
+    with pytest.raises(ValueError, match=re.escape("sync_every=0")):
+        SyncConfig(sync_every=0)
+    with pytest.raises(ValueError, match=re.escape("outer_momentum=nan")):
+        SyncConfig(outer_momentum=NAN)
+    assert SyncConfig(timeout=3).timeout == timedelta(seconds=3)
+
+
+# ------------------------------------------------------------------------------------------ the optimizer
+OPTIMIZER_BAD: list[tuple[str, Any, str]] = [
+    ("lr", -1e-3, "lr=-0.001"), ("lr", NAN, "lr=nan"), ("lr", INF, "lr=inf"), ("lr", True, "lr=True"),
+    ("lr", "1e-3", "lr='1e-3'"),
+    ("betas", (NAN, 0.999), "betas[0]=nan"), ("betas", (0.9, True), "betas[1]=True"), ("betas", 0.9, "betas=0.9"),
+    ("betas", (0.9, 0.99, 0.9), "betas=(0.9, 0.99, 0.9)"),
+    ("eps", INF, "eps=inf"), ("eps", NAN, "eps=nan"), ("eps", True, "eps=True"),
+    ("weight_decay", NAN, "weight_decay=nan"), ("weight_decay", INF, "weight_decay=inf"),
+    ("weight_decay", True, "weight_decay=True"),
+    ("seed", 1.5, "seed=1.5"), ("seed", "0", "seed='0'"), ("seed", True, "seed=True"),
+    ("full_rank", None, "full_rank=None"), ("full_rank", 3, "full_rank=3"), ("full_rank", [3], "full_rank=[3]"),
+] + [(n, v, f"{n}={s}") for n, v, s in BAD if n in STRATEGY_OPTIMIZER_KNOBS]
+
+
+@pytest.mark.parametrize(("name", "value", "shown"), OPTIMIZER_BAD, ids=[_id(n, v) for n, v, _ in OPTIMIZER_BAD])
+def test_optimizer_refuses_a_bad_value_naming_it(name: str, value: Any, shown: str) -> None:
+    w = nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError) as info:
+        LoRDO([w], **{name: value})
+    assert shown in str(info.value), str(info.value)
+    assert re.search(r"must be|allowed values", str(info.value)), str(info.value)
+
+
+def test_optimizer_refuses_a_bad_value_in_a_param_group_before_any_step() -> None:
+    w = nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError, match=re.escape("omega=nan")):
+        LoRDO([{"params": [w], "omega": NAN}], rank=2)
+    opt = LoRDO([{"params": [w], "rank": 0}], rank=2, seed=-3, full_rank=(p for p in [w]))  # good values
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert torch.isfinite(w).all()
+
+
+def test_optimizer_seed_reaches_random_bases() -> None:
+    """The validated seed is the one random bases come from: same seed, same basis; another seed, another."""
+    def basis(seed: int) -> torch.Tensor:
+        w = nn.Parameter(torch.randn(8, 8))
+        opt = LoRDO([w], rank=2, seed=seed)
+        opt.init_random_bases()
+        return opt.state[w]["basis"]
+
+    assert torch.equal(basis(3), basis(3)) and not torch.equal(basis(3), basis(4))
+
+
+# ------------------------------------------------------------------------------------------ strategy names
+PRESETS = {"lordo": dict(lowrank=True, basis_scope="global", average_moments=True),
+           "lordo_local": dict(lowrank=True, basis_scope="local", average_moments=False),
+           "diloco": dict(lowrank=False, basis_scope="global", average_moments=True)}
+LAUNCHERS = {"": "popen", "_fork": "fork", "_spawn": "spawn"}
+
+
+@pytest.mark.parametrize("suffix", list(LAUNCHERS))
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_names_build_a_trainer_without_launching_anything(name: str, suffix: str) -> None:
+    fit = L.Trainer(strategy=name + suffix, accelerator="cpu", devices=2, max_steps=3, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    strategy = fit.strategy
+    assert isinstance(strategy, LoRDOStrategy)
+    assert strategy._start_method == LAUNCHERS[suffix]
+    preset = PRESETS[name]
+    assert strategy.lowrank is preset["lowrank"]
+    assert strategy.sync_config.basis_scope == preset["basis_scope"]
+    assert strategy.sync_config.average_moments is preset["average_moments"]
+    assert strategy.sync_config.sync_every == 16 and strategy.optimizer_knobs == {}
+    assert strategy.num_processes == 2 and strategy.launcher is not None
+    # nothing was launched: no process group, no child process, no synchronizer yet
+    assert not (dist.is_available() and dist.is_initialized())
+    assert multiprocessing.active_children() == []
+    assert strategy.synchronizer is None and strategy.accountant.total_bytes == 0
+
+
+def test_each_trainer_gets_its_own_strategy_instance() -> None:
+    first = L.Trainer(strategy="lordo", accelerator="cpu", devices=1, logger=False)
+    second = L.Trainer(strategy="lordo", accelerator="cpu", devices=1, logger=False)
+    assert first.strategy is not second.strategy
+    assert first.strategy.sync_config is not second.strategy.sync_config
+    assert math.isclose(first.strategy.sync_config.timeout.total_seconds(), 1800.0)
