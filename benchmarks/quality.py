@@ -5,7 +5,7 @@ command, commit, versions and machine) and skips runs already there, so an inter
 
 Parts (times measured on the project's 2-core machine, 4 worker processes):
 
-* ``lr-sweep``: every method at 3 learning rates, one seed (18 runs, about 20 minutes).
+* ``lr-sweep``: every method at 5 learning rates, one seed (30 runs, about 25 minutes).
 * ``main``: every method at its best swept LR, 3 seeds (18 runs, about 20 minutes).
 * ``long``: ddp, lowrank_ddp, diloco and lordo at 4x the steps (4 runs, about 20 minutes).
 * ``ablations``: the sweeps that pick SPEC's open defaults, one seed at LoRDO's best LR (about 35 minutes).
@@ -27,7 +27,7 @@ from typing import Any
 from harness import METHODS, ROOT, RunSpec, append, done, load, provenance, run
 
 RESULTS = ROOT / "results"
-LRS = (1e-3, 3e-3, 1e-2)
+LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 LONG_METHODS = ("ddp", "lowrank_ddp", "diloco", "lordo")
 
 
