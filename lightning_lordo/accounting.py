@@ -4,13 +4,33 @@ Every byte the plugin puts on the wire goes through :class:`Communicator`, which
 passes to ``torch.distributed`` (numel x itemsize, per worker) under a *purpose* (``pseudo_gradients``,
 ``moments``, ``bases``, ``buffers``, ``setup_broadcast``, ...). With one process nothing travels, so
 nothing is sent and nothing is counted.
+
+Failure semantics of :class:`Communicator` (checked on gloo, torch 2.13, see ``tests/test_faults.py``):
+
+* gloo's ``work.wait(timeout)`` honours the timeout: a peer that hangs makes it raise
+  ``RuntimeError("Operation timed out!")`` after exactly ``timeout``; a peer that died (its sockets closed) makes
+  it raise ``RuntimeError("... Connection closed by peer ...")`` at once. It never returns ``False``. The timed-out
+  work itself stays pending (it can be waited on again), so a timeout of ``wait`` is not an error of the work.
+* a gloo ``wait`` blocks in C++ and ignores Ctrl-C until it returns (a SIGINT at 1 s of a 6 s wait surfaces at
+  6 s). So on CPU tensors the communicator waits in slices of ``_WAIT_SLICE_S`` seconds up to its timeout:
+  Python handles a pending ``KeyboardInterrupt`` between slices, and a slow but alive peer is not an error.
+* a ``wait`` timeout under 1 ms means *no* timeout: c10d converts it to whole milliseconds and 0 ms is its
+  "wait forever" (``kNoTimeout``); ``wait(timedelta(microseconds=500))`` on a pending gloo work never returns.
+  So no wait here is ever shorter than 1 ms (a slice that would be is the deadline: the wait has timed out).
+* NCCL (CUDA tensors): ``wait`` only makes the current stream wait, so the bound is NCCL's watchdog, which uses
+  the process group's timeout (the strategy gives the group the same timeout). Not run by this project's CI.
+* after a failed or interrupted collective the process group cannot be trusted (a late peer would pair its
+  pending collective with our next one and exchange the wrong tensors), so every later collective of this
+  communicator raises :class:`CollectiveTimeout` at once, naming the first failure.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -18,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 _BUCKET_ELEMENTS = 32 * 1024 * 1024  # at most 128 MB of float32 per flattened all-reduce
+_WAIT_SLICE_S = 0.25  # CPU collectives are waited on in slices this long, so that Ctrl-C gets through
 
 
 class CommAccountant:
@@ -53,7 +74,15 @@ class CommAccountant:
 
 
 class CollectiveTimeout(RuntimeError):
-    """A collective did not complete in time: another worker died, hangs, or the network is down."""
+    """A collective did not complete in time or failed: another worker died, hangs, or the network is down.
+
+    The message names the context (e.g. ``"sync 3 (optimizer step 48)"``), the collective, its purpose and the
+    timeout.
+    """
+
+
+class _WaitTimedOut(Exception):
+    """Internal: our own deadline for one collective passed."""
 
 
 class Communicator:
@@ -63,6 +92,11 @@ class Communicator:
         accountant: where the bytes are counted.
         timeout: how long one collective may take before :class:`CollectiveTimeout` is raised.
         group: the process group (``None``: the default group).
+
+    Attributes:
+        context: what the collectives are for, named in errors (the synchronizer sets e.g. ``"sync 12 ..."``).
+        failure: ``None``, or the message of the first collective that failed or was interrupted; from then on
+            every collective raises :class:`CollectiveTimeout` without touching the process group.
     """
 
     def __init__(self, accountant: CommAccountant, timeout: timedelta, group: Optional[Any] = None) -> None:
@@ -70,6 +104,7 @@ class Communicator:
         self.timeout = timeout
         self.group = group
         self.context = "setup"  # named in timeout errors, e.g. "sync 12"
+        self.failure: Optional[str] = None
 
     @property
     def world_size(self) -> int:
@@ -84,12 +119,16 @@ class Communicator:
         return dist.get_rank(self.group)
 
     def all_reduce_mean(self, tensors: Sequence[Tensor], purpose: str) -> None:
-        """Average ``tensors`` across workers in place (flattened into buckets of one dtype and device)."""
+        """Average ``tensors`` across workers in place (flattened into buckets of one dtype and device).
+
+        On an exception some buckets may already hold averaged values: pass copies when that matters.
+        """
         if self.world_size == 1 or not tensors:
             return
         for bucket in _buckets(tensors):
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            self._run(dist.all_reduce(flat, group=self.group, async_op=True), purpose, "all_reduce")
+            issue = partial(dist.all_reduce, flat, group=self.group, async_op=True)
+            self._run(issue, purpose, "all_reduce", flat.device)
             self.accountant.add(purpose, flat.numel() * flat.element_size())
             flat.div_(self.world_size)
             offset = 0
@@ -103,27 +142,74 @@ class Communicator:
             return
         for t in tensors:
             buffer = t if t.is_contiguous() else t.contiguous()
-            self._run(dist.broadcast(buffer, src=src, group=self.group, async_op=True), purpose, "broadcast")
+            issue = partial(dist.broadcast, buffer, src=src, group=self.group, async_op=True)
+            self._run(issue, purpose, "broadcast", buffer.device)
             if buffer is not t:
                 t.copy_(buffer)
             if self.rank == src:
                 self.accountant.add(purpose, t.numel() * t.element_size())
 
-    def _run(self, work: Any, purpose: str, op: str) -> None:
+    def _run(self, issue: Callable[[], Any], purpose: str, op: str, device: torch.device) -> None:
+        """Issue one collective (``issue`` returns its work handle) and wait for it, at most ``timeout``."""
+        if self.failure is not None:
+            raise CollectiveTimeout(
+                f"LoRDO {self.context}: the {op} of {purpose} was not attempted because an earlier collective "
+                f"failed, after which the process group cannot be trusted: {self.failure}"
+            )
+        start = time.monotonic()
         try:
-            completed = work.wait(self.timeout)
-        except RuntimeError as err:  # gloo and NCCL raise on timeout or when a peer is gone
-            raise CollectiveTimeout(self._message(purpose, op, err)) from err
-        if completed is False:
-            raise CollectiveTimeout(self._message(purpose, op, None))
+            work = issue()  # NCCL (and gloo, for a peer known to be gone) may raise here already
+            if device.type == "cpu":
+                self._wait_in_slices(work, start)
+            elif work.wait(_at_least_1ms(self.timeout.total_seconds())) is False:
+                raise _WaitTimedOut()
+        except (RuntimeError, _WaitTimedOut) as err:  # gloo and NCCL raise RuntimeError (DistBackendError, ...)
+            message = self._message(purpose, op, err, time.monotonic() - start)
+            self.failure = message
+            raise CollectiveTimeout(message) from (err if isinstance(err, RuntimeError) else None)
+        except BaseException:  # KeyboardInterrupt, SystemExit: the collective is abandoned half-way
+            self.failure = (f"the {op} of {purpose} in {self.context} was interrupted after "
+                            f"{time.monotonic() - start:.1f} s")
+            raise
 
-    def _message(self, purpose: str, op: str, err: Optional[BaseException]) -> str:
-        why = f": {err}" if err is not None else ""
+    def _wait_in_slices(self, work: Any, start: float) -> None:
+        deadline = start + self.timeout.total_seconds()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining < 0.002:  # a shorter wait would be rounded to 0 ms, which c10d takes as "no timeout"
+                raise _WaitTimedOut()
+            try:
+                if work.wait(_at_least_1ms(min(_WAIT_SLICE_S, remaining))) is not False:
+                    return
+            except RuntimeError:
+                if not work.is_completed():
+                    continue  # only this slice ran out; Python handles pending signals (Ctrl-C) here
+                work.wait()  # completed: returns, or raises the collective's own error (e.g. peer gone)
+                return
+
+    def _message(self, purpose: str, op: str, err: BaseException, elapsed: float) -> str:
+        limit = _seconds(self.timeout)
+        detail = str(err).strip()
+        if isinstance(err, _WaitTimedOut) or "timed out" in detail.lower() or elapsed >= self.timeout.total_seconds():
+            what = f"did not complete within the timeout of {limit}: another worker died, hangs or cannot be reached"
+        else:
+            what = (f"failed after {elapsed:.1f} s (within its timeout of {limit}), usually because another worker "
+                    "died or cannot be reached")
+        why = f" ({detail})" if detail and not isinstance(err, _WaitTimedOut) else ""
         return (
-            f"LoRDO {self.context}: the {op} of {purpose} did not complete within the timeout of "
-            f"{self.timeout} (another worker died, hangs or cannot be reached){why}. Raise it with "
-            "LoRDOStrategy(timeout=...) if your syncs are legitimately slower."
+            f"LoRDO {self.context}: the {op} of {purpose} {what}{why}. Check the other workers' logs. If your syncs "
+            "are legitimately slower, raise the timeout with LoRDOStrategy(timeout=...)."
         )
+
+
+def _at_least_1ms(seconds: float) -> timedelta:
+    """A ``wait`` timeout c10d will honour: whole milliseconds, at least 1 (0 ms would mean no timeout)."""
+    return timedelta(milliseconds=max(1, int(seconds * 1000)))
+
+
+def _seconds(timeout: timedelta) -> str:
+    seconds = timeout.total_seconds()
+    return f"{seconds:g} s" if seconds < 120 else f"{seconds:g} s ({timeout})"
 
 
 def _buckets(tensors: Sequence[Tensor]) -> list[list[Tensor]]:

@@ -3,17 +3,58 @@
 Every ``sync_every`` local steps all workers call :meth:`Synchronizer.sync` together:
 
 1. ``prepare``: each worker's pseudo-gradient ``delta = anchor - params`` (old minus new, as DiLoCo).
-2. ``average``: all-reduce the pseudo-gradients (the ``full`` payload of SPEC §5). A non-finite average
-   (a NaN or Inf on any worker) discards the round on every worker: parameters go back to the anchor.
+2. ``average``: all-reduce the pseudo-gradients (the ``full`` payload of SPEC §5) and the floating module
+   buffers (non-floating buffers come from rank 0), into copies.
 3. ``outer step``: plain averaging (``anchor - delta``) or Nesterov SGD on the anchor (DiLoCo).
 4. ``bases``: new bases from the averaged pseudo-gradient (``basis_scope="global"``) or from each worker's
    own (``"local"``); the optimizer rotates its moments into them.
 5. ``moments``: the low-rank moments are averaged (they share the basis, so the average is well defined).
-6. ``apply``: parameters and anchor become the new point; floating buffers are averaged.
+6. ``apply``: parameters, anchor, buffers and outer momentum become the new point.
+
+Non-finite values (NaN/Inf from a bad batch or an overflow, on any worker). The decision is taken from the
+*averaged* pseudo-gradients, which are identical on every worker (a NaN or Inf anywhere makes the average
+non-finite), so every worker takes the same branch without an extra message:
+
+* the round is discarded on every worker: no worker applies it, the anchor and the outer momentum stay as they
+  were, the parameters go back to the anchor, and :attr:`Synchronizer.skipped_syncs` counts it (the monitor
+  logs ``lordo/skipped_syncs``; rank 0 warns, naming the sync and the ranks that sent non-finite values);
+* a bad worker's optimizer state is usually non-finite too (a NaN gradient poisons Adam's moments, the error
+  feedback, the factored statistics, SGD's momentum buffer) and would poison every later step. One small
+  all-reduce of flags (purpose ``fault_flags``, only on this path) tells every worker, per parameter, whether
+  its optimizer state is non-finite on *any* worker; every worker then resets the state of exactly those
+  parameters. The reset is the same on all workers on purpose: step counters stay identical across workers
+  (LoRDO's bias corrections, its moment rotation and the seeds of randomized projections depend on them), and
+  the next moment average mixes fresh moments with fresh moments, not zeros with a good worker's history.
+  What a reset means:
+
+  - :class:`~lightning_lordo.LoRDO`: the basis is kept (it only ever comes from finite averaged
+    pseudo-gradients, identical on all workers); every other state tensor (low-rank or AdamW moments, error
+    feedback, factored statistics) is zeroed and the step counter restarts at 0, as with
+    ``transition="reset"``: zero moments with bias correction from step 1 are exactly fresh Adam moments. Keeping
+    the old step count with zeroed moments would be wrong: ``1 - beta2^t`` near 1 with a nearly empty second
+    moment inflates the next updates several-fold.
+  - any other optimizer (AdamW, SGD, ... in the ``diloco`` preset): the parameter's state is cleared, so the
+    optimizer initializes it afresh at its next step (``step`` 0, zero moments, no momentum buffer). An
+    optimizer whose state already existed when the synchronizer was built (eager initialization, e.g.
+    Adagrad) has its state tensors zeroed instead, keys kept.
+
+Floating buffers (e.g. BatchNorm statistics) never discard a round (a buffer non-finite on every worker, e.g.
+with one worker, would otherwise discard every later round): when their average is not finite (the same
+decision on every worker), they become the element-wise mean of the finite values across workers instead (one
+more all-reduce, only then), with a warning; a value non-finite on every worker stays as it is.
+
+Also: the first bases (``initial_basis="gradient"``) of a matrix whose averaged first gradient is non-finite come
+from a seeded random matrix (identical on all workers) instead, with a warning; and after a successful round, a
+low-rank matrix whose *averaged* moments are non-finite (an overflow with finite updates) has its state reset on
+every worker (identical inputs, so no message is needed).
 
 Failure semantics: every collective is bounded by the communicator's timeout; a worker that dies or hangs
-makes the others raise :class:`~lightning_lordo.accounting.CollectiveTimeout` naming the sync. Parameters
-are only overwritten after all collectives of the round succeeded.
+makes the others raise :class:`~lightning_lordo.accounting.CollectiveTimeout` naming the sync and the timeout.
+A sync is a transaction on each worker: all collectives of a round write into copies, the optimizer's low-rank
+state is restored if the round fails after the bases were installed, and the parameters, anchor, buffers and
+outer momentum are written only after all collectives succeeded, with Ctrl-C (SIGINT) held back during those
+few copies. An exception or ``KeyboardInterrupt`` inside a sync thus leaves that worker exactly as it was before
+the sync (bytes already sent stay counted). Nothing here touches the disk.
 
 Reference: Jovanović et al., "LoRDO: Distributed Low-Rank Optimization with Infrequent Communication",
 ICML 2026 (arXiv 2602.04396); Douillard et al., "DiLoCo" (arXiv 2311.08105) for the outer step.
@@ -21,8 +62,13 @@ ICML 2026 (arXiv 2602.04396); Douillard et al., "DiLoCo" (arXiv 2311.08105) for 
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
-from collections.abc import Sequence
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -85,6 +131,9 @@ class Synchronizer:
         self.optimizer_steps = 0
         self.syncs_done = 0
         self.skipped_syncs = 0
+        # torch's optimizers create a parameter's state at its first step, so clearing it gives fresh state;
+        # one that already holds state now (eager, e.g. Adagrad) gets its tensors zeroed instead (module docstring)
+        self._clear_to_reset = not any(optimizer.state.get(p) for p in self.params)
         if isinstance(optimizer, LoRDO):
             if config.initial_basis == "random":
                 optimizer.init_random_bases()
@@ -109,12 +158,26 @@ class Synchronizer:
         averaged = {p: g.detach().float().clone() for p, g in grads.items()}
         self.comm.context = "initial basis"
         self.comm.all_reduce_mean(list(averaged.values()), "initial_gradients")
+        bad = [i for i, (p, g) in enumerate(averaged.items()) if not _all_finite([g])]
+        for i, p in enumerate(averaged):  # identical on all ranks: they all pick the same random matrices
+            if i in bad:
+                generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + 104_729 + i)
+                averaged[p] = torch.randn(averaged[p].shape, generator=generator).to(averaged[p].device)
+        if bad and self.comm.rank == 0:
+            warnings.warn(f"LoRDO initial basis: the averaged first gradient of {len(bad)} weight matrices is not "
+                          "finite (NaN/Inf on some worker); their first bases are seeded random ones instead.",
+                          RuntimeWarning, stacklevel=2)
         return averaged
 
     # ------------------------------------------------------------------ one round
     @torch.no_grad()
     def sync(self) -> SyncReport:
-        """One synchronization round; every worker must call it at the same point."""
+        """One synchronization round; every worker must call it at the same point.
+
+        Raises:
+            CollectiveTimeout: a collective failed or timed out (another worker died or hangs); this worker's
+                parameters, anchor, buffers and optimizer state are then as they were before the call.
+        """
         start = time.perf_counter()
         self.comm.accountant.start_round()
         self.comm.context = f"sync {self.syncs_done + 1} (optimizer step {self.optimizer_steps})"
@@ -124,39 +187,55 @@ class Synchronizer:
             local = [d.clone() for d in averaged] if self.config.basis_scope == "local" else averaged
         with record_function("lordo.average"):
             self.comm.all_reduce_mean(averaged, "pseudo_gradients")
+            floating, others = self._averaged_buffers()
+        if not _all_finite(averaged):  # identical on all workers: they all discard the round
+            return self._discard(start, floating, others)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in averaged])) if averaged \
             else torch.zeros(())
-        if not torch.isfinite(norm):  # identical on all workers: they all discard the round
-            return self._discard(start)
 
-        with record_function("lordo.outer_step"):
-            new_params = self._outer_step(averaged)
-        basis_start = time.perf_counter()
-        movement = None
-        if self.lordo is not None:
-            with record_function("lordo.bases"):
-                movement = self._refresh_bases(local, averaged)
-            with record_function("lordo.moments"):
-                self._average_moments()
-        basis_seconds = time.perf_counter() - basis_start
-        with record_function("lordo.apply"):
-            self._average_buffers()
+        snapshot = self._snapshot_lowrank_state()
+        try:
+            with record_function("lordo.outer_step"):
+                new_params = self._outer_step(averaged)
+            basis_start = time.perf_counter()
+            movement, reset = None, 0
+            if self.lordo is not None:
+                with record_function("lordo.bases"):
+                    movement = self._refresh_bases(local, averaged)
+                with record_function("lordo.moments"):
+                    reset = self._average_moments()
+            basis_seconds = time.perf_counter() - basis_start
+        except BaseException:  # a collective failed or Ctrl-C: leave the optimizer as it was before the sync
+            self._restore_lowrank_state(snapshot)
+            raise
+        with record_function("lordo.apply"), _sigint_deferred():
+            self._commit_buffers(floating, others)
+            self._commit_outer_momentum(averaged)
             for p, a, new in zip(self.params, self.anchor, new_params):
                 a.copy_(new)
                 p.copy_(new)
-        return self._finish(start, basis_seconds, movement, float(norm))
+        extra = {"reset_moments": float(reset)} if reset else {}
+        return self._finish(start, basis_seconds, movement, float(norm), extra=extra)
 
     def _outer_step(self, averaged: list[Tensor]) -> list[Tensor]:
+        """The new anchor; the outer momentum itself is updated only at commit (:meth:`_commit_outer_momentum`)."""
         if self.config.outer_optimizer == "average":
             return [a.float() - d for a, d in zip(self.anchor, averaged)]
+        lr, mom = self.config.outer_lr, self.config.outer_momentum
+        momentum = self.outer_momentum or [None] * len(averaged)
+        new = []
+        for a, d, m in zip(self.anchor, averaged, momentum):
+            m_next = d if m is None else m.mul(mom).add_(d)
+            new.append(a.float() - lr * (d + mom * m_next))  # Nesterov, as torch.optim.SGD(nesterov=True)
+        return new
+
+    def _commit_outer_momentum(self, averaged: list[Tensor]) -> None:
+        if self.config.outer_optimizer == "average":
+            return
         if not self.outer_momentum:
             self.outer_momentum = [torch.zeros_like(d) for d in averaged]
-        lr, mom = self.config.outer_lr, self.config.outer_momentum
-        new = []
-        for a, d, m in zip(self.anchor, averaged, self.outer_momentum):
-            m.mul_(mom).add_(d)
-            new.append(a.float() - lr * (d + mom * m))  # Nesterov, as torch.optim.SGD(nesterov=True)
-        return new
+        for m, d in zip(self.outer_momentum, averaged):
+            m.mul_(self.config.outer_momentum).add_(d)
 
     def _refresh_bases(self, local: list[Tensor], averaged: list[Tensor]) -> Optional[float]:
         lordo = self.lordo
@@ -172,38 +251,140 @@ class Synchronizer:
             return None
         return float(torch.stack(list(moved.values())).mean())
 
-    def _average_moments(self) -> None:
+    def _average_moments(self) -> int:
+        """Average the low-rank moments; reset the matrices whose averaged moments are not finite (same on all
+        workers, the averages being identical). Returns how many were reset."""
         lordo = self.lordo
         assert lordo is not None
         if not self.config.average_moments or self.config.basis_scope != "global":
-            return
-        moments = []
+            return 0
+        owners, moments = [], []
         for p in lordo.lowrank_params():
             state = lordo.state[p]
             if "exp_avg" in state:
+                owners.append(p)
                 moments += [state["exp_avg"], state["exp_avg_sq"]]
         self.comm.all_reduce_mean(moments, "moments")
+        bad = [p for i, p in enumerate(owners) if not _all_finite(moments[2 * i : 2 * i + 2])]
+        for p in bad:
+            self._reset_optimizer_state(p)
+        return len(bad)
 
-    def _average_buffers(self) -> None:
-        floating = [b for b in self.buffers if b.is_floating_point()]
+    def _averaged_buffers(self) -> tuple[list[Tensor], list[Tensor]]:
+        """Floating buffers averaged and the others from rank 0, as copies (applied by :meth:`_commit_buffers`).
+
+        A non-finite average (identical on all workers) is replaced by the mean of the finite values."""
+        local = [b for b in self.buffers if b.is_floating_point()]
+        floating = [b.detach().clone() for b in local]
+        others = [b.detach().clone() for b in self.buffers if not b.is_floating_point()]
         self.comm.all_reduce_mean(floating, "buffers")
-        self.comm.broadcast([b for b in self.buffers if not b.is_floating_point()], "buffers")
+        if not _all_finite(floating):
+            finite = [torch.isfinite(b) for b in local]
+            sums = [torch.where(f, b, torch.zeros_like(b)) for f, b in zip(finite, local)]
+            counts = [f.float() for f in finite]
+            self.comm.all_reduce_mean(sums + counts, "buffers")  # means of both: their ratio is the finite mean
+            floating = [torch.where(c > 0, s.float() / c.clamp(min=1e-30), b.float()).to(b.dtype)
+                        for s, c, b in zip(sums, counts, local)]
+            if self.comm.rank == 0:
+                left = "" if _all_finite(floating) else " Some values are non-finite on every worker and stay so."
+                warnings.warn(f"LoRDO {self.comm.context}: module buffers are not finite on some worker; they are "
+                              f"averaged over the workers where they are finite.{left}", RuntimeWarning, stacklevel=4)
+        self.comm.broadcast(others, "buffers")
+        return floating, others
 
-    def _discard(self, start: float) -> SyncReport:
-        for p, a in zip(self.params, self.anchor):
-            p.copy_(a)
+    def _commit_buffers(self, floating: list[Tensor], others: list[Tensor]) -> None:
+        targets = [b for b in self.buffers if b.is_floating_point()] + [b for b in self.buffers
+                                                                         if not b.is_floating_point()]
+        for b, new in zip(targets, floating + others):
+            b.copy_(new)
+
+    # ------------------------------------------------------------------ non-finite rounds
+    def _discard(self, start: float, floating: list[Tensor], others: list[Tensor]) -> SyncReport:
+        """Every worker is here (the decision came from identical averages): discard the round everywhere.
+
+        ``floating``, ``others``: the buffers' new values (:meth:`_averaged_buffers`), applied as in any round."""
+        n = len(self.params)
+        world = self.comm.world_size
+        device = self.anchor[0].device if self.anchor else torch.device("cpu")
+        flags = torch.zeros(n + world, device=device)
+        for i, p in enumerate(self.params):
+            flags[i] = float(not _all_finite(_state_tensors(self.optimizer.state.get(p, {}))))
+        flags[n + self.comm.rank] = float(not _all_finite(a.float() - p.float() for a, p in zip(self.anchor,
+                                                                                                  self.params)))
+        self.comm.all_reduce_mean([flags], "fault_flags")
+        # no collective below: commit
+        host = (flags.cpu() > 0).tolist()
+        bad_ranks = [r for r in range(world) if host[n + r]]
+        with _sigint_deferred():
+            reset = [p for p, f in zip(self.params, host[:n]) if f]
+            for p in reset:
+                self._reset_optimizer_state(p)
+            for p, a in zip(self.params, self.anchor):
+                p.copy_(a)
+            self._commit_buffers(floating, others)
         self.skipped_syncs += 1
-        return self._finish(start, 0.0, None, float("nan"), skipped=True)
+        if self.comm.rank == 0:
+            warnings.warn(
+                f"LoRDO {self.comm.context}: the averaged pseudo-gradient is not finite (NaN/Inf on rank(s) "
+                f"{bad_ranks or 'unknown: an overflow of the average'}). The round is discarded on every worker: "
+                "parameters go back to the last synchronized model, and the optimizer state of "
+                f"{len(reset)} of {n} parameters (non-finite on some worker) is reset on every worker. Training "
+                f"continues; {self.skipped_syncs} sync(s) skipped so far.",
+                RuntimeWarning, stacklevel=3,
+            )
+        return self._finish(start, 0.0, None, float("nan"), skipped=True,
+                            extra={"reset_params": float(len(reset)), "bad_ranks": float(len(bad_ranks))})
+
+    def _reset_optimizer_state(self, p: Tensor) -> None:
+        """Fresh optimizer state for ``p`` (module docstring: what that means for LoRDO and other optimizers)."""
+        state = self.optimizer.state.get(p)
+        if not state:
+            return
+        if self.lordo is None and self._clear_to_reset:
+            state.clear()
+            return
+        for key, value in state.items():
+            if key == "basis":
+                continue
+            if isinstance(value, Tensor):
+                value.zero_()
+            elif key == "step" and isinstance(value, (int, float)):
+                state[key] = type(value)(0)
+
+    def _snapshot_lowrank_state(self) -> dict[Tensor, tuple[set[str], dict[str, Tensor]]]:
+        """What a round changes in the optimizer before its last collective (bases, moments, step counters)."""
+        lordo = self.lordo
+        if lordo is None:
+            return {}
+        snapshot = {}
+        for p in lordo.lowrank_params():
+            state = lordo.state.get(p, {})
+            clones = {k: v.clone() for k, v in state.items() if isinstance(v, Tensor) and k != "error_feedback"}
+            snapshot[p] = (set(state), clones)
+        return snapshot
+
+    def _restore_lowrank_state(self, snapshot: dict[Tensor, tuple[set[str], dict[str, Tensor]]]) -> None:
+        lordo = self.lordo
+        if lordo is None:
+            return
+        for p, (keys, clones) in snapshot.items():
+            state = lordo.state[p]
+            for key in [k for k in state if k not in keys]:  # created by this round (a first basis)
+                del state[key]
+            state.update(clones)
+            if not state:
+                del lordo.state[p]
 
     def _finish(
-        self, start: float, basis_seconds: float, movement: Optional[float], norm: float, skipped: bool = False
+        self, start: float, basis_seconds: float, movement: Optional[float], norm: float, skipped: bool = False,
+        extra: Optional[dict[str, float]] = None,
     ) -> SyncReport:
         self.syncs_done += 1
         self.steps_since_sync = 0
         return SyncReport(
             index=self.syncs_done, step=self.optimizer_steps, bytes_by_purpose=self.comm.accountant.end_round(),
             seconds=time.perf_counter() - start, basis_seconds=basis_seconds, subspace_movement=movement,
-            pseudo_gradient_norm=norm, skipped=skipped,
+            pseudo_gradient_norm=norm, skipped=skipped, extra=dict(extra or {}),
         )
 
     # ------------------------------------------------------------------ state
@@ -232,3 +413,42 @@ class Synchronizer:
             "anchor": sum(a.numel() * a.element_size() for a in self.anchor),
             "outer_momentum": sum(m.numel() * m.element_size() for m in self.outer_momentum),
         }
+
+
+def _all_finite(tensors: Iterable[Tensor]) -> bool:
+    """Whether every element of every tensor is finite (one host synchronization per device)."""
+    per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            per_device[t.device].append(torch.isfinite(t).all())
+    return all(bool(torch.stack(flags).all()) for flags in per_device.values())
+
+
+def _state_tensors(state: dict[str, Any]) -> list[Tensor]:
+    return [v for v in state.values() if isinstance(v, Tensor)]
+
+
+@contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold back Ctrl-C (SIGINT) while the block runs, then deliver it: the block's copies are never half done.
+
+    Only in the main thread (where Python handles signals) and when a Python-level handler is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None or previous is signal.SIG_IGN:
+        yield
+        return
+    received: list[Any] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, received[0])
+            else:  # SIG_DFL: let the default action happen
+                signal.raise_signal(signal.SIGINT)
