@@ -91,6 +91,7 @@ def figures(strategy: Any, report: Optional[SyncReport] = None) -> dict[str, flo
         })
         if report.subspace_movement is not None:
             out["subspace_movement"] = report.subspace_movement
+        out.update(report.extra)  # e.g. sync_error_feedback_norm (compressed payloads), reset counts
     optimizer = strategy.synchronizer.optimizer
     if hasattr(optimizer, "diagnostics"):
         out.update(optimizer.diagnostics())

@@ -28,8 +28,8 @@ EF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 OUTER_OPTIMIZERS = ("average", "nesterov")
 BASIS_SCOPES = ("global", "local")
 INITIAL_BASES = ("gradient", "random")
-PAYLOADS = ("full",)
-PAYLOAD_DTYPES = ("float32",)
+PAYLOADS = ("full", "lowrank")
+PAYLOAD_DTYPES = ("float32", "bfloat16", "int8")
 
 #: Defaults of the optimizer knobs. ``lr``, ``betas``, ``eps`` and ``weight_decay`` mean what they mean in
 #: :class:`torch.optim.AdamW`; the rest are LoRDO's (see :class:`lightning_lordo.LoRDO`).
@@ -163,8 +163,11 @@ class SyncConfig:
             pseudo-gradient, the paper's LoRDO-Local).
         initial_basis: ``"gradient"`` (from the averaged first gradient, one extra all-reduce) or ``"random"``
             (a seeded random orthonormal basis, identical on all ranks, no traffic).
-        payload: what travels for the pseudo-gradient; only ``"full"`` in this version.
-        payload_dtype: dtype of the payload; only ``"float32"`` in this version.
+        payload: what travels for the pseudo-gradients (SPEC §5): ``"full"`` (every number) or ``"lowrank"``
+            (PowerSGD-style: ``r (a + b)`` numbers per low-rank matrix, two all-reduces, with per-worker
+            sync-level error feedback; the new bases still come from the averaged pseudo-gradient).
+        payload_dtype: ``"float32"``, ``"bfloat16"`` or ``"int8"`` (per-row scales, sent by all-gather), with
+            per-worker error feedback for the reduced precisions; applies to every pseudo-gradient message.
         broadcast_bases: compute bases on rank 0 and broadcast them (a*r numbers per matrix) instead of
             relying on identical computation on every rank; use it on clusters with mixed hardware.
         timeout: timeout of every collective the plugin issues; a rank that does not answer in time makes

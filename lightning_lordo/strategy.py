@@ -95,6 +95,10 @@ class LoRDOStrategy(DDPStrategy):
             )
         check_optimizer_knobs(optimizer_knobs, in_group=False)
         self.sync_config = SyncConfig(sync_every=sync_every, **sync_knobs)
+        if self.sync_config.payload == "lowrank" and lowrank is False:
+            raise ValueError("Invalid payload='lowrank' with lowrank=False ('diloco'): the low-rank payload sends the "
+                             "low-rank matrices of the LoRDO optimizer. Use payload='full' (payload_dtype may be "
+                             "'bfloat16' or 'int8'), or a LoRDO preset.")
         for name, flag in (("lowrank", lowrank), ("monitor", monitor)):
             if not isinstance(flag, bool):
                 raise ValueError(f"Invalid {name}={flag!r}: it must be True or False.")
@@ -307,7 +311,8 @@ class LoRDOStrategy(DDPStrategy):
     def _gather_lordo_state(self) -> dict[str, Any]:
         assert self.synchronizer is not None
         local: dict[str, Any] = {"optimizer": to_cpu(self.optimizers[0].state_dict()),
-                                 "comm": self.accountant.state_dict()}
+                                 "comm": self.accountant.state_dict(),
+                                 "payload": to_cpu(self.synchronizer.payload_state_dict())}
         if self.synchronizer.steps_since_sync > 0:
             local["params"] = to_cpu(self.synchronizer.params)
         ranks = gather_to_rank_zero(local, self.world_size, self.global_rank)
@@ -330,14 +335,16 @@ class LoRDOStrategy(DDPStrategy):
         if same_world:
             for p, saved in zip(self.synchronizer.params, mine.get("params", self.synchronizer.anchor), strict=True):
                 p.data.copy_(saved)
+            if "payload" in mine:
+                self.synchronizer.load_payload_state_dict(mine["payload"])
             return
         self.synchronizer.steps_since_sync = 0  # the round restarts from the synchronized model
         self._reset_on_load = True
         warn_on_rank_zero(
             f"LoRDO: this checkpoint was written by {restored['world_size']} workers and is resumed by "
             f"{self.world_size}. Resumed from the synchronized model; reset: each worker's progress since the last "
-            "sync and the error-feedback buffers; every worker starts from rank 0's optimizer moments and "
-            "communication totals.", self.global_rank)
+            "sync, the error-feedback buffers and the payload's sync-level error feedback; every worker starts "
+            "from rank 0's optimizer moments and communication totals.", self.global_rank)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

@@ -62,6 +62,7 @@ ICML 2026 (arXiv 2602.04396); Douillard et al., "DiLoCo" (arXiv 2311.08105) for 
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -80,6 +81,7 @@ from torch.profiler import record_function
 from lightning_lordo.accounting import Communicator
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.lordo import LoRDO
+from lightning_lordo.payload import LowRankPayload, QuantizedAverager
 
 
 @dataclass
@@ -134,11 +136,28 @@ class Synchronizer:
         # torch's optimizers create a parameter's state at its first step, so clearing it gives fresh state;
         # one that already holds state now (eager, e.g. Adagrad) gets its tensors zeroed instead (module docstring)
         self._clear_to_reset = not any(optimizer.state.get(p) for p in self.params)
+        self._init_payloads()
         if isinstance(optimizer, LoRDO):
             if config.initial_basis == "random":
                 optimizer.init_random_bases()
             elif config.basis_scope == "global":
                 optimizer.basis_source = self.average_first_gradients
+
+    def _init_payloads(self) -> None:
+        """SPEC §5: the low-rank matrices travel as the ``lowrank`` payload (if chosen), everything else through
+        the averager, both in ``payload_dtype`` with per-worker error feedback (none for float32)."""
+        lordo = self.lordo
+        self.lowrank_payload: Optional[LowRankPayload] = None
+        self._lowrank_positions: list[int] = []
+        if self.config.payload == "lowrank":
+            if lordo is None:
+                raise ValueError("payload='lowrank' needs the LoRDO optimizer (strategy 'lordo' or 'lordo_local'); "
+                                 "with 'diloco' use payload='full' (payload_dtype may still be bfloat16 or int8).")
+            ranks = {id(p): lordo.lowrank_rank(p, g) for g in lordo.param_groups for p in g["params"]}
+            self._lowrank_positions = [i for i, p in enumerate(self.params) if ranks.get(id(p), 0)]
+            self.lowrank_payload = LowRankPayload([ranks[id(self.params[i])] for i in self._lowrank_positions],
+                                                  seed=self.config.seed, payload_dtype=self.config.payload_dtype)
+        self.averager = QuantizedAverager(self.config.payload_dtype)
 
     @property
     def lordo(self) -> Optional[LoRDO]:
@@ -182,11 +201,9 @@ class Synchronizer:
         self.comm.accountant.start_round()
         self.comm.context = f"sync {self.syncs_done + 1} (optimizer step {self.optimizer_steps})"
         with record_function("lordo.prepare_sync"):
-            averaged = [(a.float() - p.float()) for a, p in zip(self.anchor, self.params)]
-            # each worker's own pseudo-gradient is kept only when the bases come from it (LoRDO-Local)
-            local = [d.clone() for d in averaged] if self.config.basis_scope == "local" else averaged
+            local = [(a.float() - p.float()) for a, p in zip(self.anchor, self.params)]
         with record_function("lordo.average"):
-            self.comm.all_reduce_mean(averaged, "pseudo_gradients")
+            averaged, payload_rounds = self._average_pseudo_gradients(local)
             floating, others = self._averaged_buffers()
         if not _all_finite(averaged):  # identical on all workers: they all discard the round
             return self._discard(start, floating, others)
@@ -211,11 +228,55 @@ class Synchronizer:
         with record_function("lordo.apply"), _sigint_deferred():
             self._commit_buffers(floating, others)
             self._commit_outer_momentum(averaged)
+            for payload, payload_round in payload_rounds:
+                payload.commit(payload_round)
             for p, a, new in zip(self.params, self.anchor, new_params):
                 a.copy_(new)
                 p.copy_(new)
         extra = {"reset_moments": float(reset)} if reset else {}
+        if self.config.payload != "full" or self.config.payload_dtype != "float32":
+            extra["sync_error_feedback_norm"] = self.payload_error_norm()
         return self._finish(start, basis_seconds, movement, float(norm), extra=extra)
+
+    def _average_pseudo_gradients(self, local: list[Tensor]) -> tuple[list[Tensor], list[tuple[Any, Any]]]:
+        """The averaged pseudo-gradients (SPEC §5), and the payload rounds to commit if the sync succeeds.
+
+        A non-finite round (NaN/Inf on any worker, so on every worker alike) comes back as non-finite averages, so
+        the caller discards the round; its payload rounds are then never committed (error feedback unchanged)."""
+        averaged: list[Tensor] = list(local)
+        rounds: list[tuple[Any, Any]] = []
+        positions = set(self._lowrank_positions)
+        if self.lowrank_payload is not None:
+            result = self.lowrank_payload.reduce(self.comm, [local[i] for i in self._lowrank_positions],
+                                                 "pseudo_gradients")
+            rounds.append((self.lowrank_payload, result))
+            for n, i in enumerate(self._lowrank_positions):
+                averaged[i] = result.averaged[n] if result.finite else torch.full_like(local[i], float("nan"))
+        rest = [i for i in range(len(local)) if i not in positions]
+        result = self.averager.reduce(self.comm, [local[i] for i in rest], "pseudo_gradients")
+        rounds.append((self.averager, result))
+        for i, mean in zip(rest, result.averaged):
+            averaged[i] = mean
+        return averaged, rounds
+
+    def payload_error_norm(self) -> float:
+        """Norm of this worker's sync-level error feedback (SPEC §5), over all payloads."""
+        norms = [self.averager.error_norm()]
+        if self.lowrank_payload is not None:
+            norms.append(self.lowrank_payload.error_norm())
+        return math.sqrt(sum(n * n for n in norms))
+
+    def payload_state_dict(self) -> dict[str, Any]:
+        """This worker's payload state (error feedback, right factors): per worker, for checkpoints."""
+        state = {"averager": self.averager.state_dict()}
+        if self.lowrank_payload is not None:
+            state["lowrank"] = self.lowrank_payload.state_dict()
+        return state
+
+    def load_payload_state_dict(self, state: dict[str, Any]) -> None:
+        self.averager.load_state_dict(state["averager"])
+        if self.lowrank_payload is not None and "lowrank" in state:
+            self.lowrank_payload.load_state_dict(state["lowrank"])
 
     def _outer_step(self, averaged: list[Tensor]) -> list[Tensor]:
         """The new anchor; the outer momentum itself is updated only at commit (:meth:`_commit_outer_momentum`)."""
@@ -408,11 +469,15 @@ class Synchronizer:
         self.skipped_syncs = state["skipped_syncs"]
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of synchronization buffers (SPEC §8): the anchor and the outer momentum."""
-        return {
+        """Bytes of synchronization buffers (SPEC §8): the anchor, the outer momentum, the payload's state."""
+        report = {
             "anchor": sum(a.numel() * a.element_size() for a in self.anchor),
             "outer_momentum": sum(m.numel() * m.element_size() for m in self.outer_momentum),
+            **self.averager.memory_report(),
         }
+        if self.lowrank_payload is not None:
+            report.update(self.lowrank_payload.memory_report())
+        return report
 
 
 def _all_finite(tensors: Iterable[Tensor]) -> bool:

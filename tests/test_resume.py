@@ -92,7 +92,8 @@ def _assert_identical(a: Any, b: Any, where: str = "") -> None:
 
 
 @pytest.mark.parametrize("knobs", [{}, {"error_feedback": True, "outer_optimizer": "nesterov",
-                                         "normalizer": "factored"}], ids=["default", "ef-nesterov-factored"])
+                                         "normalizer": "factored"}, {"payload": "lowrank", "payload_dtype": "int8"}],
+                         ids=["default", "ef-nesterov-factored", "lowrank-int8-payload"])
 def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: dict[str, Any]) -> None:
     _fit(tmp_path, "full", checkpoints=True, **knobs)
     ckpt_dir = tmp_path / "ckpt"
