@@ -10,6 +10,8 @@ Parts (times measured on the project's 2-core machine, 4 worker processes):
 * ``long``: ddp, lowrank_ddp, diloco and lordo at 4x the steps (4 runs, about 20 minutes).
 * ``ablations``: the sweeps that pick SPEC's open defaults, one seed at LoRDO's best LR (about 35 minutes).
 * ``wikitext``: every method at its best LR on WikiText-2 (6 runs, about 8 minutes).
+* ``payload``: LoRDO with the ``full`` and ``lowrank`` payloads in float32, bfloat16 and int8, at LoRDO's best LR
+  (6 runs, about 5 minutes).
 
 ``--quick`` runs every method for 128 steps at one LR into ``quick.jsonl`` (about 2 minutes).
 
@@ -76,12 +78,16 @@ def specs_for(part: str, data: str, quick: bool) -> list[RunSpec]:
         return [RunSpec(method=m, lr=lrs[m], data=data, steps=2560, val_every=256) for m in LONG_METHODS]
     if part == "ablations":
         return ablation_specs(RunSpec(method="lordo", lr=lrs["lordo"], data=data))
+    if part == "payload":
+        return [RunSpec(method="lordo", lr=lrs["lordo"], data=data, knobs={"payload": payload, "payload_dtype": dtype})
+                for payload in ("full", "lowrank") for dtype in ("float32", "bfloat16", "int8")]
     raise SystemExit(f"unknown part {part!r}")
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("lr-sweep", "main", "long", "ablations", "wikitext"), default="main")
+    parser.add_argument("--part", default="main",
+                        choices=("lr-sweep", "main", "long", "ablations", "wikitext", "payload"))
     parser.add_argument("--data", required=True, help="text file (e.g. ../shared/data/tinyshakespeare.txt)")
     parser.add_argument("--quick", action="store_true", help="every method, 128 steps, one LR (~2 minutes)")
     args = parser.parse_args(argv)

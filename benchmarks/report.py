@@ -88,6 +88,24 @@ ABLATION_COLUMNS = ["variant (LoRDO unless named)", "val loss", "sent / worker",
                     "term ratio"]
 
 
+PAYLOAD_COLUMNS = ["payload", "dtype", "val loss", "vs full float32", "pseudo-gradient bytes / worker",
+                   "full float32 / this", "sync buffers"]
+
+
+def payload_rows() -> list[list[str]]:
+    runs = _runs("payload")
+    base = next(r for r in runs if r["spec"]["knobs"] == {"payload": "full", "payload_dtype": "float32"})
+    base_bytes = base["bytes_by_purpose"]["pseudo_gradients"]
+    rows = []
+    for r in runs:
+        knobs = r["spec"]["knobs"]
+        sent = r["bytes_by_purpose"]["pseudo_gradients"]
+        rows.append([knobs["payload"], knobs["payload_dtype"], f"{r['final_val_loss']:.4f}",
+                     f"{100 * (r['final_val_loss'] / base['final_val_loss'] - 1):+.2f} %", _mb(sent),
+                     f"{base_bytes / sent:.1f}x", _mb(sum(r["sync_memory"].values()))])
+    return rows
+
+
 def time_to_target(part: str = "main") -> list[list[str]]:
     """Modelled wall time to reach the worst method's final loss: measured compute + ring all-reduce time."""
     runs = [r for r in _runs(part) if r["spec"]["seed"] == 0]
@@ -178,6 +196,15 @@ def main() -> int:
         sections.append(f"### Ablations\n\n{_markdown(ABLATION_COLUMNS, rows)}")
         table = Table(title="Ablations")
         for c in ABLATION_COLUMNS:
+            table.add_column(c)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    if _runs("payload"):
+        rows = payload_rows()
+        sections.append(f"### Payloads (LoRDO, same runs otherwise)\n\n{_markdown(PAYLOAD_COLUMNS, rows)}")
+        table = Table(title="Payloads")
+        for c in PAYLOAD_COLUMNS:
             table.add_column(c)
         for row in rows:
             table.add_row(*row)
