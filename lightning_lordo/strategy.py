@@ -43,6 +43,8 @@ from lightning_lordo.sync import Synchronizer, SyncReport
 #: weight (and anything tied to it): the usual output-head names (SPEC §2).
 DEFAULT_FULL_RANK_PARAMS = (r"(^|\.)(lm_head|head|classifier|output)\.weight$",)
 
+_SIGTERM_TENSOR_BYTES = 8  # Lightning's per-batch SIGTERM check broadcasts one int64
+
 # Keys of torch.optim.Adam/AdamW param groups that LoRDO does not take (checked or dropped on conversion).
 _ADAM_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 
@@ -150,6 +152,13 @@ class LoRDOStrategy(DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         from lightning_lordo.callbacks import CommunicationMonitor
 
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise RuntimeError(
+                "LoRDOStrategy does not support precision='16-mixed': its gradient scaler skips optimizer steps on "
+                "the ranks whose own gradients overflow, so the workers' step counts would diverge. Use "
+                "precision='bf16-mixed' (no scaler) or '32-true'."
+            )
+
         if self.monitor and not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
             trainer.callbacks.append(CommunicationMonitor())
         super().setup(trainer)
@@ -233,16 +242,31 @@ class LoRDOStrategy(DDPStrategy):
     def after_optimizer_step(self) -> None:
         """Called by the LightningOptimizer after each optimizer step."""
         assert self.synchronizer is not None
+        if self.synchronizer.steps_since_sync + 1 >= self.sync_config.sync_every:
+            self._check_synchronized_set()
         report = self.synchronizer.on_optimizer_step()
         if report is not None:
             self.sync_reports.append(report)
+
+    def _check_synchronized_set(self) -> None:
+        """Refuse parameters that became trainable after setup (e.g. unfrozen by a callback): they would train
+        locally on every rank and never be averaged."""
+        assert self.synchronizer is not None and self.lightning_module is not None
+        known = {id(p) for p in self.synchronizer.params}
+        new = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad and id(p) not in known]
+        if new:
+            raise RuntimeError(
+                f"LoRDO synchronizes the parameters that were trainable when fit started, but {new[:5]} became "
+                "trainable later (unfrozen during fit); they would drift apart on every rank. Unfreeze them "
+                "before trainer.fit, or save a checkpoint and resume to include them."
+            )
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         # Lightning broadcasts one int64 from rank 0 every batch (its SIGTERM check): real traffic, counted.
         if self.world_size > 1 and self.global_rank == 0:
-            self.accountant.add("lightning_sigterm_check", torch.tensor(0).element_size())
+            self.accountant.add("lightning_sigterm_check", _SIGTERM_TENSOR_BYTES)
 
     @override
     def on_train_end(self) -> None:
@@ -299,7 +323,7 @@ class LoRDOStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Every rank gathers its local state to rank 0, which writes one file (a collective: all ranks call it)."""
-        if self.synchronizer is not None:
+        if self.synchronizer is not None and "optimizer_states" in checkpoint:  # not for save_weights_only
             swapped = self._swapped_for_eval
             if swapped:  # saved from within validation: put the local replica back while gathering it
                 self._swap_anchor()
@@ -321,7 +345,11 @@ class LoRDOStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._restored = checkpoint.get("lordo")  # applied after setup, when the synchronizer exists
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        # applied after setup, when the synchronizer exists; validate/test/predict only need the model
+        self._restored = checkpoint.get("lordo") if fitting else None
+        self._restored_optimizer = None
         return checkpoint
 
     def _apply_restored_state(self) -> None:
@@ -400,11 +428,21 @@ def _warn_about_fullrank_matrices(optimizer: LoRDO, names: dict[Tensor, str]) ->
 
 
 def _repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> None:
-    """Make the user's LR schedulers drive ``new`` (same groups, same order) and keep their step counts."""
-    for config in configs:
-        scheduler = config.scheduler
+    """Make the user's LR schedulers drive ``new`` (same groups, same order) and keep their step counts.
+
+    Schedulers made of schedulers (``SequentialLR``, ``ChainedScheduler``) hold inner ones that point at ``old``
+    too: they are re-pointed as well, and ``old`` shares ``new``'s param-group dicts, so anything else still
+    holding ``old`` changes the learning rate ``new`` uses."""
+
+    def repoint(scheduler: Any) -> None:
         if getattr(scheduler, "optimizer", None) is old:
             scheduler.optimizer = new
+        for inner in getattr(scheduler, "_schedulers", ()):
+            repoint(inner)
+
+    for config in configs:
+        repoint(config.scheduler)
+    old.param_groups = new.param_groups
     _track_step_calls(new)
 
 

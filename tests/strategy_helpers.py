@@ -18,7 +18,7 @@ from lightning_lordo import LoRDOStrategy
 class TinyRegressor(L.LightningModule):
     """Three linear layers (two of them low-rank at rank 4) and a LayerNorm, on a synthetic regression."""
 
-    def __init__(self, optimizer: str = "adamw", lr: float = 1e-2, scheduler: bool = False) -> None:
+    def __init__(self, optimizer: str = "adamw", lr: float = 1e-2, scheduler: Any = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.LayerNorm(24), nn.Linear(24, 16), nn.GELU(),
@@ -44,8 +44,13 @@ class TinyRegressor(L.LightningModule):
             optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
         if not self.scheduler:
             return optimizer
-        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5) * 0.9**step)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+        if self.scheduler == "sequential":  # warmup then cosine: schedulers made of schedulers
+            warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
+            cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+            schedule: Any = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[3])
+        else:
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5) * 0.9**step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 def regression_data(n: int = 256, seed: int = 0) -> TensorDataset:

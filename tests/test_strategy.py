@@ -170,14 +170,15 @@ class LRRecorder(L.Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def test_converted_optimizer_keeps_the_lr_schedule_without_warnings() -> None:
+@pytest.mark.parametrize("schedule", [True, "sequential"], ids=["lambda", "sequential-warmup-cosine"])
+def test_converted_optimizer_keeps_the_lr_schedule_without_warnings(schedule: Any) -> None:
     sequences = {}
     for name in ("auto", "lordo"):
         recorder = LRRecorder()
         strategy = lordo(sync_every=3, start_method="popen") if name == "lordo" else name
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer(strategy, devices=1, callbacks=[recorder], max_steps=9).fit(TinyRegressor(scheduler=True),
+            trainer(strategy, devices=1, callbacks=[recorder], max_steps=9).fit(TinyRegressor(scheduler=schedule),
                                                                                  loader())
         assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
         sequences[name] = recorder.lrs
@@ -319,3 +320,30 @@ def test_checkpoint_holds_communication_totals_and_loads_plainly(tmp_path: Path)
     assert all(torch.isfinite(p).all() for p in plain.parameters())
     trainer(lordo(sync_every=4), callbacks=[TotalsChecker(3 * per_sync)], max_steps=12).fit(
         TinyRegressor(), loader(), ckpt_path=path)
+
+
+def test_checkpoint_given_to_validate_does_not_leak_into_a_later_fit(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="step6", every_n_train_steps=6, save_top_k=-1)
+    trainer(lordo(sync_every=4, start_method="popen"), devices=1, callbacks=[saver], max_steps=6,
+            enable_checkpointing=True).fit(TinyRegressor(), loader())
+    fit = trainer(lordo(sync_every=4, start_method="popen"), devices=1, max_steps=4)
+    module = TinyRegressor()
+    fit.validate(module, loader(), ckpt_path=str(tmp_path / "step6.ckpt"))
+    fit.fit(module, loader())
+    assert fit.strategy.synchronizer.optimizer_steps == 4 and fit.strategy.synchronizer.syncs_done == 1
+
+
+class Unfreeze(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 2:
+            module.net[0].weight.requires_grad_(True)
+
+
+def test_parameters_unfrozen_during_fit_are_refused_at_the_next_sync() -> None:
+    module = TinyRegressor()
+    module.net[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="became trainable later"):
+        trainer(lordo(sync_every=4, start_method="popen"), devices=1, callbacks=[Unfreeze()], max_steps=8).fit(
+            module, loader())
