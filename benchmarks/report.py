@@ -59,13 +59,15 @@ def main_table(part: str) -> list[list[str]]:
         moves = [r.get("subspace_movement_mean") for r in runs if r.get("subspace_movement_mean") is not None]
         rows.append([NAMES[method], f"{runs[0]['spec']['lr']:g}", str(len(runs)), f"{loss:.4f} ± {loss_sd:.4f}",
                      f"{ppl:.3f} ± {ppl_sd:.3f}", f"{100 * (ppl / ref_ppl - 1):+.1f} %", _mb(sent),
-                     f"{ddp_bytes / sent:.1f}x", _mb(state),
+                     f"{ddp_bytes / sent:.1f}x", _mb(state), _mb(memory.get("error_feedback", 0)),
+                     _mb(sum(runs[0].get("sync_memory", {}).values())),
                      f"{statistics.fmean(moves):.4f}" if moves else "-"])
     return rows
 
 
 MAIN_COLUMNS = ["method", "lr", "seeds", "val loss (nats/byte)", "val ppl", "ppl vs low-rank DDP",
-                "sent / worker", "DDP bytes / this", "optimizer state", "subspace movement / sync"]
+                "sent / worker", "DDP bytes / this", "optimizer state", "error feedback", "sync buffers",
+                "subspace movement / sync"]
 
 
 def ablation_rows() -> list[list[str]]:
