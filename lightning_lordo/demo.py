@@ -126,9 +126,9 @@ def _datamodule(args: argparse.Namespace, seq_len: int) -> ByteDataModule:
 
 def results_table(results: list[dict[str, Any]], args: argparse.Namespace) -> Table:
     ddp = next(r for r in results if r["method"] == "ddp")
-    table = Table(title=f"{args.steps} steps, {args.workers} workers x {args.batch_size} sequences; "
-                        f"LoRDO K={args.sync_every}, rank={args.rank}")
-    for column in ("method", "val loss", "val ppl", "sent/worker", "DDP/this", "opt. state", "wall time"):
+    table = Table(title=f"{args.steps} steps, {args.workers} workers x {args.batch_size} sequences; LoRDO "
+                        f"K={args.sync_every}, rank={args.rank}; bytes sent per worker")
+    for column in ("method", "val loss", "val ppl", "sent", "DDP/this", "opt. state", "wall time"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for r in results:
         saving = ddp["bytes_sent"] / r["bytes_sent"] if r["bytes_sent"] else math.inf
