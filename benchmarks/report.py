@@ -181,43 +181,28 @@ def figures(part: str = "main") -> None:
 def main() -> int:
     console = Console(width=160)
     sections = []
+
+    def section(title: str, columns: list[str], rows: list[list[str]]) -> None:
+        """One table, printed with rich and kept as Markdown for summary.md."""
+        if not rows:
+            return
+        table = Table(title=title)
+        for column in columns:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        sections.append(f"### {title}\n\n{_markdown(columns, rows)}")
+
     for part, title in (("main", "Main comparison (tinyshakespeare)"), ("long", "Longer runs (4x steps)"),
                         ("wikitext", "WikiText-2 (validation split as corpus)"), ("quick", "Quick mode")):
-        rows = main_table(part) if _runs(part) else []
-        if not rows:
-            continue
-        table = Table(title=title)
-        for c in MAIN_COLUMNS:
-            table.add_column(c)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-        sections.append(f"### {title}\n\n{_markdown(MAIN_COLUMNS, rows)}")
-    if _runs("ablations"):
-        rows = ablation_rows()
-        sections.append(f"### Ablations\n\n{_markdown(ABLATION_COLUMNS, rows)}")
-        table = Table(title="Ablations")
-        for c in ABLATION_COLUMNS:
-            table.add_column(c)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-    if _runs("payload"):
-        rows = payload_rows()
-        sections.append(f"### Payloads (LoRDO, same runs otherwise)\n\n{_markdown(PAYLOAD_COLUMNS, rows)}")
-        table = Table(title="Payloads")
-        for c in PAYLOAD_COLUMNS:
-            table.add_column(c)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-    rows = time_to_target()
-    if rows:
-        columns = ["method", "target loss", "step reached", *(f"time at {k}" for k in LINKS)]
-        sections.append("### Modelled time to target (M = 4, ring all-reduce, 50 µs per hop)\n\n"
-                        + _markdown(columns, rows))
-        figures("main")
-        figures("long")
+        section(title, MAIN_COLUMNS, main_table(part) if _runs(part) else [])
+    section("Ablations", ABLATION_COLUMNS, ablation_rows() if _runs("ablations") else [])
+    section("Payloads (LoRDO, same runs otherwise)", PAYLOAD_COLUMNS, payload_rows() if _runs("payload") else [])
+    section("Modelled time to target (M = 4, ring all-reduce, 50 µs per hop)",
+            ["method", "target loss", "step reached", *(f"time at {k}" for k in LINKS)], time_to_target())
+    figures("main")
+    figures("long")
     (RESULTS / "summary.md").write_text("\n\n".join(sections) + "\n")
     return 0
 
