@@ -119,6 +119,7 @@ class LoRDOStrategy(DDPStrategy):
         self._swapped_for_eval = False
         self._restored: Optional[dict[str, Any]] = None
         self._restored_optimizer: Optional[dict[str, Any]] = None
+        self._lordo_checkpoint = False
         self._reset_on_load = False
 
     # ------------------------------------------------------------------ registry
@@ -173,6 +174,7 @@ class LoRDOStrategy(DDPStrategy):
                 "optimizer.step() Lightning makes). Set `self.automatic_optimization = True`, or use "
                 "strategy='ddp' for manual optimization."
             )
+        self.accountant, self.sync_reports = CommAccountant(), []  # each fit counts its own traffic
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)
         state = list(self.model.parameters()) + list(self.model.buffers())
         self.communicator.broadcast([t.data for t in state], "setup_broadcast")
@@ -334,9 +336,10 @@ class LoRDOStrategy(DDPStrategy):
 
     def _gather_lordo_state(self) -> dict[str, Any]:
         assert self.synchronizer is not None
-        local: dict[str, Any] = {"optimizer": to_cpu(self.optimizers[0].state_dict()),
-                                 "comm": self.accountant.state_dict(),
+        local: dict[str, Any] = {"comm": self.accountant.state_dict(),
                                  "payload": to_cpu(self.synchronizer.payload_state_dict())}
+        if self.global_rank != 0:  # rank 0's optimizer state is Lightning's own "optimizer_states" entry
+            local["optimizer"] = to_cpu(self.optimizers[0].state_dict())
         if self.synchronizer.steps_since_sync > 0:
             local["params"] = to_cpu(self.synchronizer.params)
         ranks = gather_to_rank_zero(local, self.world_size, self.global_rank)
@@ -349,7 +352,7 @@ class LoRDOStrategy(DDPStrategy):
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # applied after setup, when the synchronizer exists; validate/test/predict only need the model
         self._restored = checkpoint.get("lordo") if fitting else None
-        self._restored_optimizer = None
+        self._restored_optimizer, self._lordo_checkpoint = None, False
         return checkpoint
 
     def _apply_restored_state(self) -> None:
@@ -359,7 +362,8 @@ class LoRDOStrategy(DDPStrategy):
         self.synchronizer.load_state_dict(restored["sync"])
         mine = restored["ranks"][self.global_rank if same_world else 0]
         self.accountant.load_state_dict(mine["comm"])
-        self._restored_optimizer = mine["optimizer"]
+        self._restored_optimizer = mine.get("optimizer")  # None for rank 0: Lightning's optimizer_states
+        self._lordo_checkpoint = True
         if same_world:
             for p, saved in zip(self.synchronizer.params, mine.get("params", self.synchronizer.anchor), strict=True):
                 p.data.copy_(saved)
@@ -377,9 +381,12 @@ class LoRDOStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         optimizer = self.optimizers[0]
-        if self._restored_optimizer is not None:  # a LoRDO checkpoint: this rank's own optimizer state
-            optimizer.load_state_dict(self._restored_optimizer)
-            self._restored_optimizer = None
+        if self._lordo_checkpoint:  # this rank's own optimizer state (rank 0's is Lightning's entry)
+            if self._restored_optimizer is not None:
+                optimizer.load_state_dict(self._restored_optimizer)
+            else:
+                super().load_optimizer_state_dict(checkpoint)
+            self._restored_optimizer, self._lordo_checkpoint = None, False
             if self._reset_on_load:
                 reset_error_feedback(optimizer)
             return

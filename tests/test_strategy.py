@@ -347,3 +347,15 @@ def test_parameters_unfrozen_during_fit_are_refused_at_the_next_sync() -> None:
     with pytest.raises(RuntimeError, match="became trainable later"):
         trainer(lordo(sync_every=4, start_method="popen"), devices=1, callbacks=[Unfreeze()], max_steps=8).fit(
             module, loader())
+
+
+def test_a_second_fit_counts_its_own_syncs_and_bytes() -> None:
+    fit = trainer(lordo(sync_every=2, start_method="popen"), devices=1, max_steps=4)
+    module = TinyRegressor()
+    fit.fit(module, loader())
+    assert len(fit.strategy.sync_reports) == 2
+    fit.fit_loop.epoch_loop.max_steps = 10  # continue the same trainer: 6 more steps
+    fit.fit(module, loader())
+    strategy = fit.strategy
+    assert len(strategy.sync_reports) == strategy.synchronizer.syncs_done == 3
+    assert strategy.ddp_equivalent_bytes == 6 * sum(p.numel() * 4 for p in module.parameters())
