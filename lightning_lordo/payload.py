@@ -93,6 +93,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_lordo.faults import all_finite
 from lightning_lordo.optim.projection import random_basis
 
 PAYLOAD_DTYPES = ("float32", "bfloat16", "int8")
@@ -392,7 +393,7 @@ class QuantizedAverager:
                 x.add_(e.to(x.device))
         result = quantized_mean(comm, xs, purpose, self.payload_dtype, self.reduction)
         errors = None if self.payload_dtype == "float32" else [x.sub_(s) for x, s in zip(xs, result.sent)]
-        return AverageRound(_all_finite(result.means), result.means, result.traffic, errors, self._version)
+        return AverageRound(all_finite(result.means), result.means, result.traffic, errors, self._version)
 
     def commit(self, result: AverageRound) -> None:
         """Install the round's error feedback (a no-op for a non-finite round).
@@ -506,7 +507,7 @@ class LowRankPayload:
         p_msg = quantized_mean(comm, [(w @ r).mT for w, r in zip(work, rights)], purpose, self.payload_dtype,
                                self.reduction)
         traffic = dict(p_msg.traffic)
-        if not _all_finite(p_msg.means):  # identical on all ranks: all skip the second message
+        if not all_finite(p_msg.means):  # identical on all ranks: all skip the second message
             return LowRankRound(False, [], [], traffic, version=self._version)
         bases = [_orthonormalize(p.mT) for p in p_msg.means]
         # message 2: B_m = Q^T D_m, r x b
@@ -514,7 +515,7 @@ class LowRankPayload:
                                self.reduction)
         for kind, nbytes in b_msg.traffic.items():
             traffic[kind] = traffic.get(kind, 0) + nbytes
-        if not _all_finite(b_msg.means):
+        if not all_finite(b_msg.means):
             return LowRankRound(False, [], [], traffic, version=self._version)
         averaged = []
         for d, q, b in zip(deltas, bases, b_msg.means):
@@ -642,11 +643,6 @@ def _canonical(t: Tensor) -> Tensor:
 def _orthonormalize(y: Tensor) -> Tensor:
     # Householder QR: orthonormal columns even when y is rank-deficient (or zero), deterministic for a given y
     return torch.linalg.qr(y.float(), mode="reduced").Q
-
-
-def _all_finite(tensors: Sequence[Tensor]) -> bool:
-    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
-    return bool(torch.stack(flags).all()) if flags else True
 
 
 def _norm(tensors: Sequence[Tensor]) -> float:

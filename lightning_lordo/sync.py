@@ -11,42 +11,8 @@ Every ``sync_every`` local steps all workers call :meth:`Synchronizer.sync` toge
 5. ``moments``: the low-rank moments are averaged (they share the basis, so the average is well defined).
 6. ``apply``: parameters, anchor, buffers and outer momentum become the new point.
 
-Non-finite values (NaN/Inf from a bad batch or an overflow, on any worker). The decision is taken from the
-*averaged* pseudo-gradients, which are identical on every worker (a NaN or Inf anywhere makes the average
-non-finite), so every worker takes the same branch without an extra message:
-
-* the round is discarded on every worker: no worker applies it, the anchor and the outer momentum stay as they
-  were, the parameters go back to the anchor, and :attr:`Synchronizer.skipped_syncs` counts it (the monitor
-  logs ``lordo/skipped_syncs``; rank 0 warns, naming the sync and the ranks that sent non-finite values);
-* a bad worker's optimizer state is usually non-finite too (a NaN gradient poisons Adam's moments, the error
-  feedback, the factored statistics, SGD's momentum buffer) and would poison every later step. One small
-  all-reduce of flags (purpose ``fault_flags``, only on this path) tells every worker, per parameter, whether
-  its optimizer state is non-finite on *any* worker; every worker then resets the state of exactly those
-  parameters. The reset is the same on all workers on purpose: step counters stay identical across workers
-  (LoRDO's bias corrections, its moment rotation and the seeds of randomized projections depend on them), and
-  the next moment average mixes fresh moments with fresh moments, not zeros with a good worker's history.
-  What a reset means:
-
-  - :class:`~lightning_lordo.LoRDO`: the basis is kept (it only ever comes from finite averaged
-    pseudo-gradients, identical on all workers); every other state tensor (low-rank or AdamW moments, error
-    feedback, factored statistics) is zeroed and the step counter restarts at 0, as with
-    ``transition="reset"``: zero moments with bias correction from step 1 are exactly fresh Adam moments. Keeping
-    the old step count with zeroed moments would be wrong: ``1 - beta2^t`` near 1 with a nearly empty second
-    moment inflates the next updates several-fold.
-  - any other optimizer (AdamW, SGD, ... in the ``diloco`` preset): the parameter's state is cleared, so the
-    optimizer initializes it afresh at its next step (``step`` 0, zero moments, no momentum buffer). An
-    optimizer whose state already existed when the synchronizer was built (eager initialization, e.g.
-    Adagrad) has its state tensors zeroed instead, keys kept.
-
-Floating buffers (e.g. BatchNorm statistics) never discard a round (a buffer non-finite on every worker, e.g.
-with one worker, would otherwise discard every later round): when their average is not finite (the same
-decision on every worker), they become the element-wise mean of the finite values across workers instead (one
-more all-reduce, only then), with a warning; a value non-finite on every worker stays as it is.
-
-Also: the first bases (``initial_basis="gradient"``) of a matrix whose averaged first gradient is non-finite come
-from a seeded random matrix (identical on all workers) instead, with a warning; and after a successful round, a
-low-rank matrix whose *averaged* moments are non-finite (an overflow with finite updates) has its state reset on
-every worker (identical inputs, so no message is needed).
+Non-finite values (NaN/Inf on any worker) discard the round on every worker, and poisoned optimizer state is
+reset identically everywhere: :mod:`lightning_lordo.faults` documents what exactly happens.
 
 Failure semantics: every collective is bounded by the communicator's timeout; a worker that dies or hangs
 makes the others raise :class:`~lightning_lordo.accounting.CollectiveTimeout` naming the sync and the timeout.
@@ -63,13 +29,9 @@ ICML 2026 (arXiv 2602.04396); Douillard et al., "DiLoCo" (arXiv 2311.08105) for 
 from __future__ import annotations
 
 import math
-import signal
-import threading
 import time
 import warnings
-from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -80,6 +42,14 @@ from torch.profiler import record_function
 
 from lightning_lordo.accounting import Communicator
 from lightning_lordo.config import SyncConfig
+from lightning_lordo.faults import (
+    all_finite,
+    reset_optimizer_state,
+    restore_lowrank_state,
+    sigint_deferred,
+    snapshot_lowrank_state,
+    state_tensors,
+)
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.payload import LowRankPayload, QuantizedAverager
 
@@ -177,7 +147,7 @@ class Synchronizer:
         averaged = {p: g.detach().float().clone() for p, g in grads.items()}
         self.comm.context = "initial basis"
         self.comm.all_reduce_mean(list(averaged.values()), "initial_gradients")
-        bad = [i for i, (p, g) in enumerate(averaged.items()) if not _all_finite([g])]
+        bad = [i for i, (p, g) in enumerate(averaged.items()) if not all_finite([g])]
         for i, p in enumerate(averaged):  # identical on all ranks: they all pick the same random matrices
             if i in bad:
                 generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + 104_729 + i)
@@ -205,12 +175,12 @@ class Synchronizer:
         with record_function("lordo.average"):
             averaged, payload_rounds = self._average_pseudo_gradients(local)
             floating, others = self._averaged_buffers()
-        if not _all_finite(averaged):  # identical on all workers: they all discard the round
+        if not all_finite(averaged):  # identical on all workers: they all discard the round
             return self._discard(start, floating, others)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in averaged])) if averaged \
             else torch.zeros(())
 
-        snapshot = self._snapshot_lowrank_state()
+        snapshot = snapshot_lowrank_state(self.lordo)
         try:
             with record_function("lordo.outer_step"):
                 new_params = self._outer_step(averaged)
@@ -223,9 +193,9 @@ class Synchronizer:
                     reset = self._average_moments()
             basis_seconds = time.perf_counter() - basis_start
         except BaseException:  # a collective failed or Ctrl-C: leave the optimizer as it was before the sync
-            self._restore_lowrank_state(snapshot)
+            restore_lowrank_state(self.lordo, snapshot)
             raise
-        with record_function("lordo.apply"), _sigint_deferred():
+        with record_function("lordo.apply"), sigint_deferred():
             self._commit_buffers(floating, others)
             self._commit_outer_momentum(averaged)
             for payload, payload_round in payload_rounds:
@@ -326,9 +296,9 @@ class Synchronizer:
                 owners.append(p)
                 moments += [state["exp_avg"], state["exp_avg_sq"]]
         self.comm.all_reduce_mean(moments, "moments")
-        bad = [p for i, p in enumerate(owners) if not _all_finite(moments[2 * i : 2 * i + 2])]
+        bad = [p for i, p in enumerate(owners) if not all_finite(moments[2 * i : 2 * i + 2])]
         for p in bad:
-            self._reset_optimizer_state(p)
+            reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
         return len(bad)
 
     def _averaged_buffers(self) -> tuple[list[Tensor], list[Tensor]]:
@@ -339,7 +309,7 @@ class Synchronizer:
         floating = [b.detach().clone() for b in local]
         others = [b.detach().clone() for b in self.buffers if not b.is_floating_point()]
         self.comm.all_reduce_mean(floating, "buffers")
-        if not _all_finite(floating):
+        if not all_finite(floating):
             finite = [torch.isfinite(b) for b in local]
             sums = [torch.where(f, b, torch.zeros_like(b)) for f, b in zip(finite, local)]
             counts = [f.float() for f in finite]
@@ -347,7 +317,7 @@ class Synchronizer:
             floating = [torch.where(c > 0, s.float() / c.clamp(min=1e-30), b.float()).to(b.dtype)
                         for s, c, b in zip(sums, counts, local)]
             if self.comm.rank == 0:
-                left = "" if _all_finite(floating) else " Some values are non-finite on every worker and stay so."
+                left = "" if all_finite(floating) else " Some values are non-finite on every worker and stay so."
                 warnings.warn(f"LoRDO {self.comm.context}: module buffers are not finite on some worker; they are "
                               f"averaged over the workers where they are finite.{left}", RuntimeWarning, stacklevel=4)
         self.comm.broadcast(others, "buffers")
@@ -369,17 +339,17 @@ class Synchronizer:
         device = self.anchor[0].device if self.anchor else torch.device("cpu")
         flags = torch.zeros(n + world, device=device)
         for i, p in enumerate(self.params):
-            flags[i] = float(not _all_finite(_state_tensors(self.optimizer.state.get(p, {}))))
-        flags[n + self.comm.rank] = float(not _all_finite(a.float() - p.float() for a, p in zip(self.anchor,
+            flags[i] = float(not all_finite(state_tensors(self.optimizer.state.get(p, {}))))
+        flags[n + self.comm.rank] = float(not all_finite(a.float() - p.float() for a, p in zip(self.anchor,
                                                                                                   self.params)))
         self.comm.all_reduce_mean([flags], "fault_flags")
         # no collective below: commit
         host = (flags.cpu() > 0).tolist()
         bad_ranks = [r for r in range(world) if host[n + r]]
-        with _sigint_deferred():
+        with sigint_deferred():
             reset = [p for p, f in zip(self.params, host[:n]) if f]
             for p in reset:
-                self._reset_optimizer_state(p)
+                reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
             for p, a in zip(self.params, self.anchor):
                 p.copy_(a)
             self._commit_buffers(floating, others)
@@ -395,46 +365,6 @@ class Synchronizer:
             )
         return self._finish(start, 0.0, None, float("nan"), skipped=True,
                             extra={"reset_params": float(len(reset)), "bad_ranks": float(len(bad_ranks))})
-
-    def _reset_optimizer_state(self, p: Tensor) -> None:
-        """Fresh optimizer state for ``p`` (module docstring: what that means for LoRDO and other optimizers)."""
-        state = self.optimizer.state.get(p)
-        if not state:
-            return
-        if self.lordo is None and self._clear_to_reset:
-            state.clear()
-            return
-        for key, value in state.items():
-            if key == "basis":
-                continue
-            if isinstance(value, Tensor):
-                value.zero_()
-            elif key == "step" and isinstance(value, (int, float)):
-                state[key] = type(value)(0)
-
-    def _snapshot_lowrank_state(self) -> dict[Tensor, tuple[set[str], dict[str, Tensor]]]:
-        """What a round changes in the optimizer before its last collective (bases, moments, step counters)."""
-        lordo = self.lordo
-        if lordo is None:
-            return {}
-        snapshot = {}
-        for p in lordo.lowrank_params():
-            state = lordo.state.get(p, {})
-            clones = {k: v.clone() for k, v in state.items() if isinstance(v, Tensor) and k != "error_feedback"}
-            snapshot[p] = (set(state), clones)
-        return snapshot
-
-    def _restore_lowrank_state(self, snapshot: dict[Tensor, tuple[set[str], dict[str, Tensor]]]) -> None:
-        lordo = self.lordo
-        if lordo is None:
-            return
-        for p, (keys, clones) in snapshot.items():
-            state = lordo.state[p]
-            for key in [k for k in state if k not in keys]:  # created by this round (a first basis)
-                del state[key]
-            state.update(clones)
-            if not state:
-                del lordo.state[p]
 
     def _finish(
         self, start: float, basis_seconds: float, movement: Optional[float], norm: float, skipped: bool = False,
@@ -478,42 +408,3 @@ class Synchronizer:
         if self.lowrank_payload is not None:
             report.update(self.lowrank_payload.memory_report())
         return report
-
-
-def _all_finite(tensors: Iterable[Tensor]) -> bool:
-    """Whether every element of every tensor is finite (one host synchronization per device)."""
-    per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-    for t in tensors:
-        if t.is_floating_point() or t.is_complex():
-            per_device[t.device].append(torch.isfinite(t).all())
-    return all(bool(torch.stack(flags).all()) for flags in per_device.values())
-
-
-def _state_tensors(state: dict[str, Any]) -> list[Tensor]:
-    return [v for v in state.values() if isinstance(v, Tensor)]
-
-
-@contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Hold back Ctrl-C (SIGINT) while the block runs, then deliver it: the block's copies are never half done.
-
-    Only in the main thread (where Python handles signals) and when a Python-level handler is installed.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is None or previous is signal.SIG_IGN:
-        yield
-        return
-    received: list[Any] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            if callable(previous):
-                previous(signal.SIGINT, received[0])
-            else:  # SIG_DFL: let the default action happen
-                signal.raise_signal(signal.SIGINT)

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 
 from lightning_lordo import CollectiveTimeout, LoRDO, LoRDOStrategy, SyncConfig
 from lightning_lordo.accounting import CommAccountant, Communicator
-from lightning_lordo.sync import Synchronizer, _sigint_deferred
+from lightning_lordo.faults import sigint_deferred
+from lightning_lordo.sync import Synchronizer
 
 NAN = float("nan")
 
@@ -184,7 +185,7 @@ def test_an_exception_inside_a_sync_leaves_the_worker_as_before_and_a_retry_matc
 def test_sigint_is_held_back_until_the_commit_is_done() -> None:
     done = []
     with pytest.raises(KeyboardInterrupt):
-        with _sigint_deferred():
+        with sigint_deferred():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)  # the interrupt would land here without the deferral
             done.append(True)

@@ -1,0 +1,141 @@
+"""What the synchronization does with non-finite values and interruptions, and the helpers it uses for that.
+
+Non-finite values (NaN/Inf from a bad batch or an overflow, on any worker). The decision is taken from the
+*averaged* pseudo-gradients, which are identical on every worker (a NaN or Inf anywhere makes the average
+non-finite), so every worker takes the same branch without an extra message:
+
+* the round is discarded on every worker: no worker applies it, the anchor and the outer momentum stay as they
+  were, the parameters go back to the anchor, and :attr:`Synchronizer.skipped_syncs` counts it (the monitor
+  logs ``lordo/skipped_syncs``; rank 0 warns, naming the sync and the ranks that sent non-finite values);
+* a bad worker's optimizer state is usually non-finite too (a NaN gradient poisons Adam's moments, the error
+  feedback, the factored statistics, SGD's momentum buffer) and would poison every later step. One small
+  all-reduce of flags (purpose ``fault_flags``, only on this path) tells every worker, per parameter, whether
+  its optimizer state is non-finite on *any* worker; every worker then resets the state of exactly those
+  parameters. The reset is the same on all workers on purpose: step counters stay identical across workers
+  (LoRDO's bias corrections, its moment rotation and the seeds of randomized projections depend on them), and
+  the next moment average mixes fresh moments with fresh moments, not zeros with a good worker's history.
+  What a reset means:
+
+  - :class:`~lightning_lordo.LoRDO`: the basis is kept (it only ever comes from finite averaged
+    pseudo-gradients, identical on all workers); every other state tensor (low-rank or AdamW moments, error
+    feedback, factored statistics) is zeroed and the step counter restarts at 0, as with
+    ``transition="reset"``: zero moments with bias correction from step 1 are exactly fresh Adam moments. Keeping
+    the old step count with zeroed moments would be wrong: ``1 - beta2^t`` near 1 with a nearly empty second
+    moment inflates the next updates several-fold.
+  - any other optimizer (AdamW, SGD, ... in the ``diloco`` preset): the parameter's state is cleared, so the
+    optimizer initializes it afresh at its next step (``step`` 0, zero moments, no momentum buffer). An
+    optimizer whose state already existed when the synchronizer was built (eager initialization, e.g.
+    Adagrad) has its state tensors zeroed instead, keys kept.
+
+Floating buffers (e.g. BatchNorm statistics) never discard a round (a buffer non-finite on every worker, e.g.
+with one worker, would otherwise discard every later round): when their average is not finite (the same
+decision on every worker), they become the element-wise mean of the finite values across workers instead (one
+more all-reduce, only then), with a warning; a value non-finite on every worker stays as it is.
+
+Also: the first bases (``initial_basis="gradient"``) of a matrix whose averaged first gradient is non-finite come
+from a seeded random matrix (identical on all workers) instead, with a warning; and after a successful round, a
+low-rank matrix whose *averaged* moments are non-finite (an overflow with finite updates) has its state reset on
+every worker (identical inputs, so no message is needed).
+
+Interruptions: the copies that commit a round run with Ctrl-C (SIGINT) held back (:func:`sigint_deferred`), and a
+round that fails after the bases were installed puts the optimizer's low-rank state back
+(:func:`snapshot_lowrank_state`, :func:`restore_lowrank_state`).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_lordo.optim.lordo import LoRDO
+
+LowRankSnapshot = dict[Tensor, tuple[set[str], dict[str, Tensor]]]
+
+
+def all_finite(tensors: Iterable[Tensor]) -> bool:
+    """Whether every element of every tensor is finite (one host synchronization per device)."""
+    per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for t in tensors:
+        if (t.is_floating_point() or t.is_complex()) and t.numel():
+            per_device[t.device].append(torch.isfinite(t).all())
+    return all(bool(torch.stack(flags).all()) for flags in per_device.values())
+
+
+def state_tensors(state: dict[str, Any]) -> list[Tensor]:
+    return [v for v in state.values() if isinstance(v, Tensor)]
+
+
+def reset_optimizer_state(optimizer: Optimizer, p: Tensor, clear: bool) -> None:
+    """Fresh optimizer state for ``p`` (module docstring). ``clear``: drop the state so the optimizer initializes
+    it at its next step (torch's lazy optimizers); otherwise zero every tensor but a LoRDO basis, step included."""
+    state = optimizer.state.get(p)
+    if not state:
+        return
+    if clear:
+        state.clear()
+        return
+    for key, value in state.items():
+        if key == "basis":
+            continue
+        if isinstance(value, Tensor):
+            value.zero_()
+        elif key == "step" and isinstance(value, (int, float)):
+            state[key] = type(value)(0)
+
+
+def snapshot_lowrank_state(lordo: Optional[LoRDO]) -> LowRankSnapshot:
+    """What a round changes in the optimizer before its last collective (bases, moments, step counters)."""
+    if lordo is None:
+        return {}
+    snapshot = {}
+    for p in lordo.lowrank_params():
+        state = lordo.state.get(p, {})
+        clones = {k: v.clone() for k, v in state.items() if isinstance(v, Tensor) and k != "error_feedback"}
+        snapshot[p] = (set(state), clones)
+    return snapshot
+
+
+def restore_lowrank_state(lordo: Optional[LoRDO], snapshot: LowRankSnapshot) -> None:
+    if lordo is None:
+        return
+    for p, (keys, clones) in snapshot.items():
+        state = lordo.state[p]
+        for key in [k for k in state if k not in keys]:  # created by this round (a first basis)
+            del state[key]
+        state.update(clones)
+        if not state:
+            del lordo.state[p]
+
+
+@contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold back Ctrl-C (SIGINT) while the block runs, then deliver it: the block's copies are never half done.
+
+    Only in the main thread (where Python handles signals) and when a Python-level handler is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None or previous is signal.SIG_IGN:
+        yield
+        return
+    received: list[Any] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, received[0])
+            else:  # SIG_DFL: let the default action happen
+                signal.raise_signal(signal.SIGINT)
