@@ -27,7 +27,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, regression_data, trainer
+from strategy_helpers import (
+    TinyRegressor,
+    assert_identical,
+    flat_params,
+    gather,
+    loader,
+    lordo,
+    regression_data,
+    trainer,
+)
 from torch import Tensor, nn
 
 from lightning_lordo import CollectiveTimeout, LoRDO, LoRDOStrategy, SyncConfig
@@ -128,21 +137,6 @@ def _everything(model: nn.Module, opt: torch.optim.Optimizer, sync: Synchronizer
     }
 
 
-def _assert_same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, Tensor):
-        assert isinstance(b, Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a} != {b}"
-
-
 @pytest.mark.parametrize(("optimizer", "purpose", "error", "knobs"), [
     ("lordo", "pseudo_gradients", CollectiveTimeout("LoRDO sync 2: injected"), {}),
     ("lordo", "buffers", CollectiveTimeout("LoRDO sync 2: injected"), {"outer_optimizer": "nesterov"}),
@@ -175,11 +169,11 @@ def test_an_exception_inside_a_sync_leaves_the_worker_as_before_and_a_retry_matc
             sync.comm.armed = True
             with pytest.raises(type(error)):
                 sync.sync()
-            _assert_same(_everything(model, opt, sync), before, "state after the failed sync")
+            assert_identical(_everything(model, opt, sync), before, "state after the failed sync")
         report = sync.sync()  # the retry (the communicator works again), or the only try
         assert not report.skipped and report.index == 2
         results.append(_everything(model, opt, sync))
-    _assert_same(results[0], results[1], "after sync 2")
+    assert_identical(results[0], results[1], "after sync 2")
 
 
 def test_sigint_is_held_back_until_the_commit_is_done() -> None:
@@ -213,8 +207,8 @@ def test_non_finite_round_is_discarded_and_only_poisoned_state_is_reset(optimize
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert any("sync 2 (optimizer step 6)" in m and "rank(s) [0]" in m and "discarded" in m for m in messages), \
         messages
-    _assert_same([a.clone() for a in sync.anchor], anchor_before, "anchor")
-    _assert_same([p.detach().clone() for p in model.parameters()], anchor_before, "params")
+    assert_identical([a.clone() for a in sync.anchor], anchor_before, "anchor")
+    assert_identical([p.detach().clone() for p in model.parameters()], anchor_before, "params")
     state = opt.state[first]
     if optimizer == "lordo":
         assert torch.equal(state["basis"], basis_before) and torch.isfinite(state["basis"]).all()
@@ -603,7 +597,7 @@ class SyncFailure(L.Callback):
                 return original_sync()
             except BaseException as err:
                 after = _everything(module, sync.optimizer, sync)
-                _assert_same(after, before, "state after the failed sync")
+                assert_identical(after, before, "state after the failed sync")
                 (self.out / f"rollback{trainer.global_rank}.txt").write_text(type(err).__name__)
                 if isinstance(err, KeyboardInterrupt):  # torch's worker wrapper would swallow it: the parent
                     raise RuntimeError("KeyboardInterrupt inside sync 2") from err  # would then wait forever

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from strategy_helpers import TinyRegressor, lordo, regression_data, trainer
+from strategy_helpers import TinyRegressor, assert_identical, lordo, regression_data, trainer
 from torch.utils.data import DataLoader, Dataset
 
 STEPS_PER_EPOCH = 3  # 3 batches per epoch: checkpoints at epoch ends fall at steps 3, 6, 9, 12
@@ -76,21 +76,6 @@ def _fit(tmp_path: Path, tag: str, ckpt: Any = None, checkpoints: bool = False, 
             enable_checkpointing=checkpoints).fit(module, epoch_loader(), ckpt_path=ckpt)
 
 
-def _assert_identical(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), f"differs at {where}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"keys differ at {where}"
-        for key in a:
-            _assert_identical(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"lengths differ at {where}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{a!r} != {b!r} at {where}"
-
-
 @pytest.mark.parametrize("knobs", [{}, {"error_feedback": True, "outer_optimizer": "nesterov",
                                          "normalizer": "factored"}, {"payload": "lowrank", "payload_dtype": "int8"}],
                          ids=["default", "ef-nesterov-factored", "lowrank-int8-payload"])
@@ -107,7 +92,7 @@ def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: 
             for kind in ("local", "final"):
                 expected = torch.load(tmp_path / f"full_{kind}_rank{rank}.pt", weights_only=True)
                 resumed = torch.load(tmp_path / f"{tag}_{kind}_rank{rank}.pt", weights_only=True)
-                _assert_identical(resumed, expected, f"{tag}/{kind}/rank{rank}")
+                assert_identical(resumed, expected, f"{tag}/{kind}/rank{rank}")
 
 
 def test_mid_round_checkpoint_differs_per_rank_and_holds_the_synchronized_model(tmp_path: Path) -> None:
