@@ -31,10 +31,9 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
-import lightning_lordo
 from lightning_lordo import LoRDO, LoRDOStrategy
 from lightning_lordo.models import ByteDataModule, GPTLightningModule
-from lightning_lordo.strategy import full_rank_params
+from lightning_lordo.strategy import full_rank_params, track_step_calls
 
 METHODS = ("ddp", "lowrank_ddp", "diloco", "lordo_noqhm", "lordo_local", "lordo")
 ROOT = Path(__file__).resolve().parent
@@ -81,7 +80,7 @@ class BenchModule(GPTLightningModule):
         lordo = LoRDO(groups, rank=self.lowrank_rank, omega=1.0, full_rank=full_rank_params(self))
         scheduler = config["lr_scheduler"]["scheduler"]
         scheduler.optimizer = lordo
-        lightning_lordo.strategy._track_step_calls(lordo)
+        track_step_calls(lordo)
         return {"optimizer": lordo, "lr_scheduler": config["lr_scheduler"]}
 
 

@@ -33,7 +33,7 @@ LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 LONG_METHODS = ("ddp", "lowrank_ddp", "diloco", "lordo")
 
 
-def best_lrs(data_tag: str = "") -> dict[str, float]:
+def best_lrs() -> dict[str, float]:
     """Each method's LR with the lowest final validation loss in the ``lr-sweep`` part."""
     records = [r for r in load(RESULTS / "lr-sweep.jsonl") if "spec" in r]
     best: dict[str, tuple[float, float]] = {}

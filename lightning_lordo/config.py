@@ -14,7 +14,7 @@ Nothing is silently clamped.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
 from numbers import Real
 from typing import Any, Union
@@ -207,9 +207,6 @@ class SyncConfig:
                         "Pass e.g. timeout=timedelta(minutes=5).")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise _fail("seed", self.seed, "it must be an integer", "Pass e.g. seed=0.")
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def split_knobs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

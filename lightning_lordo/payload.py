@@ -64,8 +64,8 @@ Traffic model (bytes counted = bytes of the tensors this worker passes to the co
 An all-gather's volume grows with M: summing int8 across workers would overflow, so every worker receives every
 other worker's message. Against a float32 all-reduce (``8 (M-1)/M`` bytes per number on the wire), int8 wins for
 ``M < 8`` (about; ``(1 + 4/cols) < 8/M``) and a bfloat16 all-gather for ``M < 4``; at M = 2 a bfloat16 all-gather
-costs the same as a bfloat16 all-reduce. :func:`ring_allgather_seconds` is the wall-clock model of an all-gather
-(``accounting.ring_allreduce_seconds`` underestimates it by ``M / 2``); each round reports its bytes by collective
+costs the same as a bfloat16 all-reduce. ``accounting.ring_allreduce_seconds`` underestimates an all-gather by
+``M / 2``; each round reports its bytes by collective
 kind (``traffic``) so a caller can apply the right model.
 
 Typical use by a synchronizer (``deltas``: the low-rank matrices' pseudo-gradients, original orientation)::
@@ -206,13 +206,6 @@ def all_gather(comm: Any, flat: Tensor, purpose: str) -> tuple[Tensor, int]:
         counted += nbytes
         out[:, start:stop] = received.view(world, -1)
     return out, counted
-
-
-def ring_allgather_seconds(nbytes: float, workers: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
-    """Time of one ring all-gather of ``nbytes`` per worker: ``(M-1) * bytes/B + (M-1) * alpha``."""
-    if workers <= 1:
-        return 0.0
-    return (workers - 1) * nbytes / bandwidth_bytes_per_s + (workers - 1) * latency_s
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -450,10 +450,10 @@ def _repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> N
     for config in configs:
         repoint(config.scheduler)
     old.param_groups = new.param_groups
-    _track_step_calls(new)
+    track_step_calls(new)
 
 
-def _track_step_calls(optimizer: Optimizer) -> None:
+def track_step_calls(optimizer: Optimizer) -> None:
     """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does, so that re-pointed
     schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``."""
     import functools
