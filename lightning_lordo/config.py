@@ -167,7 +167,8 @@ class SyncConfig:
             (PowerSGD-style: ``r (a + b)`` numbers per low-rank matrix, two all-reduces, with per-worker
             sync-level error feedback; the new bases still come from the averaged pseudo-gradient).
         payload_dtype: ``"float32"``, ``"bfloat16"`` or ``"int8"`` (per-row scales, sent by all-gather), with
-            per-worker error feedback for the reduced precisions; applies to every pseudo-gradient message.
+            per-worker error feedback for the reduced precisions; applies to every pseudo-gradient message. The
+            averaged moments travel in :attr:`moments_dtype`.
         broadcast_bases: compute bases on rank 0 and broadcast them (a*r numbers per matrix) instead of
             relying on identical computation on every rank; use it on clusters with mixed hardware.
         timeout: timeout of every collective the plugin issues; a rank that does not answer in time makes
@@ -207,6 +208,14 @@ class SyncConfig:
                         "Pass e.g. timeout=timedelta(minutes=5).")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise _fail("seed", self.seed, "it must be an integer", "Pass e.g. seed=0.")
+
+    @property
+    def moments_dtype(self) -> str:
+        """The precision the averaged low-rank moments travel in: ``"bfloat16"`` whenever the payload is reduced
+        (``bfloat16`` or ``int8``), else ``"float32"``. Never int8: one scale per row cannot hold the range of
+        Adam's second moment (small entries would round to zero and blow up the step). Moments are state, not
+        updates, so they have no error feedback: bfloat16 perturbs each average by at most ``2^-8`` relative."""
+        return "float32" if self.payload_dtype == "float32" else "bfloat16"
 
 
 def split_knobs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

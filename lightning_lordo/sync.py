@@ -51,7 +51,7 @@ from lightning_lordo.faults import (
     state_tensors,
 )
 from lightning_lordo.optim.lordo import LoRDO
-from lightning_lordo.payload import LowRankPayload, QuantizedAverager
+from lightning_lordo.payload import LowRankPayload, QuantizedAverager, quantized_mean
 
 
 @dataclass
@@ -295,7 +295,12 @@ class Synchronizer:
             if "exp_avg" in state:
                 owners.append(p)
                 moments += [state["exp_avg"], state["exp_avg_sq"]]
-        self.comm.all_reduce_mean(moments, "moments")
+        if self.config.moments_dtype == "float32":
+            self.comm.all_reduce_mean(moments, "moments")
+        elif self.comm.world_size > 1:  # alone nothing is averaged: keep the moments as they are
+            averaged = quantized_mean(self.comm, moments, "moments", self.config.moments_dtype).means
+            for moment, mean in zip(moments, averaged):
+                moment.copy_(mean)
         bad = [p for i, p in enumerate(owners) if not all_finite(moments[2 * i : 2 * i + 2])]
         for p in bad:
             reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)

@@ -61,6 +61,14 @@ class PayloadBytes(L.Callback):
         if self.dtype == "int8":  # one float32 scale per row of each message
             expected += 4 * (lowrank_rows + rest_rows)
         assert strategy.accountant.totals["pseudo_gradients"] == self.syncs * expected
+        # the averaged moments travel in bfloat16 with a reduced payload (never int8), else in float32
+        moment_numbers = sum(optimizer.state[p][k].numel() for p in optimizer.lowrank_params()
+                             for k in ("exp_avg", "exp_avg_sq"))
+        moment_size = 4 if self.dtype == "float32" else 2
+        assert strategy.accountant.totals["moments"] == self.syncs * moment_numbers * moment_size
+        for p in optimizer.lowrank_params():  # averaged, so bitwise identical on both ranks
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(*gather(optimizer.state[p][key]))
         reports = strategy.sync_reports
         assert all(r.extra["sync_error_feedback_norm"] > 0 for r in reports)
         memory = strategy.synchronizer.memory_report()
