@@ -1,72 +1,37 @@
-r"""What travels at a synchronization: the compressed payload modes of SPEC §5, with error feedback.
+r"""The ``lowrank`` payload of SPEC §5 (PowerSGD-style), with per-worker sync-level error feedback.
 
-Pure tensor code and collectives, no Lightning. Every collective goes through a communicator passed in (a
-:class:`~lightning_lordo.accounting.Communicator` or anything with its ``world_size``, ``group``, ``accountant``,
-``all_reduce_mean`` and ``_run``), so it is counted (numel x itemsize of what this worker passes, per purpose) and
-bounded by the communicator's timeout. With one process nothing travels and nothing is counted, but the numerics
-are the same as with many (a payload is quantized, a low-rank payload is low-rank, whatever the world size).
+Pure tensor code and collectives, no Lightning; every collective goes through a communicator, counted and bounded
+by its timeout, as in :mod:`lightning_lordo.quantization` (which also holds the reduced-precision messages this
+payload can use). With one process nothing travels and nothing is counted, but the numerics are the same as with
+many (a low-rank payload is low-rank, a quantized one quantized, whatever the world size).
 
-Three pieces:
+:class:`LowRankPayload` works per matrix in the canonical orientation ``a x b`` (``a <= b``; a tall matrix is
+transposed), with a warm-started right factor ``R`` (``b x r``) and a per-worker sync-level error feedback ``e``
+(``a x b``, float32). One round, for all matrices together::
 
-* :func:`quantized_mean` — stateless: the float32 mean across workers of a list of tensors sent as ``float32``,
-  ``bfloat16`` or ``int8`` (per-row scales), plus what this worker effectively contributed (its dequantized
-  message), from which a caller keeps its own error feedback.
-* :class:`QuantizedAverager` — :func:`quantized_mean` with per-worker error feedback per tensor (for the ``full``
-  payload and for the full-rank parameters): ``x = t + e``; send ``quantize(x)``; ``e <- x - dequantize(...)``.
-* :class:`LowRankPayload` — the PowerSGD-style ``lowrank`` payload, per matrix in the canonical orientation
-  ``a x b`` (``a <= b``; a tall matrix is transposed), with a warm-started right factor ``R`` (``b x r``) and a
-  per-worker sync-level error feedback ``e`` (``a x b``, float32). One round, for all matrices together::
+    D_m <- D_m + e_m;  P_m = D_m R                 collective #1 (flattened, all matrices): P = mean_m P_m
+    Q = orth(P)  (QR, float32: identical on all ranks, P being identical)
+    B_m = Q^T D_m                                  collective #2 (flattened, all matrices): B = mean_m B_m
+    applied update Q B;  e_m <- D_m - Q B_m;  R <- orth(B^T)
 
-      D_m <- D_m + e_m;  P_m = D_m R                 collective #1 (flattened, all matrices): P = mean_m P_m
-      Q = orth(P)  (QR, float32: identical on all ranks, P being identical)
-      B_m = Q^T D_m                                  collective #2 (flattened, all matrices): B = mean_m B_m
-      applied update Q B;  e_m <- D_m - Q B_m;  R <- orth(B^T)
+The collectives are all-reduces (all-gathers for ``int8``, or with ``reduction="all_gather"``). Traffic
+``r (a + b)`` numbers per matrix instead of ``a b``, each message priced as in the traffic model of
+:mod:`lightning_lordo.quantization` for its ``payload_dtype``. ``Q`` is the new basis computed from the averaged
+pseudo-gradient (one warm-started subspace iteration), to be installed in the optimizer. With ``r = a`` the applied
+update is the exact average. The P and B messages can be quantized too: the B error is absorbed by ``e``
+(``e_m = D_m - Q dequantize(B_m)``), the P error only perturbs the basis (``Q`` is still identical on all ranks and
+the error-feedback identity still holds for any ``Q``), so P needs no error feedback of its own — and could not
+have one: ``R`` changes every round, so last round's P error is not in this round's coordinates.
 
-  The collectives are all-reduces (all-gathers for ``int8``, or with ``reduction="all_gather"``). Traffic
-  ``r (a + b)`` numbers per matrix instead of ``a b``. ``Q`` is the new basis computed from the averaged
-  pseudo-gradient (one warm-started subspace iteration), to be installed in the optimizer. With ``r = a`` the
-  applied update is the exact average. The P and B messages can be quantized too (``payload_dtype``): the B error
-  is absorbed by ``e`` (``e_m = D_m - Q dequantize(B_m)``), the P error only perturbs the basis (``Q`` is still
-  identical on all ranks and the error-feedback identity below still holds for any ``Q``), so P needs no error
-  feedback of its own — and could not have one: ``R`` changes every round, so last round's P error is not in this
-  round's coordinates.
-
-Error feedback identity. Write ``s_m`` for what worker m effectively sent (its dequantized message; ``Q B_m`` for
-the low-rank payload). If the reduction averages the ``s_m`` exactly (float32 all-reduce, or any all-gather), the
-applied update is ``mean_m s_m = mean_m (D_m + e_m^old - e_m^new)``, so after T rounds::
-
-    sum_t (true average of D) - sum_t (applied) = mean_m e_m      (the current error feedback, exactly)
-
-Nothing is dropped for good: the gap is bounded by the error-feedback norm, not by T. A ``bfloat16`` all-reduce
-breaks exactness slightly: the backend returns the *sum* in bfloat16, rounded (checked on gloo, torch 2.13, where a
-bfloat16 all-reduce works; NCCL also keeps its partial sums in the payload dtype, not checked here), and that
-rounding (at most ``2^-8`` of the partial sums per addition, ``M - 1`` additions in a ring) belongs to no worker,
-so no error feedback can return it. It is small and, rounding to nearest, typically without bias, but it adds up
-like a random walk over the rounds. ``reduction="all_gather"`` makes bfloat16 exact again (each worker sums the
-gathered bfloat16 payloads in float32, in rank order), at the all-gather's cost (below).
+Error feedback identity (as in :mod:`lightning_lordo.quantization`, with ``s_m = Q B_m`` what worker m effectively
+sent): after T rounds, the sum of the true averages of D minus the sum of the applied updates is ``mean_m e_m``,
+exactly for float32 and all-gathers, so nothing is dropped for good.
 
 Transactions. ``reduce`` never changes the payload's state: it returns a round (the averages, the bases, the new
 state pending), and ``commit(round)`` installs the new state once the caller's whole synchronization succeeded. A
 round whose averaged values are not finite (NaN/Inf on any worker makes every worker's average non-finite, so all
 ranks agree without a message) has ``finite=False`` and its ``commit`` is a no-op: neither ``e`` nor ``R`` moves.
-The low-rank payload skips its second all-reduce when the averaged P is already non-finite (all ranks do).
-``int8`` cannot carry NaN/Inf: a row with a non-finite element is sent with a NaN scale, so it stays detectable.
-
-Traffic model (bytes counted = bytes of the tensors this worker passes to the collective; M workers)::
-
-    mode                      counted per worker          on the wire per worker (ring)      collectives
-    float32 all-reduce        4 n                         2 (M-1)/M * 4 n                     1
-    bfloat16 all-reduce       2 n                         2 (M-1)/M * 2 n                     1
-    bfloat16 all-gather       2 n                         (M-1) * 2 n   (sent and received)   1
-    int8 all-gather           n + 4 rows                  (M-1) * (n + 4 rows)                1
-    lowrank                   r (a + b) per matrix x the above                                2
-
-An all-gather's volume grows with M: summing int8 across workers would overflow, so every worker receives every
-other worker's message. Against a float32 all-reduce (``8 (M-1)/M`` bytes per number on the wire), int8 wins for
-``M < 8`` (about; ``(1 + 4/cols) < 8/M``) and a bfloat16 all-gather for ``M < 4``; at M = 2 a bfloat16 all-gather
-costs the same as a bfloat16 all-reduce. ``accounting.ring_allreduce_seconds`` underestimates an all-gather by
-``M / 2``; each round reports its bytes by collective
-kind (``traffic``) so a caller can apply the right model.
+The second collective is skipped when the averaged P is already non-finite (on all ranks alike).
 
 Typical use by a synchronizer (``deltas``: the low-rank matrices' pseudo-gradients, original orientation)::
 
@@ -83,339 +48,16 @@ Typical use by a synchronizer (``deltas``: the low-rank matrices' pseudo-gradien
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_lordo.faults import all_finite
 from lightning_lordo.optim.projection import random_basis
-
-PAYLOAD_DTYPES = ("float32", "bfloat16", "int8")
-REDUCTIONS = ("auto", "all_reduce", "all_gather")
-INT8_LEVELS = 127  # symmetric: q in [-127, 127]
-_CHUNK_BYTES = 128 * 1024 * 1024  # at most this many bytes of this worker's payload per collective call
-
-# the name changed in torch 2.x; all_gather_into_tensor warns (deprecated) in recent versions
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Quantization (pure)
-# ---------------------------------------------------------------------------------------------------------------
-def rows_view(x: Tensor) -> Tensor:
-    """``x`` as a 2-D matrix of rows, each row getting its own int8 scale.
-
-    0-D and 1-D tensors are one row; higher-dimensional ones are ``x.shape[0]`` rows (e.g. one per output unit of
-    a weight, one per token of an embedding)."""
-    if x.dim() <= 1:
-        return x.reshape(1, -1)
-    return x.reshape(x.shape[0], -1)
-
-
-def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 quantization with one float32 scale per row (:func:`rows_view`).
-
-    ``scale = max|row| / 127`` (0 for a zero row), ``q = round(row / scale)`` clamped to ``[-127, 127]``, so the
-    round-trip error of every element is at most ``scale / 2`` (plus float32 rounding). A row holding NaN or Inf
-    gets a NaN scale and zeros in ``q``: int8 cannot carry non-finite values, the scale keeps them detectable.
-
-    Returns:
-        ``q`` (int8, ``rows x cols``) and ``scales`` (float32, ``rows``).
-    """
-    rows = rows_view(x.float())
-    if rows.shape[1] == 0:
-        return torch.zeros(rows.shape, dtype=torch.int8, device=x.device), torch.zeros(rows.shape[0],
-                                                                                      device=x.device)
-    finite = torch.isfinite(rows).all(dim=1)
-    scales = torch.where(finite, rows.abs().amax(dim=1) / INT8_LEVELS, torch.full_like(finite, math.nan,
-                                                                                        dtype=torch.float32))
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # zero rows (and NaN scales): divide by 1
-    scaled = torch.where(finite[:, None], rows / safe[:, None], torch.zeros((), device=rows.device))
-    q = scaled.round_().clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
-    return q, scales
-
-
-def dequantize_int8(q: Tensor, scales: Tensor, shape: Optional[Sequence[int]] = None) -> Tensor:
-    """float32 ``q * scale`` per row, reshaped to ``shape`` when given (the inverse of :func:`quantize_int8`)."""
-    out = q.float() * scales[:, None]
-    return out.reshape(tuple(shape)) if shape is not None else out
-
-
-def round_trip(x: Tensor, payload_dtype: str) -> Tensor:
-    """What a receiver reconstructs (float32) from ``x`` sent as ``payload_dtype``."""
-    _check_dtype(payload_dtype)
-    if payload_dtype == "float32":
-        return x.float()
-    if payload_dtype == "bfloat16":
-        return x.to(torch.bfloat16).float()
-    q, scales = quantize_int8(x)
-    return dequantize_int8(q, scales, x.shape)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Counted collectives missing from the Communicator (all-reduce *sum* in the payload dtype, all-gather)
-# ---------------------------------------------------------------------------------------------------------------
-def _run(comm: Any, issue: Any, purpose: str, op: str, device: torch.device) -> None:
-    """One collective through the communicator's timeout and failure handling (``Communicator._run``)."""
-    comm._run(issue, purpose, op, device)
-
-
-def _chunks(flat: Tensor) -> list[tuple[int, int]]:
-    step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
-    return [(start, min(start + step, flat.numel())) for start in range(0, flat.numel(), step)]
-
-
-def all_reduce_sum(comm: Any, flat: Tensor, purpose: str) -> int:
-    """Sum the 1-D contiguous ``flat`` across workers in place, in its own dtype (a bfloat16 sum is rounded to
-    bfloat16 by the backend). Counted: ``numel x itemsize`` per call. Returns the bytes counted (0 alone)."""
-    if comm.world_size == 1:
-        return 0
-    counted = 0
-    for start, stop in _chunks(flat):
-        piece = flat[start:stop]
-        _run(comm, partial(dist.all_reduce, piece, group=comm.group, async_op=True), purpose, "all_reduce",
-             piece.device)
-        nbytes = piece.numel() * piece.element_size()
-        comm.accountant.add(purpose, nbytes)
-        counted += nbytes
-    return counted
-
-
-def all_gather(comm: Any, flat: Tensor, purpose: str) -> tuple[Tensor, int]:
-    """Every worker's copy of the 1-D ``flat`` (same size on all workers), as a ``world x numel`` tensor whose row
-    ``k`` is rank ``k``'s. Counted: what this worker passes, ``numel x itemsize`` (it receives ``world - 1`` times
-    as much). Returns the gathered tensor and the bytes counted (0 alone)."""
-    world = comm.world_size
-    if world == 1:
-        return flat.reshape(1, -1), 0
-    out = torch.empty(world, flat.numel(), dtype=flat.dtype, device=flat.device)
-    counted = 0
-    for start, stop in _chunks(flat):
-        piece = flat[start:stop].contiguous()
-        received = torch.empty(world * piece.numel(), dtype=flat.dtype, device=flat.device)
-        issue = partial(_all_gather_single, received, piece, group=comm.group, async_op=True)
-        _run(comm, issue, purpose, "all_gather", piece.device)
-        nbytes = piece.numel() * piece.element_size()
-        comm.accountant.add(purpose, nbytes)
-        counted += nbytes
-        out[:, start:stop] = received.view(world, -1)
-    return out, counted
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Stateless quantized mean
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class QuantizedMean:
-    """Result of :func:`quantized_mean`.
-
-    Attributes:
-        means: float32 averages across workers, shaped as the inputs; identical on all ranks.
-        sent: float32, what this worker effectively contributed (its dequantized message), shaped as the inputs.
-        traffic: bytes counted, by collective kind (``"all_reduce"``, ``"all_gather"``); empty alone.
-    """
-
-    means: list[Tensor]
-    sent: list[Tensor]
-    traffic: dict[str, int] = field(default_factory=dict)
-
-
-def resolve_reduction(payload_dtype: str, reduction: str) -> str:
-    """The collective a ``payload_dtype`` uses: ``auto`` is an all-reduce for float32 and bfloat16 and an
-    all-gather for int8 (an int8 sum overflows, so ``int8`` with ``all_reduce`` is refused)."""
-    _check_dtype(payload_dtype)
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"Invalid reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}.")
-    if reduction == "auto":
-        return "all_gather" if payload_dtype == "int8" else "all_reduce"
-    if payload_dtype == "int8" and reduction == "all_reduce":
-        raise ValueError("Invalid reduction='all_reduce' with payload_dtype='int8': an int8 sum across workers "
-                         "overflows. Use reduction='all_gather' (or 'auto').")
-    return reduction
-
-
-def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_dtype: str = "float32",
-                   reduction: str = "auto") -> QuantizedMean:
-    """The float32 mean across workers of ``tensors`` sent as ``payload_dtype``, in one flattened collective.
-
-    The inputs are not modified. All ranks must pass tensors of the same shapes, in the same order.
-
-    * ``float32`` all-reduce: ``comm.all_reduce_mean`` on copies (exact mean of the float32 inputs).
-    * ``bfloat16`` all-reduce: the inputs rounded to bfloat16, summed by the backend in bfloat16, divided by the
-      world size in float32. The sum's own rounding is in no worker's ``sent`` (module docstring).
-    * any all-gather (``bfloat16``, ``int8``: per-row float32 scales and int8 values in one byte buffer;
-      ``float32``): every worker dequantizes every worker's message and sums them in float32 in rank order, so
-      ``means`` is exactly (up to float32 summation) ``mean_k sent_k`` and bitwise identical on all ranks.
-
-    Args:
-        comm: the communicator (counted, timeout-bounded collectives).
-        tensors: the local tensors (any floating dtype; used as float32).
-        purpose: the accounting purpose (e.g. ``"pseudo_gradients"``).
-        payload_dtype: ``"float32"``, ``"bfloat16"`` or ``"int8"``.
-        reduction: ``"auto"``, ``"all_reduce"`` or ``"all_gather"`` (:func:`resolve_reduction`).
-
-    Raises:
-        CollectiveTimeout: from the communicator, when a collective fails or times out.
-    """
-    how = resolve_reduction(payload_dtype, reduction)
-    xs = [t.detach().float() for t in tensors]
-    shapes = [x.shape for x in xs]
-    if not xs:
-        return QuantizedMean([], [], {})
-    world = comm.world_size
-    if payload_dtype == "float32" and how == "all_reduce":
-        means = [x.clone() for x in xs]
-        comm.all_reduce_mean(means, purpose)
-        traffic = {"all_reduce": sum(x.numel() * 4 for x in xs)} if world > 1 else {}
-        return QuantizedMean(means, xs, traffic)
-
-    if payload_dtype == "int8":
-        packed = [quantize_int8(x) for x in xs]
-        sent = [dequantize_int8(q, s, shape) for (q, s), shape in zip(packed, shapes)]
-        # one byte buffer: all scales (float32 reinterpreted as 4 bytes each), then all values
-        message = torch.cat([s.reshape(-1).view(torch.int8) for _, s in packed] + [q.reshape(-1) for q, _ in packed])
-        gathered, nbytes = all_gather(comm, message, purpose)
-        layout = [(q.shape, s.numel()) for q, s in packed]
-        total: Optional[list[Tensor]] = None
-        for k in range(gathered.shape[0]):
-            decoded = _decode_int8(gathered[k], layout, shapes)
-            total = decoded if total is None else [acc.add_(d) for acc, d in zip(total, decoded)]
-        assert total is not None
-        means = [acc.div_(world) for acc in total] if world > 1 else sent
-        return QuantizedMean(means, sent, {"all_gather": nbytes} if nbytes else {})
-
-    wire_dtype = torch.bfloat16 if payload_dtype == "bfloat16" else torch.float32
-    flat = torch.cat([x.reshape(-1) for x in xs]).to(wire_dtype)
-    sent = _split(flat.float(), shapes)
-    if world == 1:
-        return QuantizedMean(sent, sent, {})
-    if how == "all_reduce":
-        nbytes = all_reduce_sum(comm, flat, purpose)
-        means = _split(flat.float().div_(world), shapes)
-        return QuantizedMean(means, sent, {"all_reduce": nbytes})
-    gathered, nbytes = all_gather(comm, flat, purpose)
-    acc = gathered[0].float()
-    for k in range(1, world):
-        acc.add_(gathered[k].float())
-    return QuantizedMean(_split(acc.div_(world), shapes), sent, {"all_gather": nbytes})
-
-
-def _decode_int8(row: Tensor, layout: list[tuple[torch.Size, int]], shapes: list[torch.Size]) -> list[Tensor]:
-    n_scales = sum(n for _, n in layout)
-    scales_all = row[: 4 * n_scales].clone().view(torch.float32)
-    offset_s, offset_q = 0, 4 * n_scales
-    out = []
-    for (q_shape, n), shape in zip(layout, shapes):
-        numel = math.prod(q_shape)
-        q = row[offset_q : offset_q + numel].reshape(q_shape)
-        out.append(dequantize_int8(q, scales_all[offset_s : offset_s + n], shape))
-        offset_s += n
-        offset_q += numel
-    return out
-
-
-def _split(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
-    out, offset = [], 0
-    for shape in shapes:
-        numel = math.prod(shape)
-        out.append(flat[offset : offset + numel].reshape(shape))
-        offset += numel
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Error feedback on a list of tensors
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class AverageRound:
-    """One round of :class:`QuantizedAverager` (nothing of the averager changed yet: see ``commit``).
-
-    Attributes:
-        finite: whether every average is finite (identical on all ranks); if not, ``commit`` is a no-op.
-        averaged: the float32 averages, shaped as the inputs.
-        traffic: bytes counted, by collective kind.
-        errors: the error feedback ``commit`` installs (``None``: none kept, float32 payloads).
-    """
-
-    finite: bool
-    averaged: list[Tensor]
-    traffic: dict[str, int]
-    errors: Optional[list[Tensor]]
-    version: int = -1
-
-
-class QuantizedAverager:
-    """The mean across workers of a list of tensors, sent as ``payload_dtype``, with per-worker error feedback.
-
-    Each round: ``x_i = t_i + e_i``; send ``x_i`` quantized; ``e_i <- x_i - dequantize(quantize(x_i))``. The error
-    feedback is kept per tensor (by position in the list, float32, same shape) for ``bfloat16`` and ``int8``; a
-    ``float32`` payload is exact and keeps none.
-
-    Args:
-        payload_dtype: ``"float32"``, ``"bfloat16"`` or ``"int8"``.
-        reduction: ``"auto"``, ``"all_reduce"`` or ``"all_gather"`` (:func:`resolve_reduction`).
-    """
-
-    def __init__(self, payload_dtype: str = "float32", reduction: str = "auto") -> None:
-        resolve_reduction(payload_dtype, reduction)
-        self.payload_dtype = payload_dtype
-        self.reduction = reduction
-        self._errors: Optional[list[Tensor]] = None
-        self._version = 0
-
-    def reduce(self, comm: Any, tensors: Sequence[Tensor], purpose: str) -> AverageRound:
-        """Average ``tensors`` (with this worker's error feedback added) across workers; change nothing here.
-
-        Raises:
-            ValueError: the tensors do not match the shapes of the error feedback kept so far.
-            CollectiveTimeout: from the communicator.
-        """
-        xs = [t.detach().float().clone() for t in tensors]
-        if self._errors is not None:
-            if [e.shape for e in self._errors] != [x.shape for x in xs]:
-                raise ValueError("QuantizedAverager.reduce: the tensors' shapes "
-                                 f"{[tuple(x.shape) for x in xs]} differ from those of the error feedback "
-                                 f"{[tuple(e.shape) for e in self._errors]}; pass the same list every round.")
-            for x, e in zip(xs, self._errors):
-                x.add_(e.to(x.device))
-        result = quantized_mean(comm, xs, purpose, self.payload_dtype, self.reduction)
-        errors = None if self.payload_dtype == "float32" else [x.sub_(s) for x, s in zip(xs, result.sent)]
-        return AverageRound(all_finite(result.means), result.means, result.traffic, errors, self._version)
-
-    def commit(self, result: AverageRound) -> None:
-        """Install the round's error feedback (a no-op for a non-finite round).
-
-        Raises:
-            RuntimeError: ``result`` is not this averager's latest round (stale, or already committed).
-        """
-        _check_version(result.version, self._version, "QuantizedAverager")
-        self._version += 1
-        if result.finite:
-            self._errors = result.errors
-
-    def error_norm(self) -> float:
-        """The L2 norm of this worker's error feedback, over all tensors (0 when none)."""
-        return _norm(self._errors or [])
-
-    def state_dict(self) -> dict[str, list[Tensor]]:
-        """Tensors only: ``{"errors": [...]}`` (empty when none is kept)."""
-        return {"errors": [e.clone() for e in self._errors or []]}
-
-    def load_state_dict(self, state: dict[str, list[Tensor]]) -> None:
-        """Restore :meth:`state_dict` (the shapes are checked at the next :meth:`reduce`)."""
-        errors = state["errors"]
-        self._errors = [e.detach().float().clone() for e in errors] if errors else None
-        self._version += 1  # a round reduced before loading must not be committed over the loaded state
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of this worker's error feedback (a synchronization buffer, SPEC §8)."""
-        return {"payload_error_feedback": sum(e.numel() * e.element_size() for e in self._errors or [])}
+from lightning_lordo.quantization import check_latest_round, quantized_mean, resolve_reduction, total_norm
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -524,7 +166,7 @@ class LowRankPayload:
         Raises:
             RuntimeError: ``result`` is not this payload's latest round (stale, or already committed).
         """
-        _check_version(result.version, self._version, "LowRankPayload")
+        check_latest_round(result.version, self._version, "LowRankPayload")
         self._version += 1
         if not result.finite:
             return
@@ -535,7 +177,7 @@ class LowRankPayload:
     # ------------------------------------------------------------------ state
     def error_norm(self) -> float:
         """The L2 norm of this worker's sync-level error feedback, over all matrices (for the monitor)."""
-        return _norm(self._errors)
+        return total_norm(self._errors)
 
     def state_dict(self) -> dict[str, list[Tensor]]:
         """Tensors only: ``{"errors": [e per matrix], "right": [R per matrix]}`` (empty before the first round;
@@ -575,7 +217,7 @@ class LowRankPayload:
     def traffic_bytes(shapes: Sequence[Sequence[int]], ranks: Sequence[int], payload_dtype: str = "float32") -> int:
         """Bytes this worker passes to the collectives in one (finite) round: ``r (a + b)`` numbers per matrix,
         plus ``2 r`` float32 scales for ``int8``."""
-        _check_dtype(payload_dtype)
+        resolve_reduction(payload_dtype, "auto")
         total = 0
         for shape, r in zip(shapes, ranks):
             numbers = r * (shape[0] + shape[1])
@@ -613,17 +255,6 @@ class LowRankPayload:
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------------------
-def _check_dtype(payload_dtype: str) -> None:
-    if payload_dtype not in PAYLOAD_DTYPES:
-        raise ValueError(f"Invalid payload_dtype={payload_dtype!r}: choose one of {', '.join(PAYLOAD_DTYPES)}.")
-
-
-def _check_version(got: int, expected: int, owner: str) -> None:
-    if got != expected:
-        raise RuntimeError(f"{owner}.commit: this round is not the latest one reduced (already committed, or "
-                           "reduced before a later round or a load_state_dict); reduce again.")
-
-
 def _is_tall(t: Tensor) -> bool:
     return t.shape[0] > t.shape[1]
 
@@ -636,9 +267,3 @@ def _canonical(t: Tensor) -> Tensor:
 def _orthonormalize(y: Tensor) -> Tensor:
     # Householder QR: orthonormal columns even when y is rank-deficient (or zero), deterministic for a given y
     return torch.linalg.qr(y.float(), mode="reduced").Q
-
-
-def _norm(tensors: Sequence[Tensor]) -> float:
-    if not tensors:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))

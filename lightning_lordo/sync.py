@@ -51,7 +51,8 @@ from lightning_lordo.faults import (
     state_tensors,
 )
 from lightning_lordo.optim.lordo import LoRDO
-from lightning_lordo.payload import LowRankPayload, QuantizedAverager, quantized_mean
+from lightning_lordo.payload import LowRankPayload
+from lightning_lordo.quantization import QuantizedAverager, quantized_mean
 
 
 @dataclass
