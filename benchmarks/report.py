@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 from harness import METHODS, ROOT, load
+from quality import PAYLOAD_STEPS, PAYLOAD_TOLERANCE
 from rich.console import Console
 from rich.table import Table
 
@@ -90,21 +91,63 @@ ABLATION_COLUMNS = ["variant (LoRDO unless named)", "val loss", "sent / worker",
                     "term ratio"]
 
 
-PAYLOAD_COLUMNS = ["payload", "dtype", "val loss", "vs full float32", "pseudo-gradient bytes / worker",
-                   "full float32 / this", "sync buffers"]
+PAYLOAD_COLUMNS = ["payload", "dtype", "steps", "seeds", "val loss", "vs full float32", "pseudo-gradient bytes",
+                   "full / this", "moment bytes", "all bytes / worker", "full / this (all)"]
+
+
+def _payload_groups() -> dict[tuple[str, str, int], list[dict[str, Any]]]:
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for part in ("payload", "payload-budget"):
+        for r in _runs(part):
+            knobs = r["spec"]["knobs"]
+            groups[(knobs["payload"], knobs["payload_dtype"], r["spec"]["steps"])].append(r)
+    return groups
+
+
+def _mean_of(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.fmean(r["bytes_by_purpose"].get(key, 0) for r in runs)
 
 
 def payload_rows() -> list[list[str]]:
-    runs = _runs("payload")
-    base = next(r for r in runs if r["spec"]["knobs"] == {"payload": "full", "payload_dtype": "float32"})
-    base_bytes = base["bytes_by_purpose"]["pseudo_gradients"]
+    """Every payload and step budget: mean ± std over seeds; ratios against full/float32 at 640 steps."""
+    groups = _payload_groups()
+    base = groups[("full", "float32", PAYLOAD_STEPS)]
+    base_loss = statistics.fmean(r["final_val_loss"] for r in base)
+    base_pg, base_all = _mean_of(base, "pseudo_gradients"), statistics.fmean(r["bytes_sent"] for r in base)
     rows = []
-    for r in runs:
-        knobs = r["spec"]["knobs"]
-        sent = r["bytes_by_purpose"]["pseudo_gradients"]
-        rows.append([knobs["payload"], knobs["payload_dtype"], f"{r['final_val_loss']:.4f}",
-                     f"{100 * (r['final_val_loss'] / base['final_val_loss'] - 1):+.2f} %", _mb(sent),
-                     f"{base_bytes / sent:.1f}x", _mb(sum(r["sync_memory"].values()))])
+    for (payload, dtype, steps), runs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0])):
+        loss, loss_sd = _mean_std([r["final_val_loss"] for r in runs])
+        pg, sent = _mean_of(runs, "pseudo_gradients"), statistics.fmean(r["bytes_sent"] for r in runs)
+        rows.append([payload, dtype, str(steps), str(len(runs)), f"{loss:.4f} ± {loss_sd:.4f}",
+                     f"{100 * (loss / base_loss - 1):+.2f} %", _mb(pg), f"{base_pg / pg:.1f}x",
+                     _mb(_mean_of(runs, "moments")), _mb(sent), f"{base_all / sent:.2f}x"])
+    return rows
+
+
+ISO_COLUMNS = ["payload", "dtype", "fewest steps reaching the target", "val loss there", "all bytes / worker",
+               "full / this (all)", "target met (<= target, >= 4x)"]
+
+
+def payload_iso_loss() -> list[list[str]]:
+    """The issue's target: the fewest measured steps (640, then the budgets) at which a payload's mean loss is
+    within 1 % of full/float32's at 640 steps, and its bytes there (everything counted) against full's."""
+    groups = _payload_groups()
+    base = groups[("full", "float32", PAYLOAD_STEPS)]
+    target = (1 + PAYLOAD_TOLERANCE) * statistics.fmean(r["final_val_loss"] for r in base)
+    base_all = statistics.fmean(r["bytes_sent"] for r in base)
+    rows = []
+    for payload, dtype in sorted({(p, d) for p, d, _ in groups}):
+        budgets = sorted(steps for p, d, steps in groups if (p, d) == (payload, dtype))
+        reached = next((s for s in budgets if statistics.fmean(r["final_val_loss"] for r in
+                                                               groups[(payload, dtype, s)]) <= target), None)
+        if reached is None:
+            rows.append([payload, dtype, f"not within {budgets[-1]}", "-", "-", "-", "no"])
+            continue
+        runs = groups[(payload, dtype, reached)]
+        sent = statistics.fmean(r["bytes_sent"] for r in runs)
+        ratio = base_all / sent
+        rows.append([payload, dtype, str(reached), f"{statistics.fmean(r['final_val_loss'] for r in runs):.4f} "
+                     f"(target {target:.4f})", _mb(sent), f"{ratio:.2f}x", "yes" if ratio >= 4 else "no"])
     return rows
 
 
@@ -198,7 +241,11 @@ def main() -> int:
                         ("wikitext", "WikiText-2 (validation split as corpus)"), ("quick", "Quick mode")):
         section(title, MAIN_COLUMNS, main_table(part) if _runs(part) else [])
     section("Ablations", ABLATION_COLUMNS, ablation_rows() if _runs("ablations") else [])
-    section("Payloads (LoRDO, same runs otherwise)", PAYLOAD_COLUMNS, payload_rows() if _runs("payload") else [])
+    if _runs("payload"):
+        section("Payloads (LoRDO, K = 16, rank 8; ratios against full/float32 at 640 steps)", PAYLOAD_COLUMNS,
+                payload_rows())
+        section("Payloads at equal validation loss (within 1 % of full/float32 at 640 steps)", ISO_COLUMNS,
+                payload_iso_loss())
     section("Modelled time to target (M = 4, ring all-reduce, 50 µs per hop)",
             ["method", "target loss", "step reached", *(f"time at {k}" for k in LINKS)], time_to_target())
     figures("main")
