@@ -81,6 +81,48 @@ def test_lowrank_payload_sends_what_it_counts_and_keeps_error_feedback(dtype: st
             max_steps=12).fit(TinyRegressor(), loader())
 
 
+class LowRankSyncChecker(L.Callback):
+    """After every sync: each low-rank matrix's basis is bitwise identical on both ranks, and the averaged update
+    applied to the anchor (outer step "average") lies in the span of that basis, i.e. the optimizer's new basis
+    is the payload's Q, computed from the averaged P."""
+
+    def __init__(self) -> None:
+        self.syncs_seen, self.anchor, self.checked = 0, None, 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        sync = trainer.strategy.synchronizer
+        if sync.syncs_done == self.syncs_seen:
+            return
+        self.syncs_seen = sync.syncs_done
+        anchor = {p: a.clone() for p, a in zip(sync.params, sync.anchor)}
+        if self.anchor is not None:
+            for p in sync.optimizer.lowrank_params():
+                basis = sync.optimizer.state[p]["basis"]
+                assert torch.equal(*gather(basis))
+                update = self.anchor[p] - anchor[p]
+                update = update.mT if p.shape[0] > p.shape[1] else update
+                outside = update - basis @ (basis.mT @ update)
+                assert outside.norm() <= 1e-5 * update.norm(), (outside.norm(), update.norm())
+                self.checked += 1
+        self.anchor = anchor
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        assert self.checked >= 4  # two matrices at two syncs at least
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_lowrank_payload_installs_the_averaged_basis_on_every_rank(tmp_path: Path, dtype: str) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    csv = CSVLogger(tmp_path, name="csv", version=0)
+    trainer(lordo(sync_every=3, payload="lowrank", payload_dtype=dtype), callbacks=[LowRankSyncChecker()],
+            logger=csv, max_steps=12).fit(TinyRegressor(), loader())
+    header, *rows = (Path(csv.log_dir) / "metrics.csv").read_text().splitlines()
+    column = header.split(",").index("lordo/sync_error_feedback_norm")
+    norms = [float(r.split(",")[column]) for r in rows if r.split(",")[column]]
+    assert len(norms) == 4 and all(n > 0 for n in norms)  # 3 syncs + the final one, each with something kept
+
+
 class ReducedPrecision(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         strategy = trainer.strategy
