@@ -193,7 +193,8 @@ def provenance(command: str) -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                                 check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "lightning_lordo", "benchmarks"],
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "lightning_lordo", "benchmarks",
+                                     ":!benchmarks/results"],
                                     capture_output=True, text=True, cwd=ROOT).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = "unknown", True
