@@ -13,8 +13,8 @@ Parts (times measured on the project's 2-core machine, 4 worker processes):
 * ``payload``: LoRDO with the ``full`` and ``lowrank`` payloads in float32, bfloat16 and int8, at LoRDO's best LR,
   3 seeds (18 runs, about 13 minutes).
 * ``payload-budget``: the payloads of ``payload`` whose mean loss is more than 1 % above ``full``/float32's, trained
-  for 1.25x and 1.5x the steps (3 seeds each), to measure the bytes they need to reach that loss (about 5 minutes
-  per payload).
+  for 1.25x and 1.5x the steps (3 seeds each), to measure the bytes they need to reach that loss, and
+  ``full``/float32 at the same steps for reference (about 5.5 minutes per payload).
 
 ``--quick`` runs every method for 128 steps at one LR into ``quick.jsonl`` (about 2 minutes).
 
@@ -108,9 +108,10 @@ def specs_for(part: str, data: str, quick: bool) -> list[RunSpec]:
     if part == "payload":
         return [payload_spec(lrs["lordo"], data, payload, dtype, seed, PAYLOAD_STEPS)
                 for seed in SEEDS for payload, dtype in PAYLOADS]
-    if part == "payload-budget":
+    if part == "payload-budget":  # full/float32 too: the same steps show what the extra steps alone buy
         return [payload_spec(lrs["lordo"], data, payload, dtype, seed, steps)
-                for payload, dtype in payloads_short_of_target() for steps in PAYLOAD_BUDGETS for seed in SEEDS]
+                for payload, dtype in [*payloads_short_of_target(), PAYLOADS[0]] for steps in PAYLOAD_BUDGETS
+                for seed in SEEDS]
     raise SystemExit(f"unknown part {part!r}")
 
 
