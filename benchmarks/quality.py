@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -79,18 +80,19 @@ def payload_spec(lr: float, data: str, payload: str, dtype: str, seed: int, step
                    knobs={"payload": payload, "payload_dtype": dtype})
 
 
-def payloads_short_of_target() -> list[tuple[str, str]]:
-    """The compressed payloads whose mean loss in the ``payload`` part is above ``full``/float32's by more than
-    ``PAYLOAD_TOLERANCE``: ``payload-budget`` trains them longer to find the steps (and bytes) they need."""
+def payloads_short_of_target(lr: float) -> list[tuple[str, str]]:
+    """The compressed payloads whose mean loss in the ``payload`` part (at ``lr``, 640 steps) is above
+    ``full``/float32's by more than ``PAYLOAD_TOLERANCE``: ``payload-budget`` trains them longer to find the steps
+    (and bytes) they need to reach that loss."""
     losses: dict[tuple[str, str], list[float]] = {}
     for r in load(RESULTS / "payload.jsonl"):
-        if "spec" in r:
+        if "spec" in r and r["spec"]["lr"] == lr and r["spec"]["steps"] == PAYLOAD_STEPS:
             knobs = r["spec"]["knobs"]
             losses.setdefault((knobs["payload"], knobs["payload_dtype"]), []).append(r["final_val_loss"])
-    if len(losses) < len(PAYLOADS) or any(len(v) < len(SEEDS) for v in losses.values()):
-        raise SystemExit("run the payload part first")
-    target = (1 + PAYLOAD_TOLERANCE) * sum(losses[PAYLOADS[0]]) / len(SEEDS)
-    return [key for key in PAYLOADS[1:] if sum(losses[key]) / len(SEEDS) > target]
+    if set(losses) != set(PAYLOADS) or any(len(v) < len(SEEDS) for v in losses.values()):
+        raise SystemExit("run the payload part first (every payload, every seed)")
+    target = (1 + PAYLOAD_TOLERANCE) * statistics.fmean(losses[PAYLOADS[0]])
+    return [key for key in PAYLOADS[1:] if statistics.fmean(losses[key]) > target]
 
 
 def specs_for(part: str, data: str, quick: bool) -> list[RunSpec]:
@@ -109,9 +111,9 @@ def specs_for(part: str, data: str, quick: bool) -> list[RunSpec]:
         return [payload_spec(lrs["lordo"], data, payload, dtype, seed, PAYLOAD_STEPS)
                 for seed in SEEDS for payload, dtype in PAYLOADS]
     if part == "payload-budget":  # full/float32 too: the same steps show what the extra steps alone buy
+        payloads = [*payloads_short_of_target(lrs["lordo"]), PAYLOADS[0]]
         return [payload_spec(lrs["lordo"], data, payload, dtype, seed, steps)
-                for payload, dtype in [*payloads_short_of_target(), PAYLOADS[0]] for steps in PAYLOAD_BUDGETS
-                for seed in SEEDS]
+                for payload, dtype in payloads for steps in PAYLOAD_BUDGETS for seed in SEEDS]
     raise SystemExit(f"unknown part {part!r}")
 
 
@@ -127,16 +129,15 @@ def main(argv: list[str]) -> int:
     name = "quick" if args.quick else args.part
     out = RESULTS / f"{name}.jsonl"
     records = load(out)
-    if not records:
+    specs = [dataclasses.replace(spec, data=str(Path(args.data).resolve()))
+             for spec in specs_for(args.part, args.data, args.quick)]
+    pending = [spec for spec in specs if not done(records, spec)]
+    if pending:  # a header before every batch of new runs: a resumed part may run another commit's code
         append(out, {"header": provenance("python benchmarks/quality.py " + " ".join(argv)),
-                     "data": Path(args.data).name})
-    for spec in specs_for(args.part, args.data, args.quick):
-        spec = dataclasses.replace(spec, data=str(Path(args.data).resolve()))
-        if done(records, spec):
-            continue
+                     "data": Path(args.data).name, "resumed": bool(records)})
+    for spec in pending:
         record = run(spec)
         append(out, record)
-        records.append(record)
         print(f"{name}: {record['label']:<40} lr={spec.lr:<7g} seed={spec.seed} steps={spec.steps} "
               f"val_loss={record['final_val_loss']:.4f} bytes={record['bytes_sent']:.3e} "
               f"wall={record['wall_seconds']:.0f}s", flush=True)
