@@ -38,6 +38,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 _BUCKET_ELEMENTS = 32 * 1024 * 1024  # at most 128 MB of float32 per flattened all-reduce
+_CHUNK_BYTES = 128 * 1024 * 1024  # at most this many bytes per all_reduce_sum / all_gather call
+# the name changed in torch 2.x; all_gather_into_tensor warns (deprecated) in recent versions
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _WAIT_SLICE_S = 0.25  # CPU collectives are waited on in slices this long, so that Ctrl-C gets through
 
 
@@ -136,6 +139,35 @@ class Communicator:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
+    def all_reduce_sum(self, flat: Tensor, purpose: str) -> int:
+        """Sum the 1-D contiguous ``flat`` across workers in place, in its own dtype (a bfloat16 sum is rounded to
+        bfloat16 by the backend). Counted: ``numel x itemsize``. Returns the bytes counted (0 alone)."""
+        if self.world_size == 1:
+            return 0
+        for start, stop in _chunks(flat):
+            piece = flat[start:stop]
+            self._run(partial(dist.all_reduce, piece, group=self.group, async_op=True), purpose, "all_reduce",
+                      piece.device)
+            self.accountant.add(purpose, piece.numel() * piece.element_size())
+        return flat.numel() * flat.element_size()
+
+    def all_gather(self, flat: Tensor, purpose: str) -> tuple[Tensor, int]:
+        """Every worker's copy of the 1-D ``flat`` (same size on all workers), as a ``world x numel`` tensor whose
+        row ``k`` is rank ``k``'s. Counted: what this worker passes, ``numel x itemsize`` (it receives ``world - 1``
+        times as much). Returns the gathered tensor and the bytes counted (0 alone)."""
+        world = self.world_size
+        if world == 1:
+            return flat.reshape(1, -1), 0
+        out = torch.empty(world, flat.numel(), dtype=flat.dtype, device=flat.device)
+        for start, stop in _chunks(flat):
+            piece = flat[start:stop].contiguous()
+            received = torch.empty(world * piece.numel(), dtype=flat.dtype, device=flat.device)
+            issue = partial(_all_gather_single, received, piece, group=self.group, async_op=True)
+            self._run(issue, purpose, "all_gather", piece.device)
+            self.accountant.add(purpose, piece.numel() * piece.element_size())
+            out[:, start:stop] = received.view(world, -1)
+        return out, flat.numel() * flat.element_size()
+
     def broadcast(self, tensors: Sequence[Tensor], purpose: str, src: int = 0) -> None:
         """Overwrite ``tensors`` with rank ``src``'s values. Counted on the sender only (it is what it sends)."""
         if self.world_size == 1:
@@ -210,6 +242,11 @@ def _at_least_1ms(seconds: float) -> timedelta:
 def _seconds(timeout: timedelta) -> str:
     seconds = timeout.total_seconds()
     return f"{seconds:g} s" if seconds < 120 else f"{seconds:g} s ({timeout})"
+
+
+def _chunks(flat: Tensor) -> list[tuple[int, int]]:
+    step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
+    return [(start, min(start + step, flat.numel())) for start in range(0, flat.numel(), step)]
 
 
 def _buckets(tensors: Sequence[Tensor]) -> list[list[Tensor]]:

@@ -214,7 +214,8 @@ class SyncConfig:
         """The precision the averaged low-rank moments travel in: ``"bfloat16"`` whenever the payload is reduced
         (``bfloat16`` or ``int8``), else ``"float32"``. Never int8: one scale per row cannot hold the range of
         Adam's second moment (small entries would round to zero and blow up the step). Moments are state, not
-        updates, so they have no error feedback: bfloat16 perturbs each average by at most ``2^-8`` relative."""
+        updates, so they have no error feedback: each worker's moments are rounded to bfloat16 (``2^-8``
+        relative) and the backend's bfloat16 sum rounds each of its ``M - 1`` additions again."""
         return "float32" if self.payload_dtype == "float32" else "bfloat16"
 
 

@@ -40,7 +40,7 @@ Typical use by a synchronizer (``deltas``: the low-rank matrices' pseudo-gradien
     if not result.finite:
         ...                               # discard the round on every worker (the state did not move)
     new_anchor = [a - u for a, u in zip(anchor, result.averaged)]
-    ...install result.bases (a x r, canonical) in the optimizer, other collectives...
+    optimizer.install_bases(...result.averaged...)  # its power step on Q B returns span(Q) = result.bases
     payload.commit(result)                # only after the whole round succeeded
     monitor.log("lordo/sync_error_feedback_norm", payload.error_norm())
     checkpoint["payload"] = payload.state_dict()

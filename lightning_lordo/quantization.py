@@ -1,10 +1,10 @@
 r"""Reduced-precision averaging across workers (the payload dtypes of SPEC §5), with per-worker error feedback.
 
 Pure tensor code and collectives, no Lightning. Every collective goes through a communicator passed in (a
-:class:`~lightning_lordo.accounting.Communicator` or anything with its ``world_size``, ``group``, ``accountant``,
-``all_reduce_mean`` and ``_run``), so it is counted (numel x itemsize of what this worker passes, per purpose) and
-bounded by the communicator's timeout. With one process nothing travels and nothing is counted, but the numerics
-are the same as with many (a payload is quantized whatever the world size).
+:class:`~lightning_lordo.accounting.Communicator`: its ``all_reduce_mean``, ``all_reduce_sum`` and ``all_gather``),
+so it is counted (numel x itemsize of what this worker passes, per purpose) and bounded by the communicator's
+timeout. With one process nothing travels and nothing is counted, but the numerics are the same as with many (a
+payload is quantized whatever the world size).
 
 Two pieces (the ``lowrank`` payload, :mod:`lightning_lordo.payload`, sends its messages with the first):
 
@@ -55,11 +55,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_lordo.faults import all_finite
@@ -67,10 +65,6 @@ from lightning_lordo.faults import all_finite
 PAYLOAD_DTYPES = ("float32", "bfloat16", "int8")
 REDUCTIONS = ("auto", "all_reduce", "all_gather")
 INT8_LEVELS = 127  # symmetric: q in [-127, 127]
-_CHUNK_BYTES = 128 * 1024 * 1024  # at most this many bytes of this worker's payload per collective call
-
-# the name changed in torch 2.x; all_gather_into_tensor warns (deprecated) in recent versions
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -124,56 +118,6 @@ def round_trip(x: Tensor, payload_dtype: str) -> Tensor:
         return x.to(torch.bfloat16).float()
     q, scales = quantize_int8(x)
     return dequantize_int8(q, scales, x.shape)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Counted collectives missing from the Communicator (all-reduce *sum* in the payload dtype, all-gather)
-# ---------------------------------------------------------------------------------------------------------------
-def _run(comm: Any, issue: Any, purpose: str, op: str, device: torch.device) -> None:
-    """One collective through the communicator's timeout and failure handling (``Communicator._run``)."""
-    comm._run(issue, purpose, op, device)
-
-
-def _chunks(flat: Tensor) -> list[tuple[int, int]]:
-    step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
-    return [(start, min(start + step, flat.numel())) for start in range(0, flat.numel(), step)]
-
-
-def all_reduce_sum(comm: Any, flat: Tensor, purpose: str) -> int:
-    """Sum the 1-D contiguous ``flat`` across workers in place, in its own dtype (a bfloat16 sum is rounded to
-    bfloat16 by the backend). Counted: ``numel x itemsize`` per call. Returns the bytes counted (0 alone)."""
-    if comm.world_size == 1:
-        return 0
-    counted = 0
-    for start, stop in _chunks(flat):
-        piece = flat[start:stop]
-        _run(comm, partial(dist.all_reduce, piece, group=comm.group, async_op=True), purpose, "all_reduce",
-             piece.device)
-        nbytes = piece.numel() * piece.element_size()
-        comm.accountant.add(purpose, nbytes)
-        counted += nbytes
-    return counted
-
-
-def all_gather(comm: Any, flat: Tensor, purpose: str) -> tuple[Tensor, int]:
-    """Every worker's copy of the 1-D ``flat`` (same size on all workers), as a ``world x numel`` tensor whose row
-    ``k`` is rank ``k``'s. Counted: what this worker passes, ``numel x itemsize`` (it receives ``world - 1`` times
-    as much). Returns the gathered tensor and the bytes counted (0 alone)."""
-    world = comm.world_size
-    if world == 1:
-        return flat.reshape(1, -1), 0
-    out = torch.empty(world, flat.numel(), dtype=flat.dtype, device=flat.device)
-    counted = 0
-    for start, stop in _chunks(flat):
-        piece = flat[start:stop].contiguous()
-        received = torch.empty(world * piece.numel(), dtype=flat.dtype, device=flat.device)
-        issue = partial(_all_gather_single, received, piece, group=comm.group, async_op=True)
-        _run(comm, issue, purpose, "all_gather", piece.device)
-        nbytes = piece.numel() * piece.element_size()
-        comm.accountant.add(purpose, nbytes)
-        counted += nbytes
-        out[:, start:stop] = received.view(world, -1)
-    return out, counted
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -248,7 +192,7 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
         sent = [dequantize_int8(q, s, shape) for (q, s), shape in zip(packed, shapes)]
         # one byte buffer: all scales (float32 reinterpreted as 4 bytes each), then all values
         message = torch.cat([s.reshape(-1).view(torch.int8) for _, s in packed] + [q.reshape(-1) for q, _ in packed])
-        gathered, nbytes = all_gather(comm, message, purpose)
+        gathered, nbytes = comm.all_gather(message, purpose)
         layout = [(q.shape, s.numel()) for q, s in packed]
         total: Optional[list[Tensor]] = None
         for k in range(gathered.shape[0]):
@@ -264,10 +208,10 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
     if world == 1:
         return QuantizedMean(sent, sent, {})
     if how == "all_reduce":
-        nbytes = all_reduce_sum(comm, flat, purpose)
+        nbytes = comm.all_reduce_sum(flat, purpose)
         means = _split(flat.float().div_(world), shapes)
         return QuantizedMean(means, sent, {"all_reduce": nbytes})
-    gathered, nbytes = all_gather(comm, flat, purpose)
+    gathered, nbytes = comm.all_gather(flat, purpose)
     acc = gathered[0].float()
     for k in range(1, world):
         acc.add_(gathered[k].float())
@@ -395,13 +339,14 @@ def _check_dtype(payload_dtype: str) -> None:
 
 
 def check_latest_round(got: int, expected: int, owner: str) -> None:
+    """Refuse to commit a round that is not ``owner``'s latest (``got`` is the round's version)."""
     if got != expected:
         raise RuntimeError(f"{owner}.commit: this round is not the latest one reduced (already committed, or "
                            "reduced before a later round or a load_state_dict); reduce again.")
 
 
-
 def total_norm(tensors: Sequence[Tensor]) -> float:
+    """The L2 norm of all ``tensors`` together (0 for none)."""
     if not tensors:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))

@@ -3,12 +3,14 @@
 Every ``sync_every`` local steps all workers call :meth:`Synchronizer.sync` together:
 
 1. ``prepare``: each worker's pseudo-gradient ``delta = anchor - params`` (old minus new, as DiLoCo).
-2. ``average``: all-reduce the pseudo-gradients (the ``full`` payload of SPEC §5) and the floating module
-   buffers (non-floating buffers come from rank 0), into copies.
+2. ``average``: average the pseudo-gradients (the ``full`` or ``lowrank`` payload of SPEC §5, in
+   ``payload_dtype``, :mod:`lightning_lordo.payload` and :mod:`lightning_lordo.quantization`) and the floating
+   module buffers (non-floating buffers come from rank 0), into copies.
 3. ``outer step``: plain averaging (``anchor - delta``) or Nesterov SGD on the anchor (DiLoCo).
 4. ``bases``: new bases from the averaged pseudo-gradient (``basis_scope="global"``) or from each worker's
    own (``"local"``); the optimizer rotates its moments into them.
-5. ``moments``: the low-rank moments are averaged (they share the basis, so the average is well defined).
+5. ``moments``: the low-rank moments are averaged (they share the basis, so the average is well defined), in
+   float32, or in bfloat16 when the payload is reduced (``SyncConfig.moments_dtype``).
 6. ``apply``: parameters, anchor, buffers and outer momentum become the new point.
 
 Non-finite values (NaN/Inf on any worker) discard the round on every worker, and poisoned optimizer state is

@@ -83,8 +83,8 @@ def test_lowrank_payload_sends_what_it_counts_and_keeps_error_feedback(dtype: st
 
 class LowRankSyncChecker(L.Callback):
     """After every sync: each low-rank matrix's basis is bitwise identical on both ranks, and the averaged update
-    applied to the anchor (outer step "average") lies in the span of that basis, i.e. the optimizer's new basis
-    is the payload's Q, computed from the averaged P."""
+    applied to the anchor (outer step "average") lies in the span of that basis: the optimizer's new basis spans
+    the payload's Q, computed from the averaged P."""
 
     def __init__(self) -> None:
         self.syncs_seen, self.anchor, self.checked = 0, None, 0
@@ -158,3 +158,27 @@ def test_compressed_payloads_train(tmp_path: Path) -> None:
     start = torch.nn.functional.mse_loss(TinyRegressor().net(loader().dataset.tensors[0]),
                                          loader().dataset.tensors[1]).item()
     assert losses["lowrank"] < 0.7 * start and losses["full"] < 0.7 * start, (start, losses)
+
+
+class InfiniteMomentOnRank1(L.Callback):
+    """Rank 1's second moment of one matrix overflows just before sync 2 (step 8, K = 4): the averaged moments,
+    sent in bfloat16, are not finite on both ranks, so both reset that matrix and keep the round."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        sync = trainer.strategy.synchronizer
+        optimizer = sync.optimizer
+        first, second = optimizer.lowrank_params()[:2]
+        if trainer.global_step == 7 and trainer.global_rank == 1:
+            optimizer.state[first]["exp_avg_sq"][0, 0] = float("inf")
+        if trainer.global_step == 8:
+            report = trainer.strategy.sync_reports[-1]
+            assert report.index == 2 and not report.skipped and report.extra["reset_moments"] == 1
+            assert optimizer.state[first]["step"].item() == 0 and not optimizer.state[first]["exp_avg_sq"].any()
+            assert optimizer.state[second]["step"].item() == 8
+            assert trainer.strategy.accountant.totals["moments"] > 0
+            assert torch.equal(*gather(flat_params(module))) and torch.isfinite(flat_params(module)).all()
+
+
+def test_non_finite_bfloat16_moments_reset_the_matrix_on_every_rank() -> None:
+    trainer(lordo(sync_every=4, payload_dtype="int8"), callbacks=[InfiniteMomentOnRank1()],
+            max_steps=12).fit(TinyRegressor(), loader())

@@ -584,12 +584,13 @@ class SyncFailure(L.Callback):
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         strategy = trainer.strategy
         comm, sync = strategy.communicator, strategy.synchronizer
-        original_all_reduce, original_sync = comm.all_reduce_mean, sync.sync
+        original_run, original_sync = comm._run, sync.sync
 
-        def all_reduce_mean(tensors: Sequence[Tensor], purpose: str) -> None:
+        def run(issue: Any, purpose: str, op: str, device: torch.device) -> None:
+            # every collective (float32 all_reduce_mean, and the bfloat16/int8 messages) goes through _run
             if comm.context.startswith("sync 2") and purpose == "moments":
                 raise KeyboardInterrupt() if self.error == "interrupt" else CollectiveTimeout("injected failure")
-            original_all_reduce(tensors, purpose)
+            original_run(issue, purpose, op, device)
 
         def checked_sync() -> Any:
             before = _everything(module, sync.optimizer, sync)
@@ -603,7 +604,7 @@ class SyncFailure(L.Callback):
                     raise RuntimeError("KeyboardInterrupt inside sync 2") from err  # would then wait forever
                 raise
 
-        comm.all_reduce_mean, sync.sync = all_reduce_mean, checked_sync
+        comm._run, sync.sync = run, checked_sync
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_rank == 0 and trainer.global_step == 5:
@@ -613,14 +614,16 @@ class SyncFailure(L.Callback):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("error", ["timeout", "interrupt"])
-def test_exception_inside_a_sync_leaves_the_checkpoint_intact(error: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("error", "payload_dtype"), [("timeout", "float32"), ("interrupt", "float32"),
+                                                      ("timeout", "int8")])
+def test_exception_inside_a_sync_leaves_the_checkpoint_intact(error: str, payload_dtype: str, tmp_path: Path) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     ckpt_dir = tmp_path / "ckpt"
     saver = ModelCheckpoint(dirpath=ckpt_dir, filename="early", every_n_train_steps=4, save_top_k=-1)
     with pytest.raises(Exception) as info:
-        trainer(lordo(sync_every=4), callbacks=[saver, SyncFailure(error, ckpt_dir, tmp_path)], max_steps=12,
+        failure = SyncFailure(error, ckpt_dir, tmp_path)
+        trainer(lordo(sync_every=4, payload_dtype=payload_dtype), callbacks=[saver, failure], max_steps=12,
                 enable_checkpointing=True).fit(TinyRegressor(), loader())
     expected = "KeyboardInterrupt inside sync 2" if error == "interrupt" else "injected failure"
     assert expected in str(info.value)
