@@ -58,6 +58,11 @@ class RunSpec:
     val_batches: int = 16
     knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.steps % self.val_every:  # Lightning validates every val_every steps: the last ones would be unseen
+            raise ValueError(f"RunSpec: steps={self.steps} is not a multiple of val_every={self.val_every}, so the "
+                             "final validation loss would be measured before the end; pick multiples.")
+
     def label(self) -> str:
         extra = ",".join(f"{k}={v}" for k, v in sorted(self.knobs.items()))
         return f"{self.method}[{extra}]" if extra else self.method
