@@ -413,6 +413,23 @@ def test_lordo_local_preset_trains_with_each_workers_own_bases() -> None:
     fit2(Tiny(width=48), "lordo_local_fork", FitChecker(16, [16, 20], local), max_steps=20)
 
 
+def test_lordo_local_preset_with_the_lowrank_int8_payload() -> None:
+    """Local bases (each worker's own pseudo-gradient) with the compressed payload: one model after every sync,
+    bases that differ between workers, and the payload's bytes (two int8 messages per matrix)."""
+    def local_lowrank(trainer: L.Trainer, module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        optimizer: LoRDO = strategy.synchronizer.optimizer
+        for p in optimizer.lowrank_params():
+            q0, q1 = gather(optimizer.state[p]["basis"])
+            assert (q0.mT @ q1).square().sum().item() / q0.shape[1] < 0.999
+        assert strategy.synchronizer.lowrank_payload is not None
+        assert strategy.synchronizer.payload_error_norm() > 0 and "moments" not in strategy.accountant.totals
+
+    strategy = lordo(sync_every=16, basis_scope="local", average_moments=False, payload="lowrank",
+                     payload_dtype="int8")
+    fit2(Tiny(width=48), strategy, FitChecker(16, [16, 20], local_lowrank), max_steps=20)
+
+
 def test_diloco_preset_trains_with_sgd() -> None:
     def sgd(trainer: L.Trainer, module: L.LightningModule) -> None:
         strategy = trainer.strategy
