@@ -37,8 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_BUCKET_ELEMENTS = 32 * 1024 * 1024  # at most 128 MB of float32 per flattened all-reduce
-_CHUNK_BYTES = 128 * 1024 * 1024  # at most this many bytes per all_reduce_sum / all_gather call
+_MESSAGE_BYTES = 128 * 1024 * 1024  # at most this many bytes per collective call (buckets and chunks)
 # the name changed in torch 2.x; all_gather_into_tensor warns (deprecated) in recent versions
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _WAIT_SLICE_S = 0.25  # CPU collectives are waited on in slices this long, so that Ctrl-C gets through
@@ -245,21 +244,22 @@ def _seconds(timeout: timedelta) -> str:
 
 
 def _chunks(flat: Tensor) -> list[tuple[int, int]]:
-    step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
+    step = max(1, _MESSAGE_BYTES // max(1, flat.element_size()))
     return [(start, min(start + step, flat.numel())) for start in range(0, flat.numel(), step)]
 
 
 def _buckets(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
-    """Consecutive runs of tensors of one dtype and device, each at most ``_BUCKET_ELEMENTS`` elements."""
+    """Consecutive runs of tensors of one dtype and device, each at most ``_MESSAGE_BYTES`` bytes."""
     buckets: list[list[Tensor]] = []
     size = 0
     for t in tensors:
         same_kind = buckets and (buckets[-1][0].dtype, buckets[-1][0].device) == (t.dtype, t.device)
-        if not same_kind or size + t.numel() > _BUCKET_ELEMENTS:
+        nbytes = t.numel() * t.element_size()
+        if not same_kind or size + nbytes > _MESSAGE_BYTES:
             buckets.append([])
             size = 0
         buckets[-1].append(t)
-        size += t.numel()
+        size += nbytes
     return buckets
 
 

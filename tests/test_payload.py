@@ -33,7 +33,7 @@ SHAPES = [(6, 10), (12, 5), (7, 7)]  # wide, tall (transposed to 5 x 12), square
 RANKS = [2, 2, 3]
 DENSE_SHAPES = SHAPES + [(10,), (2, 3, 4), ()]  # the averager also takes biases, conv-like and 0-D tensors
 ROUNDS = 30
-DEFAULT_CHUNK_BYTES = accounting_module._CHUNK_BYTES
+DEFAULT_MESSAGE_BYTES = accounting_module._MESSAGE_BYTES
 U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits, round to nearest)
 
 
@@ -226,9 +226,9 @@ def _scenario(rank: int, comm: Communicator, kind: str, dtype: str = "float32", 
               ranks: Optional[list[int]] = None, rounds: int = ROUNDS,
               bad: Optional[tuple[int, float]] = None, chunk_bytes: Optional[int] = None) -> list[dict[str, Any]]:
     if chunk_bytes is not None:  # many collective calls per message (restored by the next scenario)
-        accounting_module._CHUNK_BYTES = chunk_bytes
+        accounting_module._MESSAGE_BYTES = chunk_bytes
     else:
-        accounting_module._CHUNK_BYTES = DEFAULT_CHUNK_BYTES
+        accounting_module._MESSAGE_BYTES = DEFAULT_MESSAGE_BYTES
     shapes = SHAPES if kind == "lowrank" else DENSE_SHAPES
     payload: Any
     if kind == "lowrank":
