@@ -14,7 +14,7 @@ from collections import defaultdict
 from typing import Any, Optional
 
 from harness import METHODS, ROOT, load
-from quality import PAYLOAD_STEPS, PAYLOAD_TOLERANCE
+from quality import PAYLOAD_STEPS, PAYLOAD_TOLERANCE, within
 from rich.console import Console
 from rich.table import Table
 
@@ -147,13 +147,15 @@ ISO_COLUMNS = ["payload", "dtype", "fewest steps: every seed within 1 % of full"
 def _fewest_steps(groups: Groups, payload: str, dtype: str, tolerance: float) -> Optional[int]:
     """The fewest measured steps at which every seed of full/float32 at 640 steps was run for this payload and
     reached a loss within ``tolerance`` of full's on the same seed."""
-    base = groups[("full", "float32", PAYLOAD_STEPS)]
+    base = _losses(groups[("full", "float32", PAYLOAD_STEPS)])
     for steps in sorted(s for p, d, s in groups if (p, d) == (payload, dtype)):
-        runs = groups[(payload, dtype, steps)]
-        if set(base) <= set(runs) and all(runs[s]["final_val_loss"] <= (1 + tolerance) * base[s]["final_val_loss"]
-                                          for s in base):
+        if within(_losses(groups[(payload, dtype, steps)]), base, tolerance):
             return steps
     return None
+
+
+def _losses(runs: dict[int, dict[str, Any]]) -> dict[int, float]:
+    return {seed: r["final_val_loss"] for seed, r in runs.items()}
 
 
 def payload_iso_loss() -> tuple[list[str], list[list[str]]]:
