@@ -114,8 +114,12 @@ def _payload_groups() -> Groups:
     return dict(groups)
 
 
-def _mean(runs: dict[int, dict[str, Any]], key: str, purpose: Optional[str] = None) -> float:
-    return statistics.fmean(r["bytes_by_purpose"].get(purpose, 0) if purpose else r[key] for r in runs.values())
+def _mean(runs: dict[int, dict[str, Any]], key: str) -> float:
+    return statistics.fmean(r[key] for r in runs.values())
+
+
+def _mean_bytes(runs: dict[int, dict[str, Any]], purpose: str) -> float:
+    return statistics.fmean(r["bytes_by_purpose"].get(purpose, 0) for r in runs.values())
 
 
 def payload_rows() -> list[list[str]]:
@@ -127,15 +131,15 @@ def payload_rows() -> list[list[str]]:
         loss, loss_sd = _mean_std([r["final_val_loss"] for r in runs.values()])
         full = groups.get(("full", "float32", steps), {})
         paired = [s for s in runs if s in full]
-        vs_full, within, pg_ratio, all_ratio = "-", "-", "-", "-"
+        vs_full, seeds_within, pg_ratio, all_ratio = "-", "-", "-", "-"
         if paired:
             vs_full = f"{100 * (loss / _mean(full, 'final_val_loss') - 1):+.2f} %"
             ok = sum(runs[s]["final_val_loss"] <= (1 + PAYLOAD_TOLERANCE) * full[s]["final_val_loss"] for s in paired)
-            within = f"{ok} of {len(paired)}"
-            pg_ratio = f"{_mean(full, '', 'pseudo_gradients') / _mean(runs, '', 'pseudo_gradients'):.1f}x"
+            seeds_within = f"{ok} of {len(paired)}"
+            pg_ratio = f"{_mean_bytes(full, 'pseudo_gradients') / _mean_bytes(runs, 'pseudo_gradients'):.1f}x"
             all_ratio = f"{_mean(full, 'bytes_sent') / _mean(runs, 'bytes_sent'):.2f}x"
-        rows.append([payload, dtype, str(steps), str(len(runs)), f"{loss:.4f} ± {loss_sd:.4f}", vs_full, within,
-                     _mb(_mean(runs, "", "pseudo_gradients")), pg_ratio, _mb(_mean(runs, "bytes_sent")), all_ratio])
+        rows.append([payload, dtype, str(steps), str(len(runs)), f"{loss:.4f} ± {loss_sd:.4f}", vs_full, seeds_within,
+                     _mb(_mean_bytes(runs, "pseudo_gradients")), pg_ratio, _mb(_mean(runs, "bytes_sent")), all_ratio])
     return rows
 
 
@@ -168,13 +172,13 @@ def payload_iso_loss() -> tuple[list[str], list[list[str]]]:
     for payload, dtype in sorted({(p, d) for p, d, _ in groups} - {("full", "float32")}):
         row = [payload, dtype]
         missed = f"not within {max(s for p, d, s in groups if (p, d) == (payload, dtype))}"
-        within = _fewest_steps(groups, payload, dtype, PAYLOAD_TOLERANCE)
-        if within is None:
+        steps = _fewest_steps(groups, payload, dtype, PAYLOAD_TOLERANCE)
+        if steps is None:
             row += [missed, "-", "-", "-", "-", "-"]
         else:
-            runs = groups[(payload, dtype, within)]
+            runs = groups[(payload, dtype, steps)]
             ratio = base_all / _mean(runs, "bytes_sent")
-            row += [str(within), f"{within / PAYLOAD_STEPS:.2f}x", f"{_mean(runs, 'final_val_loss'):.4f}",
+            row += [str(steps), f"{steps / PAYLOAD_STEPS:.2f}x", f"{_mean(runs, 'final_val_loss'):.4f}",
                     _mb(_mean(runs, "bytes_sent")), f"{ratio:.2f}x", "yes" if ratio >= 4 else "no"]
         strict = _fewest_steps(groups, payload, dtype, 0.0)
         if strict is None:
