@@ -17,11 +17,14 @@ import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from numbers import Real
-from typing import Any, Union
+from collections.abc import Mapping
+from typing import Any, Optional, Union
 
 import torch
 
-NORMALIZERS = ("col_rms", "factored", "scalar", "lifted")
+NORMALIZERS = ("col_rms", "factored", "scalar", "lifted", "mean_denom")
+UPDATES = ("lordo", "subspace_qh", "unnormalized_lowrank")
+FULL_RANK_INPUTS = ("gradient", "accumulated")
 PROJECTIONS = ("power", "randomized", "svd")
 TRANSITIONS = ("rotate", "reset", "keep")
 EF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -40,13 +43,16 @@ OPTIMIZER_DEFAULTS: dict[str, Any] = {
     "weight_decay": 1e-2,
     "rank": 16,
     "omega": 0.7,
+    "update": "lordo",
     "mu": 1.0,
     "normalizer": "col_rms",
+    "full_rank_input": "gradient",
     "lifted_floor": 0.1,
     "projection": "power",
     "power_iters": 1,
     "oversample": 4,
     "transition": "rotate",
+    "variance_clamp": False,
     "error_feedback": False,
     "ef_dtype": "float32",
     "ef_decay": 1.0,
@@ -127,8 +133,12 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
     if "mu" in knobs and knobs["mu"] != "auto":
         if not _is_number(knobs["mu"]) or not math.isfinite(knobs["mu"]) or knobs["mu"] <= 0:
             raise _fail("mu", knobs["mu"], 'it must be a finite number > 0 or "auto"', 'Pass e.g. mu=1.0 or mu="auto".')
+    if "update" in knobs:
+        check_choice("update", knobs["update"], UPDATES)
     if "normalizer" in knobs:
         check_choice("normalizer", knobs["normalizer"], NORMALIZERS)
+    if "full_rank_input" in knobs:
+        check_choice("full_rank_input", knobs["full_rank_input"], FULL_RANK_INPUTS)
     if "lifted_floor" in knobs:
         check_positive("lifted_floor", knobs["lifted_floor"])
     if "projection" in knobs:
@@ -139,14 +149,42 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
         check_positive_int("oversample", knobs["oversample"], minimum=0)
     if "transition" in knobs:
         check_choice("transition", knobs["transition"], TRANSITIONS)
-    if "error_feedback" in knobs and not isinstance(knobs["error_feedback"], bool):
-        raise _fail("error_feedback", knobs["error_feedback"], "it must be True or False", "Pass a bool.")
+    for flag in ("error_feedback", "variance_clamp"):
+        if flag in knobs and not isinstance(knobs[flag], bool):
+            raise _fail(flag, knobs[flag], "it must be True or False", "Pass a bool.")
     if "ef_dtype" in knobs:
         check_choice("ef_dtype", knobs["ef_dtype"], tuple(EF_DTYPES))
     if "ef_decay" in knobs:
         decay = knobs["ef_decay"]
         if not _is_number(decay) or not 0.0 < decay <= 1.0:
             raise _fail("ef_decay", decay, "it must be a number in (0, 1]", "Pass 1.0 to keep all feedback.")
+
+
+#: Knobs that only shape the full-rank term (none exists with ``update="subspace_qh"``).
+_FULL_RANK_TERM_KNOBS = ("mu", "normalizer", "lifted_floor", "full_rank_input")
+_ERROR_FEEDBACK_KNOBS = ("ef_dtype", "ef_decay")
+
+
+def check_knob_combinations(explicit: Mapping[str, Any], merged: Mapping[str, Any]) -> None:
+    """Refuse knobs passed explicitly (``explicit``) that the effective configuration (``merged``) would ignore.
+
+    Nothing is silently ignored: a knob of the full-rank term with ``update="subspace_qh"`` (which has none), an
+    error-feedback knob without error feedback, or ``full_rank_input="accumulated"`` without error feedback (it
+    would equal the gradient)."""
+    if merged.get("update") == "subspace_qh":
+        ignored = [k for k in _FULL_RANK_TERM_KNOBS if k in explicit]
+        if ignored:
+            raise ValueError(f"Invalid {ignored[0]}={explicit[ignored[0]]!r} with update='subspace_qh': that update "
+                             "mixes the gradient into the momentum inside the subspace and has no full-rank term, so "
+                             f"{', '.join(ignored)} would be ignored. Drop it, or use update='lordo'.")
+    if not merged.get("error_feedback"):
+        ignored = [k for k in _ERROR_FEEDBACK_KNOBS if k in explicit]
+        if explicit.get("full_rank_input") == "accumulated":
+            ignored.append("full_rank_input")
+        if ignored:
+            raise ValueError(f"Invalid {ignored[0]}={explicit[ignored[0]]!r} with error_feedback=False: it only "
+                             "applies to the error-feedback buffer (without one the accumulated input is the "
+                             "gradient itself). Pass error_feedback=True, or drop it.")
 
 
 @dataclass
@@ -174,6 +212,15 @@ class SyncConfig:
         timeout: timeout of every collective the plugin issues; a rank that does not answer in time makes
             the others fail with an error instead of hanging.
         seed: seed of random bases and randomized projections (identical on all ranks).
+        average_fullrank_moments: also average the optimizer state of the full-rank parameters (AdamW moments of
+            embeddings, norms, biases; any floating state tensor shaped like its parameter) at each sync.
+        average_error_feedback: also average the optimizer's error-feedback buffers at each sync.
+        warmup_steps: the first ``warmup_steps`` optimizer steps are synchronous low-rank DDP (gradients averaged
+            every step, bases refreshed every ``sync_every`` steps from the averaged gradient); local steps follow.
+        synchronous: every step synchronous (low-rank DDP for the whole run, the ``"lowrank_ddp"`` preset).
+        switch_betas: at the end of the warm-up, set the optimizer's betas to this pair (``None``: keep them).
+        switch_reset_moments: at the end of the warm-up, zero the optimizer's moments (bases are kept).
+        switch_lr_scale: at the end of the warm-up, multiply the learning rate (and the LR schedulers' base LRs).
     """
 
     sync_every: int = 16
@@ -188,13 +235,21 @@ class SyncConfig:
     broadcast_bases: bool = False
     timeout: timedelta = field(default_factory=lambda: timedelta(minutes=30))
     seed: int = 0
+    average_fullrank_moments: bool = False
+    average_error_feedback: bool = False
+    warmup_steps: int = 0
+    synchronous: bool = False
+    switch_betas: Optional[tuple[float, float]] = None
+    switch_reset_moments: bool = False
+    switch_lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every)
         check_choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
         check_positive("outer_lr", self.outer_lr)
         check_unit_interval("outer_momentum", self.outer_momentum, closed_right=False)
-        for name in ("average_moments", "broadcast_bases"):
+        for name in ("average_moments", "broadcast_bases", "average_fullrank_moments", "average_error_feedback",
+                     "synchronous", "switch_reset_moments"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "it must be True or False", "Pass a bool.")
         check_choice("basis_scope", self.basis_scope, BASIS_SCOPES)
@@ -208,6 +263,32 @@ class SyncConfig:
                         "Pass e.g. timeout=timedelta(minutes=5).")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise _fail("seed", self.seed, "it must be an integer", "Pass e.g. seed=0.")
+        check_positive_int("warmup_steps", self.warmup_steps, minimum=0)
+        if self.switch_betas is not None:
+            betas = self.switch_betas
+            ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+                _is_number(b) and 0.0 <= b < 1.0 for b in betas)
+            if not ok:
+                raise _fail("switch_betas", betas, "it must be None or a pair (beta1, beta2) of numbers in [0, 1)",
+                            "Pass e.g. switch_betas=(0.999, 0.999).")
+            self.switch_betas = (float(betas[0]), float(betas[1]))
+        self.switch_lr_scale = check_positive("switch_lr_scale", self.switch_lr_scale)
+        self._check_phase_knobs()
+
+    def _check_phase_knobs(self) -> None:
+        """Refuse knobs the phases chosen would ignore (compared with their defaults)."""
+        defaults = SyncConfig.__dataclass_fields__
+        changed = [name for name in _SWITCH_KNOBS if getattr(self, name) != defaults[name].default]
+        if changed and self.warmup_steps == 0:
+            raise _fail(changed[0], getattr(self, changed[0]), "it must be left at its default without a warm-up "
+                        "(the switch happens at the end of warmup_steps)", "Pass warmup_steps=N, or drop it.")
+        if self.synchronous:
+            local = [name for name in (*_LOCAL_ROUND_KNOBS, "warmup_steps", *_SWITCH_KNOBS)
+                     if getattr(self, name) != defaults[name].default]
+            if local:
+                raise _fail(local[0], getattr(self, local[0]), "it must be left at its default with synchronous=True "
+                            "(every step is synchronous low-rank DDP: no local rounds, no switch)",
+                            "Drop it, or use warmup_steps=N for a synchronous start followed by local steps.")
 
     @property
     def moments_dtype(self) -> str:
@@ -217,6 +298,13 @@ class SyncConfig:
         updates, so they have no error feedback: each worker's moments are rounded to bfloat16 (``2^-8``
         relative) and the backend's bfloat16 sum rounds each of its ``M - 1`` additions again."""
         return "float32" if self.payload_dtype == "float32" else "bfloat16"
+
+
+#: Knobs of the switch at the end of the warm-up.
+_SWITCH_KNOBS = ("switch_betas", "switch_reset_moments", "switch_lr_scale")
+#: Knobs that only shape the local rounds (no such round exists with ``synchronous=True``).
+_LOCAL_ROUND_KNOBS = ("outer_optimizer", "outer_lr", "outer_momentum", "basis_scope", "payload", "payload_dtype",
+                      "average_fullrank_moments", "average_error_feedback")
 
 
 def split_knobs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

@@ -49,6 +49,9 @@ BAD: list[tuple[str, Any, str]] = [
     ("error_feedback", 1, "1"), ("error_feedback", "on", "'on'"),
     ("ef_dtype", "float16", "'float16'"), ("ef_dtype", torch.bfloat16, "torch.bfloat16"),
     ("ef_decay", 0.0, "0.0"), ("ef_decay", 1.5, "1.5"), ("ef_decay", NAN, "nan"), ("ef_decay", True, "True"),
+    ("update", "qh", "'qh'"), ("update", None, "None"),
+    ("full_rank_input", "grad", "'grad'"), ("full_rank_input", True, "True"),
+    ("variance_clamp", 1, "1"), ("variance_clamp", "yes", "'yes'"),
     # synchronization knobs
     ("sync_every", 0, "0"), ("sync_every", -4, "-4"), ("sync_every", 4.0, "4.0"), ("sync_every", True, "True"),
     ("sync_every", None, "None"),
@@ -67,6 +70,13 @@ BAD: list[tuple[str, Any, str]] = [
     ("timeout", True, "True"), ("timeout", "30", "'30'"), ("timeout", timedelta(0), repr(timedelta(0))),
     ("timeout", timedelta(seconds=-1), repr(timedelta(seconds=-1))),
     ("seed", 1.5, "1.5"), ("seed", True, "True"), ("seed", "0", "'0'"), ("seed", None, "None"),
+    ("average_fullrank_moments", 1, "1"), ("average_error_feedback", "no", "'no'"),
+    ("warmup_steps", -1, "-1"), ("warmup_steps", 2.5, "2.5"), ("warmup_steps", True, "True"),
+    ("synchronous", 1, "1"), ("switch_reset_moments", None, "None"),
+    ("switch_betas", 0.9, "0.9"), ("switch_betas", (0.9, 1.0), "(0.9, 1.0)"),
+    ("switch_betas", (NAN, 0.9), "(nan, 0.9)"),
+    ("switch_lr_scale", 0.0, "0.0"), ("switch_lr_scale", -2.0, "-2.0"), ("switch_lr_scale", INF, "inf"),
+    ("switch_lr_scale", True, "True"),
     # the strategy's own arguments
     ("lowrank", 1, "1"), ("lowrank", "yes", "'yes'"),
     ("monitor", 0, "0"), ("monitor", None, "None"),
@@ -75,12 +85,20 @@ BAD: list[tuple[str, Any, str]] = [
     ("full_rank_params", ["("], "['(']"),
 ]
 
-GOOD: list[tuple[str, Any]] = [
+# (argument, good value); a third element gives the other knobs it needs (e.g. ef_dtype needs error feedback)
+GOOD: list[tuple[Any, ...]] = [
     ("rank", 8), ("rank", 0.25), ("rank", 1.0), ("omega", 0.0), ("omega", 1.0), ("omega", 1), ("mu", "auto"),
-    ("mu", 2), ("normalizer", "lifted"), ("normalizer", "factored"), ("lifted_floor", 0.05),
+    ("mu", 2), ("normalizer", "lifted"), ("normalizer", "factored"), ("normalizer", "mean_denom"),
+    ("lifted_floor", 0.05),
     ("projection", "randomized"), ("projection", "svd"), ("power_iters", 3), ("oversample", 0),
-    ("transition", "reset"), ("transition", "keep"), ("error_feedback", True), ("ef_dtype", "bfloat16"),
-    ("ef_decay", 0.9), ("ef_decay", 1),
+    ("transition", "reset"), ("transition", "keep"), ("error_feedback", True),
+    ("ef_dtype", "bfloat16", {"error_feedback": True}), ("ef_decay", 0.9, {"error_feedback": True}),
+    ("ef_decay", 1, {"error_feedback": True}),
+    ("update", "subspace_qh"), ("update", "unnormalized_lowrank"), ("full_rank_input", "gradient"),
+    ("full_rank_input", "accumulated", {"error_feedback": True}), ("variance_clamp", True),
+    ("average_fullrank_moments", True), ("average_error_feedback", True), ("warmup_steps", 0),
+    ("warmup_steps", 100), ("synchronous", True), ("switch_betas", (0.999, 0.999), {"warmup_steps": 8}),
+    ("switch_reset_moments", True, {"warmup_steps": 8}), ("switch_lr_scale", 0.5, {"warmup_steps": 8}),
     ("sync_every", 1), ("sync_every", 1000), ("outer_optimizer", "nesterov"), ("outer_lr", 1.0), ("outer_lr", 2),
     ("outer_momentum", 0.0), ("outer_momentum", 0.95), ("average_moments", False), ("basis_scope", "local"),
     ("initial_basis", "random"), ("payload", "full"), ("payload", "lowrank"),
@@ -99,7 +117,7 @@ def test_the_lists_cover_every_knob() -> None:
     """Adding a knob without a bad and a good value here fails this test."""
     every = set(STRATEGY_OPTIMIZER_KNOBS) | set(SYNC_KNOBS) | set(OWN_ARGS)
     assert {name for name, _, _ in BAD} == every
-    assert {name for name, _ in GOOD} == every
+    assert {good[0] for good in GOOD} == every
 
 
 @pytest.mark.parametrize(("name", "value", "shown"), BAD, ids=[_id(n, v) for n, v, _ in BAD])
@@ -111,9 +129,10 @@ def test_strategy_refuses_a_bad_value_naming_it(name: str, value: Any, shown: st
     assert re.search(r"must be|allowed values|Pass valid", message), message  # and what is allowed
 
 
-@pytest.mark.parametrize(("name", "value"), GOOD, ids=[_id(n, v) for n, v in GOOD])
-def test_strategy_accepts_a_good_value(name: str, value: Any) -> None:
-    strategy = LoRDOStrategy(**{name: value})
+@pytest.mark.parametrize("good", GOOD, ids=[_id(g[0], g[1]) for g in GOOD])
+def test_strategy_accepts_a_good_value(good: tuple[Any, ...]) -> None:
+    name, value = good[:2]
+    strategy = LoRDOStrategy(**{name: value}, **(good[2] if len(good) > 2 else {}))
     if name in STRATEGY_OPTIMIZER_KNOBS:
         assert strategy.optimizer_knobs[name] == value
     elif name == "timeout":
@@ -142,6 +161,38 @@ def test_strategy_refuses_unknown_keywords_with_type_error(name: str) -> None:
     with pytest.raises(TypeError, match=name) as info:
         LoRDOStrategy(**{name: 1})
     assert "sync_every" in str(info.value) and "rank" in str(info.value)  # it lists what is known
+
+
+IGNORED_COMBINATIONS: list[tuple[dict[str, Any], str]] = [
+    ({"update": "subspace_qh", "normalizer": "scalar"}, "normalizer='scalar'"),
+    ({"update": "subspace_qh", "mu": "auto"}, "mu='auto'"),
+    ({"update": "subspace_qh", "full_rank_input": "gradient"}, "full_rank_input='gradient'"),
+    ({"ef_dtype": "bfloat16"}, "ef_dtype='bfloat16'"),
+    ({"ef_decay": 0.5}, "ef_decay=0.5"),
+    ({"full_rank_input": "accumulated"}, "full_rank_input='accumulated'"),
+    ({"switch_lr_scale": 2.0}, "switch_lr_scale=2.0"),
+    ({"switch_betas": (0.99, 0.99)}, "switch_betas=(0.99, 0.99)"),
+    ({"switch_reset_moments": True}, "switch_reset_moments=True"),
+    ({"synchronous": True, "payload": "lowrank"}, "payload='lowrank'"),
+    ({"synchronous": True, "outer_optimizer": "nesterov"}, "outer_optimizer='nesterov'"),
+    ({"synchronous": True, "warmup_steps": 10}, "warmup_steps=10"),
+    ({"synchronous": True, "basis_scope": "local"}, "basis_scope='local'"),
+]
+
+
+@pytest.mark.parametrize(("knobs", "shown"), IGNORED_COMBINATIONS, ids=[s for _, s in IGNORED_COMBINATIONS])
+def test_a_knob_the_configuration_would_ignore_is_refused(knobs: dict[str, Any], shown: str) -> None:
+    """Nothing is silently ignored: a knob that has no effect with the other knobs given is refused, naming it."""
+    with pytest.raises(ValueError) as info:
+        LoRDOStrategy(**knobs)
+    assert shown in str(info.value) and re.search(r"must be|would be ignored|only applies", str(info.value))
+    optimizer_knobs = {k: v for k, v in knobs.items() if k in OPTIMIZER_DEFAULTS}
+    if optimizer_knobs == knobs:  # the optimizer alone refuses it too, and in a param group
+        w = nn.Parameter(torch.randn(8, 8))
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            LoRDO([w], rank=2, **knobs)
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            LoRDO([{"params": [w], **knobs}], rank=2)
 
 
 def test_sync_config_alone_validates_the_same_way() -> None:
@@ -197,9 +248,10 @@ def test_optimizer_seed_reaches_random_bases() -> None:
 
 
 # ------------------------------------------------------------------------------------------ strategy names
-PRESETS = {"lordo": dict(lowrank=True, basis_scope="global", average_moments=True),
-           "lordo_local": dict(lowrank=True, basis_scope="local", average_moments=False),
-           "diloco": dict(lowrank=False, basis_scope="global", average_moments=True)}
+PRESETS = {"lordo": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=False),
+           "lordo_local": dict(lowrank=True, basis_scope="local", average_moments=False, synchronous=False),
+           "diloco": dict(lowrank=False, basis_scope="global", average_moments=True, synchronous=False),
+           "lowrank_ddp": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=True)}
 LAUNCHERS = {"": "popen", "_fork": "fork", "_spawn": "spawn"}
 
 
@@ -215,6 +267,7 @@ def test_preset_names_build_a_trainer_without_launching_anything(name: str, suff
     assert strategy.lowrank is preset["lowrank"]
     assert strategy.sync_config.basis_scope == preset["basis_scope"]
     assert strategy.sync_config.average_moments is preset["average_moments"]
+    assert strategy.sync_config.synchronous is preset["synchronous"]
     assert strategy.sync_config.sync_every == 16 and strategy.optimizer_knobs == {}
     assert strategy.num_processes == 2 and strategy.launcher is not None
     # nothing was launched: no process group, no child process, no synchronizer yet

@@ -21,7 +21,7 @@ from lightning_lordo import LoRDO
 
 SHAPES = {"tall": (11, 5), "wide": (5, 11), "square": (7, 7)}
 RANK = 3
-NORMALIZERS = ("col_rms", "factored", "scalar", "lifted")
+NORMALIZERS = ("col_rms", "factored", "scalar", "lifted", "mean_denom")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -89,12 +89,23 @@ def _ref_step(s: dict[str, Tensor], h: dict) -> dict[str, Tensor]:
     u = beta1 * s["exp_avg"] + (1 - beta1) * ghat
     v = beta2 * s["exp_avg_sq"] + (1 - beta2) * ghat * ghat
     u_hat, v_hat = u / (1 - beta1**t), v / (1 - beta2**t)
-    d_low = q @ (u_hat / (torch.sqrt(v_hat) + eps))
-    out.update(exp_avg=u, exp_avg_sq=v, d_low=d_low, step=torch.tensor(float(t), dtype=torch.float64))
+    out.update(exp_avg=u, exp_avg_sq=v, step=torch.tensor(float(t), dtype=torch.float64))
+    orient = (lambda x: x.T) if s["W"].shape[0] > s["W"].shape[1] else (lambda x: x)
+    if h["update"] == "subspace_qh":  # the QH mix inside the subspace, no full-rank term
+        update = q @ (((1 - omega) * ghat + omega * u_hat) / (torch.sqrt(v_hat) + eps))
+        out.update(update=update, W=orient(w * (1 - lr * wd) - lr * update))
+        return out
+    if h["update"] == "unnormalized_lowrank":  # the authors' training step: Q u_hat, not divided by sqrt(v_hat)
+        d_low = q @ u_hat
+    else:
+        d_low = q @ (u_hat / (torch.sqrt(v_hat) + eps))
+    out["d_low"] = d_low
 
     kind = h["normalizer"]
     if kind == "col_rms":  # S[:, j] = sqrt(mean_k v_hat[k, j])
         s_norm = torch.sqrt(v_hat.sum(dim=0) / r).expand(a, -1)
+    elif kind == "mean_denom":  # S + eps = the mean over all entries of (sqrt(v_hat) + eps)
+        s_norm = torch.full_like(g, (torch.sqrt(v_hat) + eps).sum().item() / v_hat.numel() - eps)
     elif kind == "scalar":  # S = sqrt(mean(v_hat))
         s_norm = torch.full_like(g, math.sqrt(v_hat.sum().item() / v_hat.numel()))
     elif kind == "lifted":  # S = max(sqrt((Q o Q) v_hat), floor * sqrt(mean(v_hat)))
@@ -109,7 +120,8 @@ def _ref_step(s: dict[str, Tensor], h: dict) -> dict[str, Tensor]:
         # Adafactor's V = R C^T / (1^T R) with R, C the row and column *sums* of the (bias-corrected) EMAs
         big_r, big_c = g.shape[1] * row / (1 - beta2**t), g.shape[0] * col / (1 - beta2**t)
         s_norm = torch.sqrt(torch.outer(big_r, big_c) / big_r.sum())
-    normalized = g / (s_norm + eps)
+    full_input = acc if h["full_rank_input"] == "accumulated" else g  # G, or the authors' G + gamma E
+    normalized = full_input / (s_norm + eps)
     if h["mu"] == "auto":  # mu = RMS(G / (S + eps)) / RMS(D_low)
         mu = normalized.pow(2).mean().sqrt() / d_low.pow(2).mean().sqrt()
     else:
@@ -117,7 +129,7 @@ def _ref_step(s: dict[str, Tensor], h: dict) -> dict[str, Tensor]:
     d_full = normalized / mu
     update = (1 - omega) * d_full + omega * d_low
     w_new = w * (1 - lr * wd) - lr * update
-    out.update(S=s_norm, d_full=d_full, update=update, W=w_new.T if s["W"].shape[0] > s["W"].shape[1] else w_new)
+    out.update(S=s_norm, d_full=d_full, update=update, W=orient(w_new))
     return out
 
 
@@ -255,6 +267,82 @@ def test_omega_mixing(shape, omega):
     _close(w.detach() - before["W"], ref["W"] - before["W"])
     _close(opt.state[w]["error_feedback"], ref["error_feedback"])
     _close(opt.state[w]["exp_avg_sq"], ref["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_full_rank_input_accumulated_is_gradient_plus_error_feedback(shape):
+    """full_rank_input="accumulated": D_full = (G + gamma E) / (S + eps), the authors' input of the full-rank term."""
+    w, opt, before, ref = _step_and_reference(shape, seed=8, omega=0.0, error_feedback=True, ef_decay=0.8,
+                                              full_rank_input="accumulated", normalizer="mean_denom")
+    acc = _canon(before["G"]) + 0.8 * before["error_feedback"]
+    _close(_canon(w.detach() - before["W"]), -0.5 * acc / (ref["S"] + 1e-8))
+    _close(w.detach() - before["W"], ref["W"] - before["W"])
+    gradient_only = -0.5 * _canon(before["G"]) / (ref["S"] + 1e-8)  # the default input would differ a lot
+    assert (_canon(w.detach() - before["W"]).double() - gradient_only).norm() > 0.1 * gradient_only.norm()
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_mean_denom_is_one_scalar_per_matrix(shape):
+    """normalizer="mean_denom": S + eps is the mean over all entries of (sqrt(v_hat) + eps), one scalar."""
+    w, opt, before, ref = _step_and_reference(shape, seed=9, omega=0.0, normalizer="mean_denom", eps=1e-2)
+    v_hat = ref["exp_avg_sq"] / (1 - 0.999**4)
+    _close(_canon(w.detach() - before["W"]), -0.5 * _canon(before["G"]) / (v_hat.sqrt() + 1e-2).mean())
+    _close(w.detach() - before["W"], ref["W"] - before["W"])
+
+
+@pytest.mark.parametrize("omega", [0.0, 0.6, 0.94])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_subspace_qh_mixes_inside_the_subspace(shape, omega):
+    """update="subspace_qh": Q ((1 - omega) ghat + omega u_hat) / (sqrt(v_hat) + eps), no full-rank term, so the
+    step stays in span(Q) (the authors' low-rank DDP and LoRDO-Local), with error feedback and weight decay."""
+    w, opt, before, ref = _step_and_reference(shape, seed=10, update="subspace_qh", omega=omega,
+                                              error_feedback=True)
+    _close(w.detach() - before["W"], ref["W"] - before["W"])
+    _close(opt.state[w]["error_feedback"], ref["error_feedback"])
+    assert _in_span_residual(_canon(w.detach() - before["W"]), before["basis"]) < 1e-5
+    assert "term_ratio" not in opt.diagnostics()
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_unnormalized_lowrank_projects_the_raw_momentum(shape):
+    """update="unnormalized_lowrank" (ablation): D_low = Q u_hat, with the usual full-rank term."""
+    w, opt, before, ref = _step_and_reference(shape, seed=11, update="unnormalized_lowrank", omega=0.97,
+                                              normalizer="mean_denom")
+    _close(ref["d_low"], before["basis"] @ (ref["exp_avg"] / (1 - 0.9**4)))
+    _close(w.detach() - before["W"], ref["W"] - before["W"])
+
+
+def test_subspace_qh_full_rank_parameters_take_qhadam():
+    """With update="subspace_qh" the AdamW parameters take QHAdam: ((1 - omega) g + omega m_hat) / (sqrt(v_hat) +
+    eps), decoupled decay; a float64 reference over several steps."""
+    gen = _gen(12)
+    shapes = [(9,), (2, 3, 4), (6, 8)]
+    params = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    lr, (b1, b2), eps, wd, omega = 3e-2, (0.8, 0.95), 1e-6, 0.1, 0.7
+    opt = LoRDO([{"params": params[:2]}, {"params": params[2:], "rank": 0}], rank=2, lr=lr, betas=(b1, b2),
+                eps=eps, weight_decay=wd, update="subspace_qh", omega=omega)
+    ref = [{"w": p.detach().double().clone(), "m": torch.zeros(p.shape, dtype=torch.float64),
+            "v": torch.zeros(p.shape, dtype=torch.float64)} for p in params]
+    start = [p.detach().clone() for p in params]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    adamw = torch.optim.AdamW(twins, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    for t in range(1, 6):
+        for p, r in zip(params, ref):
+            p.grad = torch.randn(p.shape, generator=gen)
+            g = p.grad.double()
+            r["m"] = b1 * r["m"] + (1 - b1) * g
+            r["v"] = b2 * r["v"] + (1 - b2) * g * g
+            step = ((1 - omega) * g + omega * r["m"] / (1 - b1**t)) / ((r["v"] / (1 - b2**t)).sqrt() + eps)
+            r["w"] = r["w"] * (1 - lr * wd) - lr * step
+        for p, twin in zip(params, twins):
+            twin.grad = p.grad.clone()
+        opt.step()
+        adamw.step()
+    plain = [twin.detach() for twin in twins]
+    for p, r, w0 in zip(params, ref, start):
+        _close(p.detach() - w0, r["w"] - w0.double(), rtol=1e-5)
+    for p, w_adamw, w0 in zip(params, plain, start):  # and it is not plain AdamW's trajectory
+        assert (p.detach() - w_adamw).norm() > 0.05 * (p.detach() - w0).norm()
 
 
 @pytest.mark.parametrize("normalizer", NORMALIZERS)
@@ -483,18 +571,26 @@ def test_identical_basis_changes_nothing(shape):
     _close(w_b.detach(), w_a.detach(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("clamp", [False, True], ids=["abs", "variance clamp"])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_rotate_transition_uses_spec_formula(shape):
-    """install a random new basis with "rotate": u' = C u, v' = b2 |(C o C)(v/b2 - u^2/b1^2) + u'^2/b1^2|."""
-    w, opt = _one_matrix(shape, 14, betas=(0.8, 0.99), t=5)
+def test_rotate_transition_uses_spec_formula(shape, clamp):
+    """install a random new basis with "rotate": u' = C u, v' = b2 |(C o C)(v/b2 - u^2/b1^2) + u'^2/b1^2|, or with
+    variance_clamp=True v' = b2 ((C o C) max(v/b2 - u^2/b1^2, 0) + u'^2/b1^2)."""
+    w, opt = _one_matrix(shape, 14, betas=(0.8, 0.99), t=5, variance_clamp=clamp)
     st = opt.state[w]
+    st["exp_avg_sq"].mul_(0.02)  # small against u^2 in places: some variance estimates are negative
     old, u, v = st["basis"].double(), st["exp_avg"].double(), st["exp_avg_sq"].double()
     new = _orthonormal(old.shape[0], RANK, _gen(15))
     _set_basis(opt, w, new)
     c = new.double().T @ old
     b1, b2 = 1 - 0.8**5, 1 - 0.99**5
     u_new = c @ u
-    v_new = b2 * ((c * c) @ (v / b2 - u * u / b1**2) + u_new * u_new / b1**2).abs()
+    variance = v / b2 - u * u / b1**2
+    assert (variance < 0).any() and (variance > 0).any()  # the two rules differ here
+    if clamp:
+        v_new = b2 * ((c * c) @ variance.clamp(min=0) + u_new * u_new / b1**2)
+    else:
+        v_new = b2 * ((c * c) @ variance + u_new * u_new / b1**2).abs()
     _close(st["exp_avg"], u_new)
     _close(st["exp_avg_sq"], v_new)
     assert st["step"].item() == 5

@@ -73,6 +73,28 @@ def test_rotate_moments_matches_spec_formula(shape):
     assert torch.equal(u, u_in) and torch.equal(v, v_in)  # the inputs are not modified
 
 
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_rotate_moments_with_variance_clamp(shape):
+    """clamp=True (LDAdam, the authors): the variance v/b2 - u o u/b1^2 is clamped at 0 before rotating, so
+    v' = b2 ((C o C) max(v/b2 - u o u/b1^2, 0) + u' o u'/b1^2), nonnegative without an absolute value."""
+    r, b = RANK, shape[1]
+    gen = _gen(5)
+    u = torch.randn(r, b, generator=gen)
+    v = (torch.rand(r, b, generator=gen) + 0.01) * 1e-2  # some variances negative, some positive
+    c = torch.randn(r, r, generator=gen)
+    bias1, bias2 = 1 - 0.9**3, 1 - 0.999**3
+    new_u, new_v = rotate_moments(u, v, c, bias1, bias2, clamp=True)
+    u64, v64, c64 = u.double(), v.double(), c.double()
+    variance = v64 / bias2 - u64 * u64 / bias1**2
+    assert (variance < 0).any() and (variance > 0).any()  # the clamp acts on some entries only
+    ref_u = c64 @ u64
+    ref_v = bias2 * ((c64 * c64) @ variance.clamp(min=0) + ref_u * ref_u / bias1**2)
+    torch.testing.assert_close(new_u.double(), ref_u, rtol=1e-5, atol=1e-6 * ref_u.abs().max().item())
+    torch.testing.assert_close(new_v.double(), ref_v, rtol=1e-5, atol=1e-6 * ref_v.abs().max().item())
+    _, unclamped = rotate_moments(u, v, c, bias1, bias2)
+    assert (unclamped - new_v).abs().max() > 1e-3 * new_v.abs().max()  # it changes the result here
+
+
 def test_rotate_moments_identity_and_signed_permutation():
     """C = I leaves the moments unchanged; C a signed permutation permutes u (with signs) and v (without)."""
     gen = _gen(2)

@@ -30,10 +30,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_lordo.config import EF_DTYPES, OPTIMIZER_DEFAULTS, check_optimizer_knobs, resolve_rank
+from lightning_lordo.config import (
+    EF_DTYPES,
+    OPTIMIZER_DEFAULTS,
+    check_knob_combinations,
+    check_optimizer_knobs,
+    resolve_rank,
+)
 from lightning_lordo.optim.projection import compute_basis, random_basis, rotate_moments, subspace_movement
-
-BasisSource = Callable[[dict[Tensor, Tensor]], Mapping[Tensor, Tensor]]
 
 _LOWRANK_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -65,10 +69,8 @@ class LoRDO(Optimizer):
         full_rank: parameters that take the AdamW step whatever their group's rank (the strategy passes
             embeddings and output heads here, SPEC §2).
 
-    Attributes:
-        basis_source: optional hook used before the very first update of matrices that have no basis yet:
-            it receives ``{param: grad}`` for all of them and returns the matrices to compute their bases from
-            (the strategy averages them across workers). ``None`` uses the local gradient.
+    A low-rank matrix without a basis at its first step gets one from its own gradient. Distributed, the
+    synchronizer gives it one from the averaged gradient first (:meth:`missing_bases`, :meth:`install_bases`).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class LoRDO(Optimizer):
             )
         defaults = {**OPTIMIZER_DEFAULTS, **knobs, "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         check_optimizer_knobs(defaults, in_group=False)
+        check_knob_combinations(knobs, defaults)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"Invalid seed={seed!r}: it must be an integer. Pass e.g. seed=0.")
         given = full_rank
@@ -99,7 +102,6 @@ class LoRDO(Optimizer):
                              "Pass e.g. full_rank=[model.lm_head.weight].")
         self.seed = seed
         self._full_rank = {id(p) for p in full_rank}
-        self.basis_source: Optional[BasisSource] = None
         self._random_bases = False  # set by init_random_bases: later bases are seeded random ones too
         self._warned: set[tuple[tuple[int, ...], int]] = set()
         self._stats: dict[str, Tensor] = {}
@@ -108,7 +110,9 @@ class LoRDO(Optimizer):
     # ------------------------------------------------------------------ layout
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # validate before appending, so a rejected group is not left behind in ``param_groups``
-        check_optimizer_knobs({**self.defaults, **param_group}, in_group=True)
+        merged = {**self.defaults, **param_group}
+        check_optimizer_knobs(merged, in_group=True)
+        check_knob_combinations({k: v for k, v in param_group.items() if k in OPTIMIZER_DEFAULTS}, merged)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for p in group["params"]:
@@ -191,8 +195,10 @@ class LoRDO(Optimizer):
         state["exp_avg"].lerp_(grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**t) ** 0.5).add_(group["eps"])
-        update = (state["exp_avg"] / denom).mul_(1 / (1 - beta1**t))
-        self._apply(p, update, group)
+        momentum = state["exp_avg"] / (1 - beta1**t)
+        if group["update"] == "subspace_qh":  # QHAdam: ((1 - omega) g + omega u_hat) / (sqrt(v_hat) + eps)
+            momentum = momentum.mul_(group["omega"]).add_(grad, alpha=1 - group["omega"])
+        self._apply(p, momentum.div_(denom), group)
 
     def _lowrank_step(self, p: Tensor, group: dict[str, Any], r: int) -> None:
         state = self.state[p]
@@ -217,10 +223,17 @@ class LoRDO(Optimizer):
         state["exp_avg"].lerp_(projected, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(projected, projected, value=1 - beta2)
         v_hat = state["exp_avg_sq"] / bias2
-        d_low = q @ ((state["exp_avg"] / bias1) / (v_hat.sqrt() + eps))
+        u_hat = state["exp_avg"] / bias1
+        kind = group["update"]
+        if kind == "subspace_qh":  # the QH mix inside the subspace, no full-rank term
+            mixed = u_hat.mul_(omega).add_(projected, alpha=1 - omega)
+            self._apply(p, _canonical(q @ mixed.div_(v_hat.sqrt().add_(eps)), p), group)
+            return
+        d_low = q @ (u_hat / (v_hat.sqrt() + eps) if kind == "lordo" else u_hat)
         update = d_low  # omega == 1: pure low-rank step
         if omega < 1.0:
-            d_full = grad / (self._normalizer(state, group, grad, v_hat, bias2) + eps)
+            full_input = accumulated if group["full_rank_input"] == "accumulated" else grad
+            d_full = full_input / (self._normalizer(state, group, grad, v_hat, bias2) + eps)
             if group["mu"] == "auto":  # mu = RMS(G/(S+eps)) / RMS(D_low): both terms get the same size
                 d_full.mul_(_rms(d_low) / _rms(d_full).clamp(min=torch.finfo(torch.float32).tiny))
             else:
@@ -240,6 +253,8 @@ class LoRDO(Optimizer):
             return v_hat.mean(dim=0, keepdim=True).sqrt()
         if kind == "scalar":
             return v_hat.mean().sqrt()
+        if kind == "mean_denom":  # S + eps = mean over all entries of (sqrt(v_hat) + eps)
+            return v_hat.sqrt().mean()
         if kind == "lifted":
             floor = v_hat.mean().sqrt() * group["lifted_floor"]
             return torch.maximum((state["basis"].square() @ v_hat).sqrt(), floor)
@@ -293,17 +308,23 @@ class LoRDO(Optimizer):
     def _seed_for(self, index: int, state: dict[str, Tensor]) -> int:
         return (self.seed * 1_000_003 + index * 7_919 + int(state["step"].item())) % (2**63)
 
-    def _ensure_bases(self) -> None:
-        # Frozen parameters (requires_grad=False, no gradient) never step: no basis, no state, no traffic.
+    def missing_bases(self) -> dict[Tensor, Tensor]:
+        """``{param: gradient}`` (zeros where a parameter has none) for the trainable low-rank matrices without a
+        basis yet, in param-group order. Frozen parameters (``requires_grad=False``, no gradient) never step: no
+        basis, no state, no traffic."""
         missing = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if self.lowrank_rank(p, group) and _trainable(p) and "basis" not in self.state[p]:
                     missing[p] = p.grad if p.grad is not None else torch.zeros_like(p)
+        return missing
+
+    def _ensure_bases(self) -> None:
+        missing = self.missing_bases()
         if missing and self._random_bases:  # e.g. a parameter unfrozen later: a seeded basis, as the others got
             self.init_random_bases()
         elif missing:
-            self.install_bases(self.basis_source(missing) if self.basis_source is not None else missing)
+            self.install_bases(missing)
 
     @torch.no_grad()
     def init_random_bases(self) -> None:
@@ -360,7 +381,8 @@ class LoRDO(Optimizer):
             state["step"].zero_()
             return
         beta1, beta2 = group["betas"]
-        u, v = rotate_moments(state["exp_avg"], state["exp_avg_sq"], new.mT @ old, 1 - beta1**t, 1 - beta2**t)
+        u, v = rotate_moments(state["exp_avg"], state["exp_avg_sq"], new.mT @ old, 1 - beta1**t, 1 - beta2**t,
+                              clamp=group["variance_clamp"])
         state["exp_avg"].copy_(u)
         state["exp_avg_sq"].copy_(v)
 

@@ -77,7 +77,7 @@ def compute_basis(
 
 
 def rotate_moments(
-    exp_avg: Tensor, exp_avg_sq: Tensor, change: Tensor, bias1: float, bias2: float
+    exp_avg: Tensor, exp_avg_sq: Tensor, change: Tensor, bias1: float, bias2: float, clamp: bool = False
 ) -> tuple[Tensor, Tensor]:
     r"""Express Adam's moments in a new basis (LDAdam's projection-aware update, SPEC §4.5).
 
@@ -89,10 +89,14 @@ def rotate_moments(
              + \frac{u' \odot u'}{b_1^2} \right|
 
     The second line treats each old coordinate as independent with mean :math:`\hat u` and variance
-    :math:`\hat v - \hat u^2`, and takes the second moment of the rotated coordinate.
+    :math:`\hat v - \hat u^2`, and takes the second moment of the rotated coordinate. That variance estimate can
+    be negative (``v`` and ``u`` are separate moving averages); ``clamp`` sets it to 0 before rotating, as LDAdam
+    does (then no absolute value is needed), otherwise the absolute value of the result is taken.
     """
     new_avg = change @ exp_avg
     variance = exp_avg_sq / bias2 - exp_avg.square() / bias1**2
+    if clamp:
+        variance.clamp_(min=0.0)
     new_sq = (change.square() @ variance + new_avg.square() / bias1**2).abs_().mul_(bias2)
     return new_avg, new_sq
 
