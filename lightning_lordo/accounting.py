@@ -50,9 +50,12 @@ class CommAccountant:
         self.totals: dict[str, int] = defaultdict(int)
         self.round: dict[str, int] = defaultdict(int)
 
-    def add(self, purpose: str, nbytes: int) -> None:
+    def add(self, purpose: str, nbytes: int, in_round: bool = True) -> None:
+        """Count ``nbytes`` under ``purpose``; ``in_round=False`` for traffic that belongs to no round (Lightning's
+        own per-batch broadcast): it then counts in the totals only."""
         self.totals[purpose] += nbytes
-        self.round[purpose] += nbytes
+        if in_round:
+            self.round[purpose] += nbytes
 
     def start_round(self) -> None:
         """Start counting a new round (bytes sent between rounds stay in the totals only)."""

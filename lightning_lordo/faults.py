@@ -91,6 +91,21 @@ def reset_optimizer_state(optimizer: Optimizer, p: Tensor, clear: bool) -> None:
             state[key] = type(value)(0)
 
 
+def reset_moments(optimizer: Optimizer, p: Tensor) -> None:
+    """Fresh moments for ``p`` (the switch at the end of a warm-up): LoRDO zeroes its moments and factored
+    statistics and restarts the step counter (bias correction from step 1), keeping the basis and the error
+    feedback; any other optimizer drops the parameter's state, to initialize it afresh at its next step."""
+    state = optimizer.state.get(p)
+    if not state:
+        return
+    if not isinstance(optimizer, LoRDO):
+        state.clear()
+        return
+    for key in ("exp_avg", "exp_avg_sq", "factored_row", "factored_col", "step"):
+        if key in state:
+            state[key].zero_()
+
+
 def snapshot_lowrank_state(lordo: Optional[LoRDO]) -> LowRankSnapshot:
     """What a round changes in the optimizer before its last collective (bases, moments, step counters)."""
     if lordo is None:

@@ -34,7 +34,14 @@ from lightning_lordo.checkpoint import (
     to_cpu,
     warn_on_rank_zero,
 )
-from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig, check_choice, check_optimizer_knobs, split_knobs
+from lightning_lordo.config import (
+    OPTIMIZER_DEFAULTS,
+    SyncConfig,
+    check_choice,
+    check_knob_combinations,
+    check_optimizer_knobs,
+    split_knobs,
+)
 from lightning_lordo.lightning_optimizer import LoRDOLightningOptimizer
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync import Synchronizer, SyncReport
@@ -96,6 +103,7 @@ class LoRDOStrategy(DDPStrategy):
                 "(and your LR schedulers keep driving lr). Set them there."
             )
         check_optimizer_knobs(optimizer_knobs, in_group=False)
+        check_knob_combinations(optimizer_knobs, {**OPTIMIZER_DEFAULTS, **optimizer_knobs})
         self.sync_config = SyncConfig(sync_every=sync_every, **sync_knobs)
         if self.sync_config.payload == "lowrank" and lowrank is False:
             raise ValueError("Invalid payload='lowrank' with lowrank=False ('diloco'): the low-rank payload sends the "
@@ -131,6 +139,8 @@ class LoRDOStrategy(DDPStrategy):
             "lordo_local": ({"basis_scope": "local", "average_moments": False},
                             "LoRDO-Local: each worker computes its own basis"),
             "diloco": ({"lowrank": False}, "DiLoCo: the user's optimizer locally, averaged every K steps"),
+            "lowrank_ddp": ({"synchronous": True}, "low-rank DDP: gradients averaged every step, LoRDO's low-rank "
+                                                   "moments, bases from the averaged gradient every K steps"),
         }
         for name, (preset, description) in presets.items():
             for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
@@ -196,6 +206,7 @@ class LoRDOStrategy(DDPStrategy):
         self._ddp_bytes_per_step = sum(p.numel() * p.element_size() for p in trainable)
         self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
                                          self.communicator)
+        self.synchronizer.switch_callbacks.append(self._scale_schedulers)
         if self._restored is not None:
             self._apply_restored_state()
         if isinstance(optimizer, LoRDO):
@@ -241,6 +252,26 @@ class LoRDOStrategy(DDPStrategy):
         return optimizer.describe(self.parameter_names)
 
     # ------------------------------------------------------------------ synchronization
+    def before_optimizer_step(self) -> None:
+        """Called by the LightningOptimizer after the backward pass of each optimizer step."""
+        assert self.synchronizer is not None
+        self.synchronizer.before_optimizer_step()
+
+    def _scale_schedulers(self) -> None:
+        """At the switch: the LR schedulers' base LRs follow ``switch_lr_scale`` (the synchronizer scaled the
+        param groups' learning rates)."""
+        scale = self.sync_config.switch_lr_scale
+
+        def scale_base_lrs(scheduler: Any) -> None:
+            if hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs = [lr * scale for lr in scheduler.base_lrs]
+            for inner in getattr(scheduler, "_schedulers", ()):
+                scale_base_lrs(inner)
+
+        if scale != 1.0:
+            for config in self.lr_scheduler_configs:
+                scale_base_lrs(config.scheduler)
+
     def after_optimizer_step(self) -> None:
         """Called by the LightningOptimizer after each optimizer step."""
         assert self.synchronizer is not None
@@ -268,7 +299,7 @@ class LoRDOStrategy(DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         # Lightning broadcasts one int64 from rank 0 every batch (its SIGTERM check): real traffic, counted.
         if self.world_size > 1 and self.global_rank == 0:
-            self.accountant.add("lightning_sigterm_check", _SIGTERM_TENSOR_BYTES)
+            self.accountant.add("lightning_sigterm_check", _SIGTERM_TENSOR_BYTES, in_round=False)
 
     @override
     def on_train_end(self) -> None:
@@ -365,7 +396,9 @@ class LoRDOStrategy(DDPStrategy):
         self._restored_optimizer = mine.get("optimizer")  # None for rank 0: Lightning's optimizer_states
         self._lordo_checkpoint = True
         if same_world:
-            for p, saved in zip(self.synchronizer.params, mine.get("params", self.synchronizer.anchor), strict=True):
+            # mid-round each rank's own parameters; else the model Lightning loaded is already the synchronized one
+            source = mine.get("params", self.synchronizer.anchor)  # no anchor in the synchronous phase
+            for p, saved in zip(self.synchronizer.params, source, strict=bool(source)):
                 p.data.copy_(saved)
             if "payload" in mine:
                 self.synchronizer.load_payload_state_dict(mine["payload"])

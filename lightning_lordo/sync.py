@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -46,6 +46,7 @@ from lightning_lordo.accounting import Communicator
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.faults import (
     all_finite,
+    reset_moments,
     reset_optimizer_state,
     restore_lowrank_state,
     sigint_deferred,
@@ -67,7 +68,7 @@ class SyncReport:
     seconds: float
     basis_seconds: float
     subspace_movement: Optional[float]
-    pseudo_gradient_norm: float
+    pseudo_gradient_norm: Optional[float]
     skipped: bool = False
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -100,21 +101,24 @@ class Synchronizer:
         self.optimizer = optimizer
         self.config = config
         self.comm = communicator
-        self.anchor = [p.detach().clone() for p in self.params]
-        self.outer_momentum: list[Tensor] = []
         self.steps_since_sync = 0
         self.optimizer_steps = 0
+        # the synchronous phase needs no anchor (the replicas never drift apart): it is taken at the switch
+        self.anchor: list[Tensor] = [] if self.synchronous_now else [p.detach().clone() for p in self.params]
+        self.outer_momentum: list[Tensor] = []
+        self.switch_callbacks: list[Callable[[], None]] = []  # run after the switch (the strategy's LR schedulers)
+        self._round_seconds = 0.0  # synchronous phase: time spent averaging gradients and refreshing bases
+        self._round_basis_seconds = 0.0
+        self._round_movement: Optional[float] = None
+        self.comm.accountant.start_round()  # a synchronous round counts its gradients from here (not the setup)
         self.syncs_done = 0
         self.skipped_syncs = 0
         # torch's optimizers create a parameter's state at its first step, so clearing it gives fresh state;
         # one that already holds state now (eager, e.g. Adagrad) gets its tensors zeroed instead (module docstring)
         self._clear_to_reset = not any(optimizer.state.get(p) for p in self.params)
         self._init_payloads()
-        if isinstance(optimizer, LoRDO):
-            if config.initial_basis == "random":
-                optimizer.init_random_bases()
-            elif config.basis_scope == "global":
-                optimizer.basis_source = self.average_first_gradients
+        if isinstance(optimizer, LoRDO) and config.initial_basis == "random":
+            optimizer.init_random_bases()
 
     def _init_payloads(self) -> None:
         """SPEC §5: the low-rank matrices travel as the ``lowrank`` payload (if chosen), everything else through
@@ -137,16 +141,110 @@ class Synchronizer:
         return self.optimizer if isinstance(self.optimizer, LoRDO) else None
 
     # ------------------------------------------------------------------ driving
+    @property
+    def synchronous_now(self) -> bool:
+        """Whether the next optimizer step is synchronous (``synchronous=True``, or within ``warmup_steps``)."""
+        return self.config.synchronous or self.optimizer_steps < self.config.warmup_steps
+
+    @torch.no_grad()
+    def before_optimizer_step(self) -> None:
+        """Every worker calls this after the backward pass of each optimizer step, before clipping and the step.
+
+        In the synchronous phase it averages the gradients (DDP's all-reduce, purpose ``gradients``) and, every
+        ``sync_every`` steps, gives the low-rank matrices new bases from the averaged gradient. In both phases, the
+        low-rank matrices without a basis get their first one (SPEC §4: from the averaged first gradient).
+        """
+        start = time.perf_counter()
+        synchronous = self.synchronous_now
+        if synchronous:
+            self.comm.context = f"gradient average (optimizer step {self.optimizer_steps + 1})"
+            self._average_gradients()
+            if self.lordo is not None and self.optimizer_steps and self.optimizer_steps % self.config.sync_every == 0:
+                basis_start = time.perf_counter()
+                self._round_movement = self._refresh_bases([p.grad for p in self.params], shared=True)
+                self._round_basis_seconds += time.perf_counter() - basis_start
+        self._ensure_first_bases(averaged=synchronous)
+        if synchronous:
+            self._round_seconds += time.perf_counter() - start
+
     def on_optimizer_step(self) -> Optional[SyncReport]:
-        """Count one local optimizer step; synchronize when ``sync_every`` of them have passed."""
+        """Count one optimizer step; synchronize when ``sync_every`` local steps have passed. In the synchronous
+        phase, report every ``sync_every`` steps, and switch to local steps at the end of ``warmup_steps``."""
+        synchronous = self.synchronous_now
         self.optimizer_steps += 1
+        if synchronous:
+            switch = not self.config.synchronous and self.optimizer_steps == self.config.warmup_steps
+            report = None
+            if switch or self.optimizer_steps % self.config.sync_every == 0:
+                report = self._finish_synchronous_round()
+            if switch:
+                self._switch_to_local()
+            return report
+        if not self.anchor:  # a synchronous checkpoint resumed with other phase knobs: the replicas are identical
+            self.anchor = [p.detach().clone() for p in self.params]
         self.steps_since_sync += 1
         if self.steps_since_sync >= self.config.sync_every:
             return self.sync()
         return None
 
+    def _average_gradients(self) -> None:
+        """DDP's gradient all-reduce: the mean over workers, a missing gradient counting as zeros. A parameter
+        without a gradient on every worker keeps none (one flag per parameter travels with the gradients)."""
+        flags = torch.zeros(len(self.params), device=self.params[0].device if self.params else None)
+        grads = []
+        for i, p in enumerate(self.params):
+            if p.grad is not None and p.grad.is_sparse:
+                raise RuntimeError("LoRDO's synchronous phase averages dense gradients only; use a dense embedding "
+                                   "(sparse=False).")
+            flags[i] = float(p.grad is not None)
+            grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
+        self.comm.all_reduce_mean([*grads, flags], "gradients")
+        for p, g, flag in zip(self.params, grads, flags.tolist()):
+            if p.grad is None and flag > 0:
+                p.grad = g
+
+    def _ensure_first_bases(self, averaged: bool) -> None:
+        """First bases for the low-rank matrices that have none: from the gradient when it is already the average
+        (``averaged``) or the scope is local, else from the averaged first gradient (one extra all-reduce)."""
+        lordo = self.lordo
+        if lordo is None or self.config.initial_basis == "random":
+            return
+        missing = lordo.missing_bases()
+        if not missing:
+            return
+        if not averaged and self.config.basis_scope == "global":
+            missing = self.average_first_gradients(missing)
+        lordo.install_bases(missing)
+
+    def _finish_synchronous_round(self) -> SyncReport:
+        seconds, basis_seconds, movement = self._round_seconds, self._round_basis_seconds, self._round_movement
+        self._round_seconds, self._round_basis_seconds, self._round_movement = 0.0, 0.0, None
+        self.syncs_done += 1
+        return SyncReport(index=self.syncs_done, step=self.optimizer_steps,
+                          bytes_by_purpose=self.comm.accountant.end_round(), seconds=seconds,
+                          basis_seconds=basis_seconds, subspace_movement=movement, pseudo_gradient_norm=None,
+                          extra={"synchronous": 1.0})
+
+    def _switch_to_local(self) -> None:
+        """The end of the warm-up (the replicas are identical): take the anchor, apply the switch knobs."""
+        self.anchor = [p.detach().clone() for p in self.params]
+        self.steps_since_sync = 0
+        config = self.config
+        for group in self.optimizer.param_groups:
+            if config.switch_betas is not None:
+                group["betas"] = config.switch_betas
+            if config.switch_lr_scale != 1.0:
+                for key in ("lr", "initial_lr", "max_lr", "min_lr"):  # the last two: OneCycleLR's
+                    if key in group:
+                        group[key] = group[key] * config.switch_lr_scale
+        if config.switch_reset_moments:
+            for p in self.params:
+                reset_moments(self.optimizer, p)
+        for callback in self.switch_callbacks:
+            callback()
+
     def average_first_gradients(self, grads: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
-        """``LoRDO.basis_source``: the first bases come from the averaged first gradient (SPEC §4)."""
+        """The first bases come from the averaged first gradient (SPEC §4)."""
         averaged = {p: g.detach().float().clone() for p, g in grads.items()}
         self.comm.context = "initial basis"
         self.comm.all_reduce_mean(list(averaged.values()), "initial_gradients")
@@ -188,12 +286,13 @@ class Synchronizer:
             with record_function("lordo.outer_step"):
                 new_params = self._outer_step(averaged)
             basis_start = time.perf_counter()
-            movement, reset = None, 0
+            movement = None
             if self.lordo is not None:
                 with record_function("lordo.bases"):
-                    movement = self._refresh_bases(local, averaged)
-                with record_function("lordo.moments"):
-                    reset = self._average_moments()
+                    shared = self.config.basis_scope == "global"
+                    movement = self._refresh_bases(averaged if shared else local, shared)
+            with record_function("lordo.moments"):
+                reset = self._average_moments()
             basis_seconds = time.perf_counter() - basis_start
         except BaseException:  # a collective failed or Ctrl-C: leave the optimizer as it was before the sync
             restore_lowrank_state(self.lordo, snapshot)
@@ -271,42 +370,63 @@ class Synchronizer:
         for m, d in zip(self.outer_momentum, averaged):
             m.mul_(self.config.outer_momentum).add_(d)
 
-    def _refresh_bases(self, local: list[Tensor], averaged: list[Tensor]) -> Optional[float]:
+    def _refresh_bases(self, source: Sequence[Optional[Tensor]], shared: bool) -> Optional[float]:
+        """New bases from ``source`` (one matrix or ``None`` per parameter); ``shared``: identical on all workers
+        (then ``broadcast_bases`` sends rank 0's). Returns the mean subspace movement."""
         lordo = self.lordo
         assert lordo is not None
-        source = averaged if self.config.basis_scope == "global" else local
         lowrank = set(lordo.lowrank_params())
-        sources = {p: s for p, s in zip(self.params, source) if p in lowrank}
+        sources = {p: s for p, s in zip(self.params, source) if p in lowrank and s is not None}
         moved = lordo.install_bases(sources)
-        if self.config.broadcast_bases and self.config.basis_scope == "global":
+        if self.config.broadcast_bases and shared:
             bases = [lordo.state[p]["basis"] for p in sources]
             self.comm.broadcast(bases, "bases")
         if not moved:
             return None
         return float(torch.stack(list(moved.values())).mean())
 
+    def _averaged_state(self) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
+        """The optimizer state averaged at a sync, by purpose: ``(parameter, its tensors)`` pairs.
+
+        ``moments``: the low-rank moments (they share the basis; global scope only) and, with
+        ``average_fullrank_moments``, every floating state tensor shaped like its full-rank parameter (AdamW's
+        moments, SGD's momentum). ``error_feedback``: the optimizer's error-feedback buffers, if asked for."""
+        config, lordo = self.config, self.lordo
+        lowrank = set(lordo.lowrank_params()) if lordo is not None else set()
+        moments, feedback = [], []
+        for p in self.params:
+            state = self.optimizer.state.get(p, {})
+            if p in lowrank:
+                if config.average_moments and config.basis_scope == "global" and "exp_avg" in state:
+                    moments.append((p, [state["exp_avg"], state["exp_avg_sq"]]))
+                if config.average_error_feedback and "error_feedback" in state:
+                    feedback.append((p, [state["error_feedback"]]))
+            elif config.average_fullrank_moments:
+                tensors = [v for k, v in state.items() if k != "step" and isinstance(v, Tensor)
+                           and v.is_floating_point() and v.shape == p.shape]
+                if tensors:
+                    moments.append((p, tensors))
+        return {"moments": moments, "error_feedback": feedback}
+
     def _average_moments(self) -> int:
-        """Average the low-rank moments; reset the matrices whose averaged moments are not finite (same on all
-        workers, the averages being identical). Returns how many were reset."""
-        lordo = self.lordo
-        assert lordo is not None
-        if not self.config.average_moments or self.config.basis_scope != "global":
-            return 0
-        owners, moments = [], []
-        for p in lordo.lowrank_params():
-            state = lordo.state[p]
-            if "exp_avg" in state:
-                owners.append(p)
-                moments += [state["exp_avg"], state["exp_avg_sq"]]
-        if self.config.moments_dtype == "float32":
-            self.comm.all_reduce_mean(moments, "moments")
-        elif self.comm.world_size > 1:  # alone nothing is averaged: keep the moments as they are
-            averaged = quantized_mean(self.comm, moments, "moments", self.config.moments_dtype).means
-            for moment, mean in zip(moments, averaged):
-                moment.copy_(mean)
-        bad = [p for i, p in enumerate(owners) if not all_finite(moments[2 * i : 2 * i + 2])]
-        for p in bad:
-            reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
+        """Average the optimizer state of :meth:`_averaged_state` in place, in ``moments_dtype``; reset the parameters
+        whose averaged state is not finite (the same on all workers, the averages being identical). Returns how
+        many were reset."""
+        bad: set[Tensor] = set()
+        for purpose, entries in self._averaged_state().items():
+            tensors = [t for _, ts in entries for t in ts]
+            if not tensors:
+                continue
+            if self.config.moments_dtype == "float32":
+                self.comm.all_reduce_mean(tensors, purpose)
+            elif self.comm.world_size > 1:  # alone nothing is averaged: keep the state as it is
+                for t, mean in zip(tensors, quantized_mean(self.comm, tensors, purpose,
+                                                           self.config.moments_dtype).means):
+                    t.copy_(mean)
+            bad.update(p for p, ts in entries if not all_finite(ts))
+        for p in self.params:  # in parameter order: the same on every worker
+            if p in bad:
+                reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
         return len(bad)
 
     def _averaged_buffers(self) -> tuple[list[Tensor], list[Tensor]]:
@@ -398,8 +518,11 @@ class Synchronizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for a, saved in zip(self.anchor, state["anchor"], strict=True):
-            a.copy_(saved)
+        saved = state["anchor"]  # empty when saved in the synchronous phase (no anchor is kept there)
+        if saved and [tuple(a.shape) for a in saved] != [tuple(p.shape) for p in self.params]:
+            raise ValueError("Synchronizer.load_state_dict: the saved anchor does not match the parameters' shapes; "
+                             "resume with the model the checkpoint was written for.")
+        self.anchor = [torch.empty_like(p).copy_(a) for p, a in zip(self.params, saved)]
         self.outer_momentum = [m.to(self.anchor[0].device) for m in state["outer_momentum"]]
         self.steps_since_sync = state["steps_since_sync"]
         self.optimizer_steps = state["optimizer_steps"]

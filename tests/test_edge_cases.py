@@ -511,20 +511,22 @@ def test_optimizer_keeps_no_state_for_a_frozen_matrix_until_it_is_unfrozen(rando
     optimizer = LoRDO([frozen, live], rank=2)
     sources: list[set[int]] = []
 
-    def basis_source(grads: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:  # what the strategy would average
-        sources.append({id(p) for p in grads})
-        return grads
+    def step() -> None:  # as the synchronizer does: first bases for the matrices that lack one, then the step
+        missing = {} if random_bases else optimizer.missing_bases()
+        if missing:
+            sources.append({id(p) for p in missing})  # what the synchronizer would average
+            optimizer.install_bases(missing)
+        optimizer.step()
 
-    optimizer.basis_source = basis_source
     if random_bases:
         optimizer.init_random_bases()
     live.grad = torch.randn(8, 12)
-    optimizer.step()
+    step()
     assert not optimizer.state[frozen] and "basis" in optimizer.state[live]
     assert sources == ([] if random_bases else [{id(live)}])  # the frozen matrix is not averaged at step 1
     frozen.requires_grad_(True)
     frozen.grad, live.grad = torch.randn(8, 12), torch.randn(8, 12)
-    optimizer.step()
+    step()
     assert optimizer.state[frozen]["step"].item() == 1 and optimizer.state[live]["step"].item() == 2
     if random_bases:  # the seeded basis every worker computes alike, without any traffic
         twin = LoRDO([nn.Parameter(torch.randn(8, 12)), nn.Parameter(torch.randn(8, 12))], rank=2)

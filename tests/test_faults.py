@@ -113,6 +113,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, sync: Synchronizer, inde
     nn.functional.mse_loss(model(x), y).backward()
     if nan_grad is not None:
         nan_grad.grad[0, 0] = NAN
+    sync.before_optimizer_step()  # as the strategy does after each backward pass
     opt.step()
     return sync.on_optimizer_step() if sync_after else None
 

@@ -145,3 +145,27 @@ def test_ddp_checkpoint_resumes_under_lordo_with_converted_optimizer_state(tmp_p
     assert optimizer.state[list(fit.lightning_module.parameters())[bias]]["step"].item() == 12  # 6 + 6 steps
     assert saved[bias]["step"].item() == 6
     assert fit.strategy.synchronizer.optimizer_steps == 6
+
+
+WARMUP = {"warmup_steps": 7, "switch_betas": (0.95, 0.99), "switch_reset_moments": True, "switch_lr_scale": 0.5}
+
+
+def test_resume_in_the_warmup_and_after_the_switch_is_bit_identical(tmp_path: Path) -> None:
+    """A warm-up of 7 synchronous steps, then local steps with syncs every 4: a checkpoint in the warm-up (step 6)
+    and one mid-round after the switch (step 9) both resume bit-identically, the switch applied exactly once."""
+    _fit(tmp_path, "full", checkpoints=True, **WARMUP)
+    ckpt_dir = tmp_path / "ckpt"
+    in_warmup, after = ckpt_dir / "step=6.ckpt", ckpt_dir / "step=9.ckpt"
+    saved = torch.load(in_warmup, weights_only=True)
+    assert saved["lordo"]["sync"]["optimizer_steps"] == 6 and saved["lordo"]["sync"]["anchor"] == []
+    assert saved["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.999)  # not switched yet
+    saved = torch.load(after, weights_only=True)
+    assert saved["lordo"]["sync"]["steps_since_sync"] == 2 and "params" in saved["lordo"]["ranks"][1]
+    assert tuple(saved["optimizer_states"][0]["param_groups"][0]["betas"]) == (0.95, 0.99)
+    for tag, ckpt in (("warmup", in_warmup), ("local", after)):
+        _fit(tmp_path, tag, ckpt=str(ckpt), **WARMUP)
+        for rank in (0, 1):
+            for kind in ("local", "final"):
+                expected = torch.load(tmp_path / f"full_{kind}_rank{rank}.pt", weights_only=True)
+                resumed = torch.load(tmp_path / f"{tag}_{kind}_rank{rank}.pt", weights_only=True)
+                assert_identical(resumed, expected, f"{tag}/{kind}/rank{rank}")
