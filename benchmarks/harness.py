@@ -6,21 +6,29 @@ strategy for the LoRDO family; computed as numel x 4 per step for DDP's gradient
 synchronization memory, wall time, subspace movement and the term ratio. Runs are appended to a JSONL file as
 they finish, so an interrupted part keeps what it measured.
 
-Methods (SPEC §7):
+Methods (SPEC §7, §10):
 
-* ``ddp``: Lightning DDP + AdamW, gradients all-reduced every step.
-* ``lowrank_ddp``: DDP (gradients all-reduced every step) + LoRDO with omega = 1, whose bases are recomputed
-  every ``sync_every`` steps from the averaged gradient (GaLore/LDAdam-style low-rank DDP).
+* ``ddp``: Lightning DDP, gradients all-reduced every step; ``optimizer="adamw"`` (torch's AdamW) or ``"qhadam"``
+  (the authors' DDP baseline: LoRDO with every parameter full-rank and ``update="subspace_qh"``, i.e. QHAdam);
+  ``hook="powersgd"`` / ``"fp16"``: PyTorch's communication hooks (:mod:`peers`), bytes counted at the hook.
+* ``lowrank_ddp``: the plugin's ``"lowrank_ddp"`` preset (gradients averaged every step, LoRDO's low-rank moments,
+  bases from the averaged gradient every ``sync_every`` steps); omega = 1 unless the knobs say otherwise.
 * ``diloco``: local AdamW, parameters averaged every K steps.
 * ``lordo_noqhm``: LoRDO-Global with omega = 1 (no full-rank term).
 * ``lordo_local``: each worker computes its basis from its own pseudo-gradient.
 * ``lordo``: the method.
+
+A run either starts from scratch or from the weights of a warm-up checkpoint (``init_from``, the authors'
+protocol: every method continues from one shared low-rank DDP checkpoint, with fresh optimizer state). Its LR
+schedule (``lr_warmup``, ``lr_decay``) is warmup-stable-decay when ``schedule="wsd"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import platform
 import subprocess
 import tempfile
@@ -30,12 +38,14 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from peers import HOOKS, HookedDDP
 
 from lightning_lordo import LoRDO, LoRDOStrategy
 from lightning_lordo.models import ByteDataModule, GPTLightningModule
-from lightning_lordo.strategy import full_rank_params, track_step_calls
+from lightning_lordo.strategy import track_step_calls
 
 METHODS = ("ddp", "lowrank_ddp", "diloco", "lordo_noqhm", "lordo_local", "lordo")
+SCHEDULES = ("cosine", "wsd")
 ROOT = Path(__file__).resolve().parent
 
 
@@ -57,48 +67,89 @@ class RunSpec:
     val_every: int = 64
     val_batches: int = 16
     knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # added for the authors' protocol (benchmarks/authors.py); the defaults keep the earlier parts' runs as they were
+    betas: tuple[float, float] = (0.9, 0.95)
+    optimizer: str = "adamw"
+    qh_omega: float = 0.94
+    hook: str = ""
+    hook_rank: int = 4
+    schedule: str = "cosine"
+    lr_warmup: int = 0
+    lr_decay: int = 0
+    init_from: str = ""
+    save_to: str = ""
+    data_seed: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.steps % self.val_every:  # Lightning validates every val_every steps: the last ones would be unseen
             raise ValueError(f"RunSpec: steps={self.steps} is not a multiple of val_every={self.val_every}, so the "
                              "final validation loss would be measured before the end; pick multiples.")
+        if self.schedule not in SCHEDULES or self.optimizer not in ("adamw", "qhadam"):
+            raise ValueError(f"RunSpec: schedule={self.schedule!r} (choose {SCHEDULES}), optimizer={self.optimizer!r} "
+                             "(choose 'adamw' or 'qhadam')")
+        if self.hook and (self.hook not in HOOKS or self.method != "ddp"):
+            raise ValueError(f"RunSpec: hook={self.hook!r} needs method='ddp' and one of {HOOKS}")
+        self.betas = tuple(self.betas)
 
     def label(self) -> str:
         extra = ",".join(f"{k}={v}" for k, v in sorted(self.knobs.items()))
-        return f"{self.method}[{extra}]" if extra else self.method
+        name = self.method
+        if self.hook:
+            name += f"+{self.hook}" + (f"{self.hook_rank}" if self.hook == "powersgd" else "")
+        if self.optimizer == "qhadam":
+            name += f"+qhadam{self.qh_omega}"
+        return f"{name}[{extra}]" if extra else name
+
+
+def wsd(step: int, total: int, warmup: int, decay: int, floor: float = 0.1) -> float:
+    """Warmup-stable-decay: linear warmup over ``warmup`` steps, 1, then cosine to ``floor`` over the last ``decay``."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if decay and step >= total - decay:
+        progress = (step - (total - decay)) / decay
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
 
 
 class BenchModule(GPTLightningModule):
-    """The demo's GPT; for ``lowrank_ddp`` its optimizer is LoRDO (omega 1) under plain DDP."""
+    """The demo's GPT with the spec's optimizer (AdamW, or QHAdam as LoRDO with every parameter full-rank) and
+    LR schedule (cosine as before, or warmup-stable-decay)."""
 
-    def __init__(self, lowrank_rank: int = 0, **kwargs: Any) -> None:
+    def __init__(self, spec: RunSpec, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.lowrank_rank = lowrank_rank
+        self.hparams.pop("spec", None)  # checkpoints stay loadable with weights_only=True
+        self.spec = spec
 
     def configure_optimizers(self) -> Any:
+        spec = self.spec
         config = super().configure_optimizers()
-        if not self.lowrank_rank:
-            return config
         adamw = config["optimizer"]
-        groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay",
-                                                         "initial_lr")} for g in adamw.param_groups]
-        lordo = LoRDO(groups, rank=self.lowrank_rank, omega=1.0, full_rank=full_rank_params(self))
-        scheduler = config["lr_scheduler"]["scheduler"]
-        scheduler.optimizer = lordo
-        track_step_calls(lordo)
-        return {"optimizer": lordo, "lr_scheduler": config["lr_scheduler"]}
+        groups = [{k: v for k, v in g.items() if k in ("params", "lr", "eps", "weight_decay", "initial_lr")}
+                  for g in adamw.param_groups]
+        for group in groups:
+            group["betas"] = spec.betas
+        if spec.optimizer == "qhadam":
+            optimizer: torch.optim.Optimizer = LoRDO([{**g, "rank": 0} for g in groups], update="subspace_qh",
+                                                     omega=spec.qh_omega)
+        else:
+            optimizer = torch.optim.AdamW(groups)
+        if spec.schedule == "wsd":
+            fn = functools.partial(wsd, total=spec.steps, warmup=spec.lr_warmup, decay=spec.lr_decay)
+        else:
+            fn = config["lr_scheduler"]["scheduler"].lr_lambdas[0]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+        track_step_calls(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class GradientBasisRefresh(L.Callback):
-    """Low-rank DDP: every ``every`` steps, new bases from the (already all-reduced) gradient, before the step."""
+class SaveAtEnd(L.Callback):
+    """Writes a checkpoint at the end of ``fit`` (every rank calls it: a save is a collective)."""
 
-    def __init__(self, every: int) -> None:
-        self.every = every
+    def __init__(self, path: str) -> None:
+        self.path = path
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
-        lordo: LoRDO = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
-        if trainer.global_step % self.every == 0 and trainer.global_step > 0:
-            lordo.install_bases({p: p.grad for p in lordo.lowrank_params() if p.grad is not None})
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
 
 
 class Recorder(L.Callback):
@@ -109,9 +160,15 @@ class Recorder(L.Callback):
         self.curve: list[dict[str, float]] = []
 
     def _bytes(self, trainer: L.Trainer, module: L.LightningModule) -> float:
+        """Payload bytes per worker of the training itself: for the plugin everything it counted but the one-time
+        setup broadcast and Lightning's per-batch SIGTERM check (no method's traffic); for DDP its gradient
+        all-reduce (numel x itemsize per step); for a communication hook what it handed to all_reduce."""
         strategy = trainer.strategy
         if isinstance(strategy, LoRDOStrategy):
-            return strategy.accountant.total_bytes
+            totals = strategy.accountant.totals
+            return sum(v for k, v in totals.items() if k not in ("setup_broadcast", "lightning_sigterm_check"))
+        if isinstance(strategy, HookedDDP):
+            return strategy.counter.total
         per_step = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         return per_step * trainer.global_step
 
@@ -146,9 +203,10 @@ class Recorder(L.Callback):
 
 
 def _strategy(spec: RunSpec) -> Any:
-    if spec.method in ("ddp", "lowrank_ddp"):
-        return "ddp_fork"
+    if spec.method == "ddp":
+        return HookedDDP(spec.hook, spec.hook_rank) if spec.hook else "ddp_fork"
     presets: dict[str, dict[str, Any]] = {
+        "lowrank_ddp": {"synchronous": True, "omega": 1.0},
         "diloco": {"lowrank": False},
         "lordo_noqhm": {"omega": 1.0},
         "lordo_local": {"basis_scope": "local", "average_moments": False},
@@ -167,20 +225,24 @@ def run(spec: RunSpec) -> dict[str, Any]:
     torch.set_num_threads(1)
     L.seed_everything(spec.seed, verbose=False)
     module = BenchModule(
-        lowrank_rank=spec.rank if spec.method == "lowrank_ddp" else 0, d_model=spec.d_model,
-        n_layers=spec.n_layers, n_heads=spec.n_heads, seq_len=spec.seq_len, lr=spec.lr,
+        spec, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads, seq_len=spec.seq_len, lr=spec.lr,
         warmup_steps=max(1, spec.steps // 20), total_steps=spec.steps,
     )
+    if spec.init_from:  # the authors' protocol: the warm-up checkpoint's (synchronized) model, fresh optimizer
+        module.load_state_dict(torch.load(spec.init_from, weights_only=True)["state_dict"])
     data = ByteDataModule(path=spec.data, seq_len=spec.seq_len, batch_size=spec.batch_size,
                           train_samples=spec.steps * spec.batch_size * spec.workers, val_batches=spec.val_batches,
-                          seed=spec.seed)
+                          seed=spec.seed if spec.data_seed is None else spec.data_seed)
+    strategy = _strategy(spec)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.json"
         callbacks: list[L.Callback] = [Recorder(path)]
-        if spec.method == "lowrank_ddp":
-            callbacks.append(GradientBasisRefresh(spec.sync_every))
+        if isinstance(strategy, HookedDDP):
+            callbacks.append(strategy.counter)
+        if spec.save_to:
+            callbacks.append(SaveAtEnd(spec.save_to))
         trainer = L.Trainer(
-            strategy=_strategy(spec), accelerator="cpu", devices=spec.workers, max_steps=spec.steps, logger=False,
+            strategy=strategy, accelerator="cpu", devices=spec.workers, max_steps=spec.steps, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             val_check_interval=spec.val_every, num_sanity_val_steps=0, callbacks=callbacks,
         )

@@ -14,10 +14,10 @@ Nothing is silently clamped.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from numbers import Real
-from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import torch

@@ -61,7 +61,6 @@ class PhaseChecker(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         strategy: LoRDOStrategy = trainer.strategy
-        sync = strategy.synchronizer
         assert self.checked["synchronous"] == self.warmup and self.checked["local"] == self.steps - self.warmup
         # a refresh every K synchronous steps (before steps K+1, 2K+1, ...), none at the other steps
         for step in range(2, self.warmup + 1):

@@ -1,0 +1,274 @@
+"""The authors' LoRDO and its baselines in the authors' protocol (SPEC §10), against the peers a user would pick.
+
+Protocol: a byte-level GPT (d_model 128, 4 layers, seq 128, 0.84 M parameters), M = 4 workers x 8 sequences,
+K = 32, rank 16 (d/8; d/16 = 8 for the small-rank claims). One warm-up checkpoint, 1024 steps of low-rank DDP as
+the authors ran it, is shared by every method; each method then continues from its weights with fresh optimizer
+state (the authors' switch zeroes the moments) for 1536 steps, with the same data order and the same LR schedule
+shape: a 64-step re-warmup (fresh Adam moments take sign-like first steps), constant, and a cosine decay to 0.1x
+over the last 384 steps. The continuation LR is a multiple of the warm-up LR (the authors' "LR x 0.5-2"),
+swept over 3 points per main method and extended past an edge that wins.
+
+Stages (each appends to ``results/authors.jsonl`` and skips runs already there, so the part resumes):
+
+* ``warmup-lr``: the warm-up method from scratch at 3 LRs for 512 steps; the best sets the warm-up LR.
+* ``warmup``: the shared checkpoint (``cache/authors-warmup.ckpt``, not committed; rebuilt if missing).
+* ``sweep``: the main methods at LR scales 0.5, 1, 2 (seed 0), extended by 2x past a winning edge.
+* ``main``: the other methods at a related method's LR (seed 0), then every method at its best LR (seed 1).
+* ``ablations``: one choice at a time away from the best LoRDO configuration (seed 0).
+* ``claims``: global vs local bases at rank 8 and at 2 sequences per worker, low-rank DDP at rank 8.
+* ``scratch``: the best LoRDO configuration from scratch for 2560 steps (what the warm start buys).
+* ``seed2``: a third seed of the main table's key methods, where time allows.
+
+Usage: ``python benchmarks/authors.py --data ../shared/data/tinyshakespeare.txt [--stage all]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness import ROOT, RunSpec, append, done, load, provenance, run
+
+RESULTS = ROOT / "results" / "authors.jsonl"
+CACHE = ROOT / "cache"
+WARMUP_CKPT = CACHE / "authors-warmup.ckpt"
+STAGES = ("warmup-lr", "warmup", "sweep", "main", "ablations", "claims", "scratch", "seed2")
+
+MODEL = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, workers=4, batch_size=8, sync_every=32, rank=16,
+             val_batches=32)
+WARMUP_STEPS, STEPS, REWARMUP, DECAY, VAL_EVERY = 1024, 1536, 64, 384, 256
+WARMUP_LRS = (3e-3, 1e-2, 3e-2)
+LR_SCALES = (0.5, 1.0, 2.0)
+AUTHORS_BETAS = (0.999, 0.999)
+
+#: The authors' low-rank DDP / LoRDO-Local optimizer: QH mix inside the subspace, error feedback, exact SVD.
+AUTHORS_SUBSPACE = {"update": "subspace_qh", "omega": 0.94, "error_feedback": True, "projection": "svd"}
+#: The authors' LoRDO: omega 0.97, one scalar normalizer, G + E into the full-rank term, error feedback, exact SVD,
+#: every optimizer state averaged at a sync, the variance clamped in the rotation (and the beta switch: betas).
+AUTHORS_LORDO = {"omega": 0.97, "normalizer": "mean_denom", "full_rank_input": "accumulated",
+                 "error_feedback": True, "projection": "svd", "average_fullrank_moments": True,
+                 "variance_clamp": True}
+
+METHODS: dict[str, dict[str, Any]] = {
+    "ddp": dict(method="ddp"),
+    "ddp_qh": dict(method="ddp", optimizer="qhadam", betas=AUTHORS_BETAS),
+    "lowrank_ddp": dict(method="lowrank_ddp", knobs=AUTHORS_SUBSPACE, betas=AUTHORS_BETAS),
+    "lordo_local": dict(method="lordo_local", knobs={**AUTHORS_SUBSPACE, "average_fullrank_moments": True},
+                        betas=AUTHORS_BETAS),
+    "lordo_noqhm": dict(method="lordo", knobs={**{k: v for k, v in AUTHORS_LORDO.items()
+                                                  if k not in ("normalizer", "full_rank_input")}, "omega": 1.0},
+                        betas=AUTHORS_BETAS),
+    "lordo_defaults": dict(method="lordo"),
+    "lordo_authors": dict(method="lordo", knobs=AUTHORS_LORDO, betas=AUTHORS_BETAS),
+    "diloco": dict(method="diloco"),
+    "powersgd4": dict(method="ddp", hook="powersgd", hook_rank=4),
+    "powersgd16": dict(method="ddp", hook="powersgd", hook_rank=16),
+    "fp16": dict(method="ddp", hook="fp16"),
+}
+SWEPT = ("ddp", "ddp_qh", "lowrank_ddp", "lordo_authors", "lordo_defaults", "diloco", "powersgd4")
+LR_OF = {"lordo_local": "lordo_authors", "lordo_noqhm": "lordo_authors", "powersgd16": "powersgd4", "fp16": "ddp"}
+SEED2 = ("ddp", "lowrank_ddp", "lordo_authors", "lordo_defaults", "diloco", "powersgd4")
+
+
+# ------------------------------------------------------------------------------------------ specs
+def warmup_spec(data: str, lr: float, steps: int = WARMUP_STEPS, save: bool = True) -> RunSpec:
+    return RunSpec(**METHODS["lowrank_ddp"], **MODEL, lr=lr, data=data, steps=steps, val_every=VAL_EVERY,
+                   schedule="wsd", lr_warmup=64, save_to=str(WARMUP_CKPT) if save else "")
+
+
+def continuation(name: str, data: str, lr: float, seed: int = 0, **changes: Any) -> RunSpec:
+    """Method ``name`` from the warm-up checkpoint; ``changes`` override fields (``knobs`` are merged, a knob set
+    to ``None`` is dropped)."""
+    fields: dict[str, Any] = {**MODEL, **METHODS[name]}
+    knobs = {k: v for k, v in {**fields.pop("knobs", {}), **changes.pop("knobs", {})}.items() if v is not None}
+    fields.update(changes)
+    return RunSpec(**fields, knobs=knobs, lr=lr, data=data, seed=seed, steps=STEPS, val_every=VAL_EVERY, schedule="wsd",
+                   lr_warmup=REWARMUP, lr_decay=DECAY, init_from=str(WARMUP_CKPT), data_seed=1000 + seed)
+
+
+# ------------------------------------------------------------------------------------------ reading results
+def _records(stage: str = "") -> list[dict[str, Any]]:
+    return [r for r in load(RESULTS) if "spec" in r and (not stage or r.get("stage") == stage)]
+
+
+def warmup_lr() -> float:
+    runs = _records("warmup-lr")
+    if len(runs) < len(WARMUP_LRS):
+        raise SystemExit("run the warmup-lr stage first")
+    return min(runs, key=lambda r: r["final_val_loss"])["spec"]["lr"]
+
+
+def scale_losses(name: str, seed: int = 0) -> dict[float, float]:
+    """Final validation loss per LR scale of method ``name`` (seed ``seed``) at the default shape of the sweep."""
+    base = warmup_lr()
+    out = {}
+    for r in _records():
+        if r.get("name") == name and r["spec"]["seed"] == seed and r.get("stage") in ("sweep", "main"):
+            out[round(r["spec"]["lr"] / base, 6)] = r["final_val_loss"]
+    return out
+
+
+def best_scale(name: str) -> float:
+    losses = scale_losses(LR_OF.get(name, name))
+    if not losses:
+        raise SystemExit(f"run the sweep stage first: no result for {LR_OF.get(name, name)}")
+    return min(losses, key=losses.get)
+
+
+def best_lordo() -> str:
+    """The better of the two LoRDO configurations at their best LR (seed 0): the base of the ablations."""
+    losses = {name: scale_losses(name)[best_scale(name)] for name in ("lordo_authors", "lordo_defaults")}
+    return min(losses, key=losses.get)
+
+
+# ------------------------------------------------------------------------------------------ stages
+def sweep_specs(data: str) -> list[tuple[str, RunSpec]]:
+    """3 LR scales per main method; a winning edge scale adds the next one out (one more round per call)."""
+    base = warmup_lr()
+    specs = []
+    for name in SWEPT:
+        scales = set(LR_SCALES)
+        losses = scale_losses(name)
+        if scales <= set(losses):  # all 3 ran: extend past a winning edge, up to 8x either way
+            best = min(losses, key=losses.get)
+            if best == min(losses) and best > 1 / 8:
+                scales.add(best / 2)
+            if best == max(losses) and best < 8:
+                scales.add(best * 2)
+        specs += [(name, continuation(name, data, base * s)) for s in sorted(scales)]
+    return specs
+
+
+def main_specs(data: str) -> list[tuple[str, RunSpec]]:
+    base = warmup_lr()
+    specs = [(name, continuation(name, data, base * best_scale(name))) for name in LR_OF]
+    specs += [(name, continuation(name, data, base * best_scale(name), seed=1)) for name in METHODS]
+    return specs
+
+
+def ablation_specs(data: str) -> list[tuple[str, RunSpec]]:
+    """One choice at a time away from the best LoRDO configuration (at its best LR, seed 0)."""
+    name = best_lordo()
+    lr = warmup_lr() * best_scale(name)
+    knobs = METHODS[name].get("knobs", {})
+    variants: list[tuple[str, dict[str, Any]]] = []
+    variants += [(f"omega={w}", {"knobs": {"omega": w}}) for w in (0.9, 0.95, 0.97, 0.99) if w != knobs.get("omega")]
+    variants += [(f"normalizer={n}", {"knobs": {"normalizer": n}})
+                 for n in ("mean_denom", "col_rms", "scalar") if n != knobs.get("normalizer", "col_rms")]
+    if knobs.get("error_feedback"):
+        other = "gradient" if knobs.get("full_rank_input") == "accumulated" else "accumulated"
+        variants.append((f"full_rank_input={other}", {"knobs": {"full_rank_input": other}}))
+        variants.append(("error_feedback=False", {"knobs": {"error_feedback": False, "full_rank_input": None}}))
+    else:
+        variants.append(("error_feedback=True", {"knobs": {"error_feedback": True}}))
+    projections = [("projection=power,power_iters=1", {"projection": "power", "power_iters": 1}),
+                   ("projection=power,power_iters=3", {"projection": "power", "power_iters": 3}),
+                   ("projection=svd", {"projection": "svd"})]
+    variants += [(label, {"knobs": k}) for label, k in projections
+                 if (k["projection"], k.get("power_iters", 1)) != (knobs.get("projection", "power"),
+                                                                   knobs.get("power_iters", 1))]
+    fullrank = not knobs.get("average_fullrank_moments", False)
+    variants.append((f"average_fullrank_moments={fullrank}", {"knobs": {"average_fullrank_moments": fullrank}}))
+    switched = METHODS[name].get("betas") == AUTHORS_BETAS
+    variants.append(("beta switch " + ("off" if switched else "on"),
+                     {"betas": (0.9, 0.95) if switched else AUTHORS_BETAS}))
+    clamp = not knobs.get("variance_clamp", False)
+    variants.append((f"variance_clamp={clamp}", {"knobs": {"variance_clamp": clamp}}))
+    variants.append(("update=unnormalized_lowrank", {"knobs": {"update": "unnormalized_lowrank"}}))
+    return [(f"{name}:{label}", continuation(name, data, lr, **change)) for label, change in variants]
+
+
+def claims_specs(data: str) -> list[tuple[str, RunSpec]]:
+    name = best_lordo()
+    base = warmup_lr()
+    out = []
+    for other in (name, "lordo_local", "lowrank_ddp"):
+        out.append((f"{other}:rank=8", continuation(other, data, base * best_scale(other), rank=8)))
+    for other in (name, "lordo_local"):
+        out.append((f"{other}:batch=2", continuation(other, data, base * best_scale(other), batch_size=2)))
+    return out
+
+
+def scratch_specs(data: str) -> list[tuple[str, RunSpec]]:
+    name = best_lordo()
+    spec = continuation(name, data, warmup_lr() * best_scale(name))
+    spec = dataclasses.replace(spec, steps=WARMUP_STEPS + STEPS, init_from="", data_seed=0, lr_warmup=64)
+    return [(f"{name}:scratch", spec)]
+
+
+def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
+    if stage == "warmup-lr":
+        return [("lowrank_ddp", warmup_spec(data, lr, steps=WARMUP_STEPS // 2, save=False)) for lr in WARMUP_LRS]
+    if stage == "warmup":
+        return [("lowrank_ddp", warmup_spec(data, warmup_lr()))]
+    if stage == "sweep":
+        return sweep_specs(data)
+    if stage == "main":
+        return main_specs(data)
+    if stage == "ablations":
+        return ablation_specs(data)
+    if stage == "claims":
+        return claims_specs(data)
+    if stage == "scratch":
+        return scratch_specs(data)
+    if stage == "seed2":
+        base = warmup_lr()
+        return [(n, continuation(n, data, base * best_scale(n), seed=2)) for n in SEED2]
+    raise SystemExit(f"unknown stage {stage!r}")
+
+
+def run_stage(stage: str, data: str, argv: list[str]) -> None:
+    records = load(RESULTS)
+    while True:  # the sweep grows while an edge keeps winning
+        pending = [(n, s) for n, s in specs_for(stage, data) if not done(records, s)]
+        if stage == "warmup" and not WARMUP_CKPT.exists():  # the checkpoint is not committed: rebuild it
+            pending = [(n, s) for n, s in specs_for(stage, data)]
+        if not pending:
+            return
+        append(RESULTS, {"header": provenance("python benchmarks/authors.py " + " ".join(argv)),
+                         "stage": stage, "data": Path(data).name})
+        for name, spec in pending:
+            record = {"stage": stage, "name": name, **run(spec)}
+            if not (stage == "warmup" and done(records, spec)):
+                append(RESULTS, record)
+            records.append(record)
+            print(f"{stage}: {name:<48} lr={spec.lr:<8.3g} seed={spec.seed} val_loss={record['final_val_loss']:.4f} "
+                  f"bytes={record['bytes_sent']:.3e} wall={record['wall_seconds']:.0f}s", flush=True)
+        if stage != "sweep":
+            return
+
+
+def _smoke(directory: Path) -> None:
+    global RESULTS, CACHE, WARMUP_CKPT, WARMUP_STEPS, STEPS, REWARMUP, DECAY, VAL_EVERY
+    directory.mkdir(parents=True, exist_ok=True)
+    RESULTS, CACHE = directory / "authors.jsonl", directory
+    WARMUP_CKPT = CACHE / "authors-warmup.ckpt"
+    WARMUP_STEPS, STEPS, REWARMUP, DECAY, VAL_EVERY = 128, 128, 8, 32, 64
+    MODEL.update(d_model=32, n_layers=1, seq_len=32, workers=2, val_batches=4, rank=4, sync_every=16)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="text file (e.g. ../shared/data/tinyshakespeare.txt)")
+    parser.add_argument("--stage", default="all", choices=(*STAGES, "all"))
+    parser.add_argument("--until", default="scratch", choices=STAGES, help="with --stage all: the last stage")
+    parser.add_argument("--smoke", metavar="DIR", help="every stage on a tiny model in a few minutes, results in DIR "
+                                                       "(checks the pipeline; the figures mean nothing)")
+    args = parser.parse_args(argv)
+    if not Path(args.data).is_file():
+        raise SystemExit(f"--data={args.data}: no such file")
+    data = str(Path(args.data).resolve())
+    if args.smoke:
+        _smoke(Path(args.smoke))
+    CACHE.mkdir(exist_ok=True)
+    stages = STAGES[: STAGES.index(args.until) + 1] if args.stage == "all" else (args.stage,)
+    for stage in stages:
+        run_stage(stage, data, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
