@@ -13,7 +13,7 @@ Stages (each appends to ``results/authors.jsonl`` and skips runs already there, 
 * ``warmup-lr``: the warm-up method from scratch at 3 LRs for 512 steps; the best sets the warm-up LR.
 * ``warmup``: the shared checkpoint (``cache/authors-warmup.ckpt``, not committed; rebuilt if missing).
 * ``sweep``: the main methods at LR scales 0.5, 1, 2 (seed 0), extended by 2x past a winning edge.
-* ``main``: the other methods at a related method's LR (seed 0), then every method at its best LR (seed 1).
+* ``main``: the other methods at a related method's best LR (seed 0), then every method at its best LR (seed 1).
 * ``ablations``: one choice at a time away from the best LoRDO configuration (seed 0).
 * ``claims``: global vs local bases at rank 8 and at 2 sequences per worker, low-rank DDP at rank 8.
 * ``scratch``: the best LoRDO configuration from scratch for 2560 steps (what the warm start buys).
@@ -68,8 +68,11 @@ METHODS: dict[str, dict[str, Any]] = {
     "powersgd16": dict(method="ddp", hook="powersgd", hook_rank=16),
     "fp16": dict(method="ddp", hook="fp16"),
 }
-SWEPT = ("ddp", "ddp_qh", "lowrank_ddp", "lordo_authors", "lordo_defaults", "diloco", "powersgd4")
-LR_OF = {"lordo_local": "lordo_authors", "lordo_noqhm": "lordo_authors", "powersgd16": "powersgd4", "fp16": "ddp"}
+SWEPT = ("ddp", "lowrank_ddp", "lordo_authors", "lordo_defaults", "diloco")
+#: The methods not swept take a related method's best LR: the hooks are DDP with compressed gradients, the
+#: authors' QH DDP shares their low-rank DDP's betas and mix, LoRDO-Local and LoRDO without QHM the authors' LoRDO's.
+LR_OF = {"lordo_local": "lordo_authors", "lordo_noqhm": "lordo_authors", "ddp_qh": "lowrank_ddp", "powersgd4": "ddp",
+         "powersgd16": "ddp", "fp16": "ddp"}
 SEED2 = ("ddp", "lowrank_ddp", "lordo_authors", "lordo_defaults", "diloco", "powersgd4")
 
 
