@@ -41,8 +41,8 @@ import torch
 from peers import HOOKS, HookedDDP
 
 from lightning_lordo import LoRDO, LoRDOStrategy
+from lightning_lordo.lightning.convert import track_step_calls
 from lightning_lordo.models import ByteDataModule, GPTLightningModule
-from lightning_lordo.strategy import track_step_calls
 
 METHODS = ("ddp", "lowrank_ddp", "diloco", "lordo_noqhm", "lordo_local", "lordo")
 SCHEDULES = ("cosine", "wsd")

@@ -18,7 +18,7 @@ from quality import PAYLOAD_STEPS, PAYLOAD_TOLERANCE, within
 from rich.console import Console
 from rich.table import Table
 
-from lightning_lordo.accounting import ring_allreduce_seconds
+from lightning_lordo.comm.communicator import ring_allreduce_seconds
 
 RESULTS = ROOT / "results"
 NAMES = {"ddp": "DDP (AdamW)", "lowrank_ddp": "low-rank DDP", "diloco": "DiLoCo", "lordo_noqhm": "LoRDO w/o QHM",

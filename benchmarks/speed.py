@@ -26,9 +26,9 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_lordo import LoRDO
+from lightning_lordo.lightning.convert import full_rank_params
 from lightning_lordo.models import CharGPT
 from lightning_lordo.optim.projection import compute_basis
-from lightning_lordo.strategy import full_rank_params
 
 SIZES = {"small (d64, 2L)": (64, 2), "medium (d128, 4L)": (128, 4), "large (d256, 4L)": (256, 4)}
 

@@ -6,11 +6,11 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_lordo.accounting import CollectiveTimeout
-from lightning_lordo.callbacks import CommunicationMonitor
+from lightning_lordo.comm.communicator import CollectiveTimeout
 from lightning_lordo.config import SyncConfig
+from lightning_lordo.lightning.callbacks import CommunicationMonitor
+from lightning_lordo.lightning.strategy import LoRDOStrategy
 from lightning_lordo.optim import LoRDO
-from lightning_lordo.strategy import LoRDOStrategy
 
 __version__ = "0.1.0"
 

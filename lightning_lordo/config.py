@@ -33,6 +33,7 @@ BASIS_SCOPES = ("global", "local")
 INITIAL_BASES = ("gradient", "random")
 PAYLOADS = ("full", "lowrank")
 PAYLOAD_DTYPES = ("float32", "bfloat16", "int8")
+ANCHOR_DEVICES = ("param", "cpu")
 
 #: Defaults of the optimizer knobs. ``lr``, ``betas``, ``eps`` and ``weight_decay`` mean what they mean in
 #: :class:`torch.optim.AdamW`; the rest are LoRDO's (see :class:`lightning_lordo.LoRDO`).
@@ -221,6 +222,9 @@ class SyncConfig:
         switch_betas: at the end of the warm-up, set the optimizer's betas to this pair (``None``: keep them).
         switch_reset_moments: at the end of the warm-up, zero the optimizer's moments (bases are kept).
         switch_lr_scale: at the end of the warm-up, multiply the learning rate (and the LR schedulers' base LRs).
+        anchor_device: where the anchor (the last synchronized parameters) lives: ``"param"`` (the parameters'
+            device) or ``"cpu"`` (pinned host memory when training on a GPU: one model less of GPU memory, one
+            host-to-device copy of the model per sync).
     """
 
     sync_every: int = 16
@@ -242,6 +246,7 @@ class SyncConfig:
     switch_betas: Optional[tuple[float, float]] = None
     switch_reset_moments: bool = False
     switch_lr_scale: float = 1.0
+    anchor_device: str = "param"
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every)
@@ -273,6 +278,7 @@ class SyncConfig:
                             "Pass e.g. switch_betas=(0.999, 0.999).")
             self.switch_betas = (float(betas[0]), float(betas[1]))
         self.switch_lr_scale = check_positive("switch_lr_scale", self.switch_lr_scale)
+        check_choice("anchor_device", self.anchor_device, ANCHOR_DEVICES)
         self._check_phase_knobs()
 
     def _check_phase_knobs(self) -> None:

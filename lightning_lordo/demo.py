@@ -24,9 +24,9 @@ from rich.console import Console
 from rich.table import Table
 from torchmetrics.text import Perplexity
 
-from lightning_lordo.callbacks import _human
+from lightning_lordo.lightning.callbacks import _human
+from lightning_lordo.lightning.strategy import LoRDOStrategy
 from lightning_lordo.models import ByteDataModule, GPTLightningModule
-from lightning_lordo.strategy import LoRDOStrategy
 
 METHODS = ("lordo", "ddp")
 

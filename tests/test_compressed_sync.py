@@ -94,7 +94,7 @@ class LowRankSyncChecker(L.Callback):
         if sync.syncs_done == self.syncs_seen:
             return
         self.syncs_seen = sync.syncs_done
-        anchor = {p: a.clone() for p, a in zip(sync.params, sync.anchor)}
+        anchor = {p: a.clone() for p, a in zip(sync.params, sync.anchor.tensors)}
         if self.anchor is not None:
             for p in sync.optimizer.lowrank_params():
                 basis = sync.optimizer.state[p]["basis"]

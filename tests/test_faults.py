@@ -40,9 +40,9 @@ from strategy_helpers import (
 from torch import Tensor, nn
 
 from lightning_lordo import CollectiveTimeout, LoRDO, LoRDOStrategy, SyncConfig
-from lightning_lordo.accounting import CommAccountant, Communicator
-from lightning_lordo.faults import sigint_deferred
-from lightning_lordo.sync import Synchronizer
+from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.sync.faults import sigint_deferred
+from lightning_lordo.sync.synchronizer import Synchronizer
 
 NAN = float("nan")
 
@@ -131,8 +131,8 @@ def _everything(model: nn.Module, opt: torch.optim.Optimizer, sync: Synchronizer
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "buffers": [b.clone() for b in model.buffers()],
-        "anchor": [a.clone() for a in sync.anchor],
-        "outer_momentum": [m.clone() for m in sync.outer_momentum],
+        "anchor": [a.clone() for a in sync.anchor.tensors],
+        "outer_momentum": [m.clone() for m in sync.outer.momentum_buffers()],
         "state": [{k: clone(v) for k, v in opt.state.get(p, {}).items()} for p in model.parameters()],
         "counters": (sync.syncs_done, sync.steps_since_sync, sync.optimizer_steps, sync.skipped_syncs),
     }
@@ -198,7 +198,7 @@ def test_non_finite_round_is_discarded_and_only_poisoned_state_is_reset(optimize
     start_loss = _full_loss(model)
     for i in range(5):
         _step(model, opt, sync, i)
-    anchor_before = [a.clone() for a in sync.anchor]
+    anchor_before = [a.clone() for a in sync.anchor.tensors]
     basis_before = opt.state[first]["basis"].clone() if optimizer == "lordo" else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -208,7 +208,7 @@ def test_non_finite_round_is_discarded_and_only_poisoned_state_is_reset(optimize
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert any("sync 2 (optimizer step 6)" in m and "rank(s) [0]" in m and "discarded" in m for m in messages), \
         messages
-    assert_identical([a.clone() for a in sync.anchor], anchor_before, "anchor")
+    assert_identical([a.clone() for a in sync.anchor.tensors], anchor_before, "anchor")
     assert_identical([p.detach().clone() for p in model.parameters()], anchor_before, "params")
     state = opt.state[first]
     if optimizer == "lordo":
@@ -255,7 +255,7 @@ def test_non_finite_buffers_do_not_discard_the_round_and_warn() -> None:
     assert report is not None and not report.skipped
     assert any("buffers are not finite" in str(w.message) and "sync 1" in str(w.message) for w in caught)
     assert torch.equal(torch.cat([p.reshape(-1) for p in model.parameters()]),
-                       torch.cat([a.reshape(-1) for a in sync.anchor]))
+                       torch.cat([a.reshape(-1) for a in sync.anchor.tensors]))
 
 
 def test_non_finite_first_gradient_gives_seeded_random_bases() -> None:
@@ -296,7 +296,7 @@ def _timeout_worker(rank: int, port: int, mode: str, out: str) -> None:
                             Communicator(CommAccountant(), timedelta(seconds=timeout)))
         model(torch.randn(5, 6) * (rank + 1)).square().sum().backward()
         opt.step()  # the replicas now differ
-        params, anchor = [p.detach().clone() for p in model.parameters()], [a.clone() for a in sync.anchor]
+        params, anchor = [p.detach().clone() for p in model.parameters()], [a.clone() for a in sync.anchor.tensors]
         dist.barrier()
         if rank == 1:
             if mode == "exit":
@@ -317,7 +317,7 @@ def _timeout_worker(rank: int, port: int, mode: str, out: str) -> None:
             result["outcome"] = "KeyboardInterrupt"
         result["seconds"] = time.monotonic() - start
         result["unchanged"] = all(torch.equal(a, b) for a, b in zip(params, model.parameters())) and \
-            all(torch.equal(a, b) for a, b in zip(anchor, sync.anchor))
+            all(torch.equal(a, b) for a, b in zip(anchor, sync.anchor.tensors))
         result["params"] = flat_params(model).tolist()
         if result["outcome"] != "synced":  # the communicator refuses any further collective at once
             start = time.monotonic()
@@ -376,7 +376,7 @@ def test_the_last_wait_slice_is_never_a_wait_without_timeout(monkeypatch: pytest
     """0.2505 s = one 0.25 s slice + 0.5 ms: that last bit must end the wait, not become wait(0 ms) = forever."""
     import types
 
-    from lightning_lordo import accounting
+    from lightning_lordo.comm import communicator as accounting
 
     work = PendingWork()
     monkeypatch.setattr(accounting, "time", types.SimpleNamespace(monotonic=work.monotonic))
@@ -471,7 +471,7 @@ class FaultChecker(L.Callback):
         sync = trainer.strategy.synchronizer
         if sync.steps_since_sync:
             return
-        anchor = torch.cat([a.reshape(-1) for a in sync.anchor])
+        anchor = torch.cat([a.reshape(-1) for a in sync.anchor.tensors])
         assert torch.isfinite(anchor).all(), f"anchor not finite after sync {sync.syncs_done}"
         assert torch.equal(*gather(anchor)), f"anchors differ after sync {sync.syncs_done}"
         assert torch.equal(flat_params(module), anchor)

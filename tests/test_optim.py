@@ -24,6 +24,16 @@ RANK = 3
 NORMALIZERS = ("col_rms", "factored", "scalar", "lifted", "mean_denom")
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["grouped", "reference"])
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Every test here runs against both implementations of the step: the grouped one (LoRDO's default) and the
+    per-matrix reference (``foreach=False``)."""
+    defaults = dict(LoRDO.__init__.__kwdefaults__)
+    defaults["foreach"] = request.param
+    monkeypatch.setattr(LoRDO.__init__, "__kwdefaults__", defaults)
+    return request.param
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
@@ -251,7 +261,11 @@ def test_omega_zero_is_normalized_fullrank_step(shape, normalizer):
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_mu_constant_and_auto(shape, mu):
     """D_full = G / (mu (S + eps)); mu = "auto" sets mu = RMS(G/(S+eps)) / RMS(D_low) every step."""
-    w, opt, before, ref = _step_and_reference(shape, seed=2, omega=0.5, mu=mu)
+    w, opt = _one_matrix(shape, 2, omega=0.5, mu=mu)
+    before = _snapshot(opt, w)
+    ref = _ref_step(before, _hyper(opt))
+    opt.request_diagnostics()
+    opt.step()
     _close(w.detach() - before["W"], ref["W"] - before["W"])
     if mu == "auto":  # both terms then have the same RMS, so omega alone sets the mix
         rms_full, rms_low = ref["d_full"].pow(2).mean().sqrt(), ref["d_low"].pow(2).mean().sqrt()
@@ -852,7 +866,17 @@ def test_diagnostics(ef_dtype):
     _randomize_state(opt, gen, t=2)
     for p in (*ws, bias):
         p.grad = torch.randn(p.shape, generator=gen)
-    refs = [_ref_step(_snapshot(opt, w), _hyper(opt)) for w in ws]
+    refs = []
+    for w in ws:
+        snap = _snapshot(opt, w)
+        refs.append({**_ref_step(snap, _hyper(opt)), **{f"_before_{k}": v for k, v in snap.items()}})
+    opt.step()
+    assert opt.diagnostics() == {}  # nothing is computed unless asked for
+    for w, r in zip(ws, refs):  # the same step again, asked for this time
+        for key in ("exp_avg", "exp_avg_sq", "error_feedback", "step"):
+            opt.state[w][key].copy_(r[f"_before_{key}"])
+        w.data.copy_(r["_before_W"])
+    opt.request_diagnostics()
     opt.step()
     diag = opt.diagnostics()
     full = torch.cat([(0.4 * r["d_full"]).flatten() for r in refs])
@@ -866,6 +890,7 @@ def test_diagnostics(ef_dtype):
     assert diag["error_feedback_norm"] == pytest.approx(reference, rel=1e-5 if ef_dtype == "float32" else 1e-2)
     omega_one = LoRDO([nn.Parameter(torch.randn(6, 6))], rank=2, omega=1.0)
     omega_one.param_groups[0]["params"][0].grad = torch.randn(6, 6)
+    omega_one.request_diagnostics()
     omega_one.step()
     assert "term_ratio" not in omega_one.diagnostics() and "error_feedback_norm" not in omega_one.diagnostics()
 
@@ -904,4 +929,3 @@ def test_bf16_and_autocast(dtype, autocast):
             assert p.dtype == dtype
             for key, value in opt.state[p].items():
                 assert value.dtype == torch.float32, (key, value.dtype)
-

@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-import lightning_lordo.accounting as accounting_module
-from lightning_lordo.accounting import CommAccountant, Communicator
-from lightning_lordo.payload import LowRankPayload
-from lightning_lordo.quantization import QuantizedAverager, dequantize_int8, quantize_int8, round_trip, rows_view
+import lightning_lordo.comm.communicator as accounting_module
+from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.comm.lowrank import LowRankPayload
+from lightning_lordo.comm.quantization import QuantizedAverager, dequantize_int8, quantize_int8, round_trip, rows_view
 
 WORLD = 2
 SHAPES = [(6, 10), (12, 5), (7, 7)]  # wide, tall (transposed to 5 x 12), square

@@ -13,7 +13,7 @@ import torch
 from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
 
 from lightning_lordo import LoRDO, LoRDOStrategy
-from lightning_lordo.strategy import full_rank_params, track_step_calls
+from lightning_lordo.lightning.convert import full_rank_params, track_step_calls
 
 
 def _flags_and_grads(module: L.LightningModule) -> int:
@@ -44,7 +44,7 @@ class PhaseChecker(L.Callback):
         if step <= self.warmup:  # synchronous: no drift, no anchor until the switch at the end of the warm-up
             assert torch.equal(copies[0], copies[1]), f"replicas differ at synchronous step {step}"
             assert sync.steps_since_sync == 0
-            assert (sync.anchor == []) == (step < self.warmup)
+            assert (not sync.anchor) == (step < self.warmup)
             self.checked["synchronous"] += 1
         else:
             local = step - self.warmup
@@ -152,7 +152,7 @@ def test_lowrank_ddp_name_keeps_no_anchor_and_counts_gradients() -> None:
     class Check(L.Callback):
         def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
             strategy: LoRDOStrategy = trainer.strategy
-            assert strategy.synchronizer.anchor == [] and strategy.synchronizer.memory_report()["anchor"] == 0
+            assert not strategy.synchronizer.anchor and strategy.synchronizer.memory_report()["anchor"] == 0
             assert set(strategy.accountant.totals) - {"setup_broadcast", "lightning_sigterm_check"} == {"gradients"}
             assert strategy.accountant.totals["gradients"] == 34 * _flags_and_grads(module)
             assert [r.step for r in strategy.sync_reports] == [16, 32]  # a report at every basis refresh (K = 16)

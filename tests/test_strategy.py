@@ -42,7 +42,7 @@ class ReplicaChecker(L.Callback):
             # a checkpoint taken mid-round holds the synchronized model (the anchor), identical on all ranks
             state = trainer.strategy.lightning_module_state_dict()
             saved = torch.cat([state[n].reshape(-1) for n, _ in module.named_parameters()])
-            assert torch.equal(saved, torch.cat([a.reshape(-1) for a in sync.anchor]))
+            assert torch.equal(saved, torch.cat([a.reshape(-1) for a in sync.anchor.tensors]))
             assert torch.equal(*gather(saved))
         optimizer = sync.optimizer
         for p in optimizer.lowrank_params() if sync.optimizer_steps else []:

@@ -11,8 +11,19 @@ import torch
 from trajectory_cases import FIXTURE, OPTIMIZER_CASES, STRATEGY_CASES, run_optimizer_case, run_strategy_case
 
 #: How close each case must be: 0 is bitwise; otherwise the largest difference of each tensor, relative to its
-#: largest entry. Only the order of floating-point operations may differ from the recording.
-TOLERANCE: dict[str, float] = {}
+#: largest entry. The per-matrix reference step is the recorded step, and the reordered synchronization is the
+#: recorded math in these configurations (moments local, reset, DiLoCo), so they must agree bitwise. Where only the
+#: order of floating-point operations changed:
+#: * the grouped step (stacked matrices, batched matmuls, torch's AdamW) on the optimizer trajectories, whose
+#:   gradients do not depend on the weights: within 1e-6 after 12 steps;
+#: * Nesterov's outer step is now torch's SGD, which rounds its fused multiply-adds differently (one ulp), and the
+#:   grouped step in the two-process runs: there a sync's new basis (a power step from the previous one) turns
+#:   a difference of 1e-7 into one of about 1e-5 within two syncs (measured: 7.9e-6 for Nesterov with the
+#:   reference step; 6e-6 to 3.7e-5 for the grouped step). In a single process the grouped step stays within
+#:   2.5e-7 of the reference over 10 steps on the same model (tests/test_grouped.py checks it step by step).
+#: * the grouped step with the int8 payload is not compared: a 1e-7 difference moves a value across an int8
+#:   rounding boundary (one step is 1/127 of a row's largest value), so the two runs diverge by design.
+TOLERANCE: dict[str, float] = {"grouped": 1e-6, "strategy/local_moments": 1e-5, "strategy-grouped": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +53,21 @@ def assert_matches(actual: Any, expected: Any, rtol: float, where: str = "") -> 
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
+@pytest.mark.parametrize("implementation", ["reference", "grouped"])
 @pytest.mark.parametrize("case", list(OPTIMIZER_CASES))
-def test_optimizer_reproduces_the_recorded_trajectory(case: str, recorded: dict[str, Any]) -> None:
-    actual = run_optimizer_case(dict(OPTIMIZER_CASES[case]))
-    assert_matches(actual, recorded["optimizer"][case], TOLERANCE.get(f"optimizer/{case}", 0.0), case)
+def test_optimizer_reproduces_the_recorded_trajectory(case: str, implementation: str, recorded: dict[str, Any]) -> None:
+    actual = run_optimizer_case(dict(OPTIMIZER_CASES[case]), foreach=implementation == "grouped")
+    assert_matches(actual, recorded["optimizer"][case], TOLERANCE.get(implementation, 0.0), case)
 
 
-@pytest.mark.parametrize("case", list(STRATEGY_CASES))
-def test_strategy_reproduces_the_recorded_trajectory(case: str, recorded: dict[str, Any], tmp_path: Path) -> None:
-    actual = run_strategy_case(STRATEGY_CASES[case], str(tmp_path / case))
-    assert_matches(actual, recorded["strategy"][case], TOLERANCE.get(f"strategy/{case}", 0.0), case)
+STRATEGY_RUNS = [(case, implementation) for case in STRATEGY_CASES for implementation in ("reference", "grouped")
+                 if not (implementation == "grouped" and STRATEGY_CASES[case].get("payload_dtype") == "int8")]
+
+
+@pytest.mark.parametrize(("case", "implementation"), STRATEGY_RUNS)
+def test_strategy_reproduces_the_recorded_trajectory(case: str, implementation: str, recorded: dict[str, Any],
+                                                     tmp_path: Path) -> None:
+    grouped = implementation == "grouped"
+    actual = run_strategy_case(STRATEGY_CASES[case], str(tmp_path / case), foreach=grouped)
+    rtol = TOLERANCE["strategy-grouped"] if grouped else TOLERANCE.get(f"strategy/{case}", 0.0)
+    assert_matches(actual, recorded["strategy"][case], rtol, case)

@@ -57,14 +57,14 @@ def optimizer_params(seed: int = 0) -> list[nn.Parameter]:
     return params
 
 
-def run_optimizer_case(knobs: dict[str, Any], steps: int = 12) -> dict[str, Any]:
+def run_optimizer_case(knobs: dict[str, Any], steps: int = 12, **implementation: Any) -> dict[str, Any]:
     from lightning_lordo import LoRDO
 
     params = optimizer_params()
     full_rank = [params[8]]
     groups = [{"params": params[:6] + params[9:]}, {"params": params[6:9], "weight_decay": 0.0}]
     rank = knobs.pop("rank", 4)
-    opt = LoRDO(groups, lr=1e-2, rank=rank, weight_decay=0.05, full_rank=full_rank, **knobs)
+    opt = LoRDO(groups, lr=1e-2, rank=rank, weight_decay=0.05, full_rank=full_rank, **knobs, **implementation)
     generator = torch.Generator().manual_seed(1)
     for step in range(1, steps + 1):
         for p in params:
@@ -113,7 +113,7 @@ class Record(L.Callback):
         self.out[f"rank{trainer.global_rank}"] = {
             "params": [p.detach().clone() for p in module.parameters()],
             "optimizer": strategy.optimizers[0].state_dict(),
-            "anchor": [a.clone() for a in strategy.synchronizer.anchor],
+            "anchor": [a.clone() for a in strategy.synchronizer.anchor.tensors],
         }
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -123,13 +123,24 @@ class Record(L.Callback):
             torch.save(self.out[f"rank{trainer.global_rank}"], f"{path}.rank{trainer.global_rank}")
 
 
-def run_strategy_case(knobs: dict[str, Any], path: str) -> dict[str, Any]:
-    """Fit with 2 forked processes; returns both ranks' records (written to ``path.rankN`` by the workers)."""
+def run_strategy_case(knobs: dict[str, Any], path: str, foreach: bool = True) -> dict[str, Any]:
+    """Fit with 2 forked processes; returns both ranks' records (written to ``path.rankN`` by the workers).
+    ``foreach=False``: the strategy's LoRDO takes the per-matrix reference step."""
     from datetime import timedelta
 
     from strategy_helpers import loader
 
-    from lightning_lordo import LoRDOStrategy
+    from lightning_lordo import LoRDO, LoRDOStrategy
+
+    defaults = LoRDO.__init__.__kwdefaults__
+    LoRDO.__init__.__kwdefaults__ = {**defaults, "foreach": foreach}
+    try:
+        return _fit_case(knobs, path, LoRDOStrategy, loader, timedelta)
+    finally:
+        LoRDO.__init__.__kwdefaults__ = defaults
+
+
+def _fit_case(knobs: dict[str, Any], path: str, LoRDOStrategy: Any, loader: Any, timedelta: Any) -> dict[str, Any]:
 
     knobs = dict(knobs)
     if knobs.get("lowrank", True):

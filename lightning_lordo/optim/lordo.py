@@ -23,6 +23,7 @@ with :math:`b_i = 1-\beta_i^t` and :math:`S` the full-rank normalizer of SPEC §
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional
 
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_lordo._tensors import canonical, math_dtype, mix_seed
 from lightning_lordo.config import (
     EF_DTYPES,
     OPTIMIZER_DEFAULTS,
@@ -37,6 +39,7 @@ from lightning_lordo.config import (
     check_optimizer_knobs,
     resolve_rank,
 )
+from lightning_lordo.optim import functional
 from lightning_lordo.optim.projection import compute_basis, random_basis, rotate_moments, subspace_movement
 
 _LOWRANK_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -68,6 +71,11 @@ class LoRDO(Optimizer):
         seed: seed of random bases and randomized projections (use the same on every worker).
         full_rank: parameters that take the AdamW step whatever their group's rank (the strategy passes
             embeddings and output heads here, SPEC §2).
+        foreach: the grouped implementation (default): matrices of one canonical shape are stacked, with one
+            batched matmul per projection and ``foreach`` elementwise math; ``False`` runs the readable per-matrix
+            reference (:mod:`lightning_lordo.optim.functional`), which tests compare it with.
+        fused: for the AdamW parameters (with ``foreach``): torch's fused AdamW (``True``) or its foreach AdamW
+            (``False``); ``None`` takes the fused one on the CPU and foreach elsewhere.
 
     A low-rank matrix without a basis at its first step gets one from its own gradient. Distributed, the
     synchronizer gives it one from the averaged gradient first (:meth:`missing_bases`, :meth:`install_bases`).
@@ -83,6 +91,8 @@ class LoRDO(Optimizer):
         *,
         seed: int = 0,
         full_rank: Iterable[Tensor] = (),
+        foreach: bool = True,
+        fused: Optional[bool] = None,
         **knobs: Any,
     ) -> None:
         unknown = set(knobs) - set(OPTIMIZER_DEFAULTS)
@@ -100,11 +110,16 @@ class LoRDO(Optimizer):
         if full_rank is None or not all(isinstance(p, Tensor) for p in full_rank):
             raise ValueError(f"Invalid full_rank={given!r}: it must be an iterable of parameters (tensors). "
                              "Pass e.g. full_rank=[model.lm_head.weight].")
+        for name, flag in (("foreach", foreach), ("fused", fused)):
+            if not (isinstance(flag, bool) or (name == "fused" and flag is None)):
+                raise ValueError(f"Invalid {name}={flag!r}: it must be True or False{' or None' * (name == 'fused')}.")
         self.seed = seed
+        self.foreach, self.fused = foreach, fused
         self._full_rank = {id(p) for p in full_rank}
         self._random_bases = False  # set by init_random_bases: later bases are seeded random ones too
         self._warned: set[tuple[tuple[int, ...], int]] = set()
         self._stats: dict[str, Tensor] = {}
+        self._record = False  # request_diagnostics: collect the diagnostics' sums during the next step
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ layout
@@ -162,121 +177,89 @@ class LoRDO(Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """One local step (SPEC §3) for every parameter that has a gradient."""
+        """One local step (SPEC §3) for every parameter that has a gradient (:mod:`~lightning_lordo.optim.
+        functional`). No host synchronization with the parameters' device: step counters live on the CPU."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._ensure_bases()
-        self._stats = {}
+        stats: Optional[dict[str, Tensor]] = {} if self._record else None
         for group in self.param_groups:
+            lowrank, adamw = [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("LoRDO does not support sparse gradients; use a dense embedding.")
-                r = self.lowrank_rank(p, group)
-                if r:
-                    self._lowrank_step(p, group, r)
-                else:
-                    self._adamw_step(p, group)
+                (lowrank if self.lowrank_rank(p, group) else adamw).append(p)
+            h = functional.Hyper.of(group)
+            self._adamw_step(adamw, h)
+            self._lowrank_step(lowrank, h, stats)
+        if stats is not None:
+            self._stats, self._record = stats, False
         return loss
 
-    def _adamw_step(self, p: Tensor, group: dict[str, Any]) -> None:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        beta1, beta2 = group["betas"]
-        state["step"] += 1
-        t = state["step"].item()
-        grad = p.grad.float()
-        state["exp_avg"].lerp_(grad, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**t) ** 0.5).add_(group["eps"])
-        momentum = state["exp_avg"] / (1 - beta1**t)
-        if group["update"] == "subspace_qh":  # QHAdam: ((1 - omega) g + omega u_hat) / (sqrt(v_hat) + eps)
-            momentum = momentum.mul_(group["omega"]).add_(grad, alpha=1 - group["omega"])
-        self._apply(p, momentum.div_(denom), group)
+    def _step_counts(self, params: list[Tensor]) -> list[float]:
+        """Count this step for ``params`` (CPU counters) and return each one's count."""
+        steps = [self.state[p]["step"] for p in params]
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+        return [s.item() for s in steps]
 
-    def _lowrank_step(self, p: Tensor, group: dict[str, Any], r: int) -> None:
-        state = self.state[p]
-        beta1, beta2 = group["betas"]
-        eps, omega = group["eps"], group["omega"]
-        state["step"] += 1
-        t = state["step"].item()
-        bias1, bias2 = 1 - beta1**t, 1 - beta2**t
-        grad = _canonical(p.grad, p).float()
-        q = state["basis"]
-
-        accumulated = grad
-        if group["error_feedback"]:
-            ef = state["error_feedback"]
-            accumulated = grad + ef.float() * group["ef_decay"]
-        projected = q.mT @ accumulated
-        if group["error_feedback"]:
-            residual = accumulated - q @ projected
-            ef.copy_(residual)
-            self._add_stat("ef_sq", ef.float().square().sum())  # the stored buffer (maybe bf16), not the residual
-
-        state["exp_avg"].lerp_(projected, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(projected, projected, value=1 - beta2)
-        v_hat = state["exp_avg_sq"] / bias2
-        u_hat = state["exp_avg"] / bias1
-        kind = group["update"]
-        if kind == "subspace_qh":  # the QH mix inside the subspace, no full-rank term
-            mixed = u_hat.mul_(omega).add_(projected, alpha=1 - omega)
-            self._apply(p, _canonical(q @ mixed.div_(v_hat.sqrt().add_(eps)), p), group)
+    def _lowrank_step(self, params: list[Tensor], h: functional.Hyper, stats: Optional[dict[str, Tensor]]) -> None:
+        counts = self._step_counts(params)
+        if not self.foreach:
+            for p, t in zip(params, counts):
+                functional.lowrank_reference(p, self.state[p], h, t, stats)
             return
-        d_low = q @ (u_hat / (v_hat.sqrt() + eps) if kind == "lordo" else u_hat)
-        update = d_low  # omega == 1: pure low-rank step
-        if omega < 1.0:
-            full_input = accumulated if group["full_rank_input"] == "accumulated" else grad
-            d_full = full_input / (self._normalizer(state, group, grad, v_hat, bias2) + eps)
-            if group["mu"] == "auto":  # mu = RMS(G/(S+eps)) / RMS(D_low): both terms get the same size
-                d_full.mul_(_rms(d_low) / _rms(d_full).clamp(min=torch.finfo(torch.float32).tiny))
-            else:
-                d_full.div_(group["mu"])
-            d_full.mul_(1.0 - omega)
-            self._add_stat("full_sq", d_full.square().sum())
-            update = d_full.add_(d_low, alpha=omega)
-        self._add_stat("low_sq", d_low.square().sum() * omega**2)
-        self._apply(p, _canonical(update, p), group)
+        buckets: dict[tuple[Any, ...], list[Tensor]] = defaultdict(list)
+        for p, t in zip(params, counts):  # one bucket: one shape, dtype, device and step count
+            state = self.state[p]
+            ef = state.get("error_feedback")
+            buckets[(tuple(p.shape), p.dtype, p.device, t, ef.dtype if ef is not None else None)].append(p)
+        for (_, _, _, t, _), bucket in buckets.items():
+            functional.lowrank_grouped(bucket, [self.state[p] for p in bucket], h, t, stats)
 
-    def _normalizer(
-        self, state: dict[str, Tensor], group: dict[str, Any], grad: Tensor, v_hat: Tensor, bias2: float
-    ) -> Tensor:
-        """The full-rank normalizer S of SPEC §6, broadcastable to ``a x b``."""
-        kind = group["normalizer"]
-        if kind == "col_rms":
-            return v_hat.mean(dim=0, keepdim=True).sqrt()
-        if kind == "scalar":
-            return v_hat.mean().sqrt()
-        if kind == "mean_denom":  # S + eps = mean over all entries of (sqrt(v_hat) + eps)
-            return v_hat.sqrt().mean()
-        if kind == "lifted":
-            floor = v_hat.mean().sqrt() * group["lifted_floor"]
-            return torch.maximum((state["basis"].square() @ v_hat).sqrt(), floor)
-        beta2 = group["betas"][1]  # factored: Adafactor's row/column second moments of the gradient itself
-        squared = grad.square()
-        state["factored_row"].mul_(beta2).add_(squared.mean(dim=1), alpha=1 - beta2)
-        state["factored_col"].mul_(beta2).add_(squared.mean(dim=0), alpha=1 - beta2)
-        row, col = state["factored_row"] / bias2, state["factored_col"] / bias2
-        return (row[:, None] * col[None, :] / row.mean().clamp(min=torch.finfo(torch.float32).tiny)).sqrt()
+    def _adamw_step(self, params: list[Tensor], h: functional.Hyper) -> None:
+        for p in params:
+            if not self.state[p]:
+                dtype = math_dtype(p.dtype)
+                device = p.device if self._fused_for(p) else torch.device("cpu")
+                self.state[p].update(step=torch.zeros((), dtype=torch.float32, device=device),
+                                     exp_avg=torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format),
+                                     exp_avg_sq=torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format))
+        if not self.foreach:
+            for p, t in zip(params, self._step_counts(params)):
+                functional.adamw_reference(p, self.state[p], h, t)
+            return
+        # torch's own AdamW where it applies (moments in the parameter's dtype, no QH mix); ours elsewhere
+        native = [p for p in params if h.update != "subspace_qh" and math_dtype(p.dtype) == p.dtype]
+        own = [p for p in params if not (h.update != "subspace_qh" and math_dtype(p.dtype) == p.dtype)]
+        by_kind: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = defaultdict(list)
+        for p in native:
+            by_kind[(p.device, p.dtype, self._fused_for(p))].append(p)
+        for (_, _, fused), bucket in by_kind.items():
+            functional.adamw_torch(bucket, [self.state[p] for p in bucket], h, fused=fused)
+        by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+        for p in own:
+            by_device[p.device].append(p)
+        for bucket in by_device.values():
+            functional.adamw_grouped(bucket, [self.state[p] for p in bucket], h, self._step_counts(bucket))
 
-    def _apply(self, p: Tensor, update: Tensor, group: dict[str, Any]) -> None:
-        """Decoupled weight decay, then ``W -= lr * update`` (``update`` shaped like ``p``)."""
-        lr = group["lr"]
-        if group["weight_decay"]:
-            p.mul_(1 - lr * group["weight_decay"])
-        p.add_(update.to(p.dtype), alpha=-lr)
+    def _fused_for(self, p: Tensor) -> bool:
+        """Whether ``p`` (an AdamW parameter) takes torch's fused AdamW: ``fused=True``, or ``None`` on the CPU."""
+        if not self.foreach or math_dtype(p.dtype) != p.dtype:
+            return False
+        return self.fused if self.fused is not None else p.device.type == "cpu"
 
-    def _add_stat(self, key: str, value: Tensor) -> None:
-        self._stats[key] = self._stats[key] + value if key in self._stats else value
+    def request_diagnostics(self) -> None:
+        """Collect the sums behind :meth:`diagnostics` during the next step only (the synchronizer asks for the step
+        before each sync); no step computes them otherwise."""
+        self._record = True
 
     def diagnostics(self) -> dict[str, float]:
-        """What the last step did, from sums collected during it (no extra pass over the tensors).
+        """What the last step that :meth:`request_diagnostics` asked for did.
 
         ``term_ratio`` is RMS((1-omega) D_full) / RMS(omega D_low) over all low-rank matrices (which term
         drives the run); ``error_feedback_norm`` is the Frobenius norm of all error-feedback buffers.
@@ -305,8 +288,14 @@ class LoRDO(Optimizer):
             state["factored_col"] = torch.zeros(b, dtype=torch.float32, device=p.device)
         return state
 
-    def _seed_for(self, index: int, state: dict[str, Tensor]) -> int:
-        return (self.seed * 1_000_003 + index * 7_919 + int(state["step"].item())) % (2**63)
+    def _seed_for(self, index: int, p: Tensor, generation: Optional[int]) -> int:
+        """Seed of the random numbers of matrix ``index``'s next basis: from ``generation`` when given (the
+        synchronizer passes its optimizer-step count, identical on every worker), else from the parameter's own
+        step count (one process: the same thing)."""
+        if generation is None:
+            state = self.state.get(p, {})
+            generation = int(state["step"].item()) if "step" in state else 0
+        return mix_seed(self.seed, index, generation)
 
     def missing_bases(self) -> dict[Tensor, Tensor]:
         """``{param: gradient}`` (zeros where a parameter has none) for the trainable low-rank matrices without a
@@ -327,44 +316,50 @@ class LoRDO(Optimizer):
             self.install_bases(missing)
 
     @torch.no_grad()
-    def init_random_bases(self) -> None:
+    def init_random_bases(self, generation: int = 0) -> None:
         """Give every trainable low-rank matrix without a basis a seeded random one (identical on all workers);
         matrices that become trainable later get theirs the same way at their first step."""
         self._random_bases = True
         for index, (p, group, r) in enumerate(self._lowrank_entries()):
-            if not _trainable(p):
+            if not _trainable(p) or "basis" in self.state.get(p, {}):
                 continue
-            state = self._init_lowrank_state(p, group, r)
-            if "basis" not in state:
-                state["basis"] = random_basis(min(p.shape), r, self._seed_for(index, state), p.device)
+            basis = random_basis(min(p.shape), r, self._seed_for(index, p, generation), p.device)
+            self._init_lowrank_state(p, group, r)["basis"] = basis
 
     @torch.no_grad()
-    def install_bases(self, sources: Mapping[Tensor, Tensor]) -> dict[Tensor, Tensor]:
-        """Compute a new basis for each low-rank parameter in ``sources`` and move its moments into it.
-
-        Args:
-            sources: ``{param: matrix}``, the matrix (same shape as the parameter, e.g. the averaged
-                pseudo-gradient) whose top-r left singular subspace (canonical orientation) becomes the basis.
-
-        Returns:
-            ``{param: movement}``, the fraction of the old subspace the new basis lost (0-d tensors; only for
-            parameters that had a basis before).
-        """
-        movement = {}
+    def compute_bases(self, sources: Mapping[Tensor, Tensor], generation: Optional[int] = None) -> dict[Tensor, Tensor]:
+        """New bases, without changing anything: ``{param: basis}`` (float32, ``a x r``, canonical orientation)
+        for each low-rank parameter in ``sources`` (``{param: matrix}``, e.g. the averaged pseudo-gradient, whose
+        top-r left singular subspace becomes the basis; warm-started from the current basis)."""
+        bases = {}
         for index, (p, group, r) in enumerate(self._lowrank_entries()):
-            if p not in sources:
+            if p in sources:
+                bases[p] = compute_basis(
+                    canonical(sources[p], p), r, group["projection"], warm=self.state.get(p, {}).get("basis"),
+                    power_iters=group["power_iters"], oversample=group["oversample"],
+                    seed=self._seed_for(index, p, generation))
+        return bases
+
+    @torch.no_grad()
+    def set_bases(self, bases: Mapping[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """Install ``bases`` (from :meth:`compute_bases`) and move each matrix's moments into its new basis
+        (``transition``). Local tensor math only. Returns ``{param: movement}``, the fraction of the old subspace
+        the new basis lost (0-d tensors; only for parameters that had a basis before)."""
+        movement = {}
+        for p, group, r in self._lowrank_entries():
+            if p not in bases:
                 continue
             state = self._init_lowrank_state(p, group, r)
-            old = state.get("basis")
-            new = compute_basis(
-                _canonical(sources[p], p), r, group["projection"], warm=old, power_iters=group["power_iters"],
-                oversample=group["oversample"], seed=self._seed_for(index, state),
-            )
+            old, new = state.get("basis"), bases[p]
             if old is not None:
                 self._transition(state, group, old, new)
                 movement[p] = subspace_movement(old, new)
             state["basis"] = new
         return movement
+
+    def install_bases(self, sources: Mapping[Tensor, Tensor], generation: Optional[int] = None) -> dict[Tensor, Tensor]:
+        """:meth:`compute_bases` then :meth:`set_bases`: new bases from ``sources``, moments moved into them."""
+        return self.set_bases(self.compute_bases(sources, generation))
 
     def _lowrank_entries(self) -> list[tuple[Tensor, dict[str, Any], int]]:
         return [(p, g, r) for g in self.param_groups for p in g["params"] if (r := self.lowrank_rank(p, g))]
@@ -397,10 +392,15 @@ class LoRDO(Optimizer):
         saved = state_dict["state"]
         index = 0
         for group in self.param_groups:
+            for key in OPTIMIZER_DEFAULTS:  # a checkpoint older than a knob: the knob's default
+                group.setdefault(key, self.defaults[key])
             for p in group["params"]:
                 for key, value in saved.get(index, {}).items():
                     if isinstance(value, Tensor) and key != "step":
                         self.state[p][key] = value.to(device=p.device, copy=True)
+                step = self.state[p].get("step") if p in self.state else None
+                if step is not None and not self.lowrank_rank(p, group) and self._fused_for(p):
+                    self.state[p]["step"] = step.to(p.device)  # torch's fused AdamW keeps it on the device
                 index += 1
 
     def memory_report(self) -> dict[str, int]:
@@ -429,15 +429,6 @@ def _category(key: str, lowrank: bool) -> str:
     return {"basis": "bases", "error_feedback": "error_feedback"}.get(key, "other")
 
 
-def _canonical(t: Tensor, p: Tensor) -> Tensor:
-    """``t`` (shaped like ``p``) as an ``a x b`` view with ``a <= b``; applied twice it gives ``t`` back."""
-    return t.mT if p.shape[0] > p.shape[1] else t
-
-
 def _trainable(p: Tensor) -> bool:
     """False for a frozen parameter (``requires_grad=False`` and no gradient): it never steps."""
     return p.requires_grad or p.grad is not None
-
-
-def _rms(t: Tensor) -> Tensor:
-    return t.square().mean().sqrt()

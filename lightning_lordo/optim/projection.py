@@ -15,17 +15,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_lordo._tensors import orthonormalize, random_orthonormal, seeded_normal
 
-def random_basis(a: int, r: int, seed: int, device: torch.device) -> Tensor:
-    """A seeded random ``a x r`` matrix with orthonormal columns (identical for identical seeds)."""
-    generator = torch.Generator().manual_seed(seed)
-    gaussian = torch.randn(a, r, generator=generator, dtype=torch.float32)
-    return _orthonormalize(gaussian.to(device))
-
-
-def _orthonormalize(y: Tensor) -> Tensor:
-    # Householder QR: the returned columns are orthonormal even when ``y`` is rank-deficient.
-    return torch.linalg.qr(y, mode="reduced").Q
+random_basis = random_orthonormal  # a seeded random ``a x r`` orthonormal basis
 
 
 def power_basis(m: Tensor, warm: Tensor, iters: int) -> Tensor:
@@ -33,7 +25,7 @@ def power_basis(m: Tensor, warm: Tensor, iters: int) -> Tensor:
     m = m.float()
     q = warm.float()
     for _ in range(iters):
-        q = _orthonormalize(m @ (m.mT @ q))
+        q = orthonormalize(m @ (m.mT @ q))
     return q
 
 
@@ -41,11 +33,9 @@ def randomized_basis(m: Tensor, r: int, oversample: int, iters: int, seed: int) 
     """Randomized range finder (Halko et al.) with ``iters`` power steps, truncated to rank ``r`` by SVD."""
     m = m.float()
     k = min(r + oversample, m.shape[0])
-    generator = torch.Generator().manual_seed(seed)
-    omega = torch.randn(m.shape[1], k, generator=generator, dtype=torch.float32).to(m.device)
-    y = _orthonormalize(m @ omega)
+    y = orthonormalize(m @ seeded_normal((m.shape[1], k), seed, m.device))
     for _ in range(iters):
-        y = _orthonormalize(m @ (m.mT @ y))
+        y = orthonormalize(m @ (m.mT @ y))
     u_small = torch.linalg.svd(y.mT @ m, full_matrices=False).U
     return y @ u_small[:, :r]
 

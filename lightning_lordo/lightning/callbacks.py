@@ -23,7 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from rich.console import Console
 from rich.table import Table
 
-from lightning_lordo.sync import SyncReport
+from lightning_lordo.sync.synchronizer import SyncReport
 
 
 class CommunicationMonitor(Callback):
@@ -62,9 +62,8 @@ class CommunicationMonitor(Callback):
 
 
 def _lordo_strategy(trainer: Trainer) -> Any:
-    from lightning_lordo.strategy import LoRDOStrategy
-
-    if not isinstance(trainer.strategy, LoRDOStrategy):
+    """The Trainer's strategy if it synchronizes like LoRDO's (it has a synchronizer and an accountant)."""
+    if not all(hasattr(trainer.strategy, name) for name in ("synchronizer", "accountant", "sync_reports")):
         raise RuntimeError(
             f"CommunicationMonitor needs strategy='lordo' (or 'lordo_local', 'diloco'); this Trainer uses "
             f"{type(trainer.strategy).__name__}. Remove the callback or switch the strategy."

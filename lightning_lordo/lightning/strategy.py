@@ -11,12 +11,9 @@ ranks and free to produce; it lags the local replicas by the steps since the las
 
 from __future__ import annotations
 
-import re
-import warnings
 from collections.abc import Sequence
 from typing import Any, Optional
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -25,15 +22,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_lordo.accounting import CommAccountant, Communicator
-from lightning_lordo.checkpoint import (
-    convert_adam_state,
-    gather_to_rank_zero,
-    is_lordo_optimizer_state,
-    reset_error_feedback,
-    to_cpu,
-    warn_on_rank_zero,
-)
+from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.config import (
     OPTIMIZER_DEFAULTS,
     SyncConfig,
@@ -42,18 +31,29 @@ from lightning_lordo.config import (
     check_optimizer_knobs,
     split_knobs,
 )
-from lightning_lordo.lightning_optimizer import LoRDOLightningOptimizer
+from lightning_lordo.lightning.callbacks import CommunicationMonitor
+from lightning_lordo.lightning.checkpoint import (
+    convert_adam_state,
+    gather_to_rank_zero,
+    is_lordo_optimizer_state,
+    reset_error_feedback,
+    to_cpu,
+    warn_on_rank_zero,
+)
+from lightning_lordo.lightning.convert import (
+    DEFAULT_FULL_RANK_PARAMS,
+    compile_patterns,
+    convert_optimizer,
+    full_rank_params,
+    repoint_schedulers,
+)
+from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimizer
 from lightning_lordo.optim.lordo import LoRDO
-from lightning_lordo.sync import Synchronizer, SyncReport
-
-#: Parameter names (regular expressions) that run full-rank AdamW by default, besides every ``nn.Embedding``
-#: weight (and anything tied to it): the usual output-head names (SPEC §2).
-DEFAULT_FULL_RANK_PARAMS = (r"(^|\.)(lm_head|head|classifier|output)\.weight$",)
+from lightning_lordo.sync.synchronizer import Synchronizer, SyncReport
 
 _SIGTERM_TENSOR_BYTES = 8  # Lightning's per-batch SIGTERM check broadcasts one int64
 
 # Keys of torch.optim.Adam/AdamW param groups that LoRDO does not take (checked or dropped on conversion).
-_ADAM_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 
 
 class LoRDOStrategy(DDPStrategy):
@@ -113,7 +113,7 @@ class LoRDOStrategy(DDPStrategy):
             if not isinstance(flag, bool):
                 raise ValueError(f"Invalid {name}={flag!r}: it must be True or False.")
         check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
-        self._full_rank_patterns = _compile_patterns(full_rank_params)
+        self._full_rank_patterns = compile_patterns(full_rank_params)
         self.optimizer_knobs = optimizer_knobs
         self.lowrank = lowrank
         self.monitor = monitor
@@ -161,8 +161,6 @@ class LoRDOStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        from lightning_lordo.callbacks import CommunicationMonitor
-
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise RuntimeError(
                 "LoRDOStrategy does not support precision='16-mixed': its gradient scaler skips optimizer steps on "
@@ -200,7 +198,7 @@ class LoRDOStrategy(DDPStrategy):
         user_optimizer = self.optimizers[0]
         optimizer = self._convert(user_optimizer, module) if self.lowrank else user_optimizer
         if optimizer is not user_optimizer:
-            _repoint_schedulers(self.lr_scheduler_configs, user_optimizer, optimizer)
+            repoint_schedulers(self.lr_scheduler_configs, user_optimizer, optimizer)
             self.optimizers = [optimizer]
         trainable = [p for p in module.parameters() if p.requires_grad]
         self._ddp_bytes_per_step = sum(p.numel() * p.element_size() for p in trainable)
@@ -216,33 +214,8 @@ class LoRDOStrategy(DDPStrategy):
                            "(strategy.parameter_plan() lists them).")
 
     def _convert(self, optimizer: Optimizer, module: nn.Module) -> LoRDO:
-        """The user's Adam/AdamW as a LoRDO optimizer with the same groups and hyperparameters."""
-        full_rank = self._full_rank_params(module)
-        if isinstance(optimizer, LoRDO):
-            return optimizer
-        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-            raise TypeError(
-                f"strategy='lordo' converts torch.optim.Adam or AdamW into LoRDO, but configure_optimizers returned "
-                f"{type(optimizer).__name__}. Return Adam/AdamW or lightning_lordo.LoRDO, or use strategy='diloco' "
-                "(full-rank local steps with any optimizer, averaged every K steps)."
-            )
-        groups = []
-        for group in optimizer.param_groups:
-            if group.get("amsgrad") or group.get("maximize"):
-                raise ValueError("LoRDO has no amsgrad or maximize mode; create the Adam/AdamW without them.")
-            coupled_decay = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay")
-            if coupled_decay and group["weight_decay"]:
-                warnings.warn("LoRDO applies weight decay decoupled (as AdamW); your Adam's L2 weight_decay="
-                              f"{group['weight_decay']} becomes decoupled decay.", stacklevel=2)
-            groups.append({k: v for k, v in group.items() if k not in _ADAM_ONLY_KEYS})
-        with warnings.catch_warnings():  # the optimizer warns per shape; the strategy says it once, below
-            warnings.simplefilter("ignore", UserWarning)
-            lordo = LoRDO(groups, seed=self.sync_config.seed, full_rank=full_rank, **self.optimizer_knobs)
-        _warn_about_fullrank_matrices(lordo, self.parameter_names)
-        return lordo
-
-    def _full_rank_params(self, module: nn.Module) -> list[Tensor]:
-        return full_rank_params(module, self._full_rank_patterns)
+        return convert_optimizer(optimizer, full_rank_params(module, self._full_rank_patterns), self.optimizer_knobs,
+                                 self.sync_config.seed, self.parameter_names)
 
     def parameter_plan(self) -> list[dict[str, Any]]:
         """Which parameter takes the low-rank step and which takes AdamW, with names and reasons."""
@@ -318,24 +291,20 @@ class LoRDOStrategy(DDPStrategy):
     def _mid_round(self) -> bool:
         return self.synchronizer is not None and self.synchronizer.steps_since_sync > 0
 
-    def _swap_anchor(self) -> None:
-        assert self.synchronizer is not None
-        anchor = self.synchronizer.anchor
-        for i, p in enumerate(self.synchronizer.params):  # O(1) memory: exchange the storages
-            p.data, anchor[i] = anchor[i], p.data
-
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._mid_round():
-            self._swap_anchor()  # validate the synchronized model: identical on all ranks, no traffic
+            assert self.synchronizer is not None
+            self.synchronizer.anchor.swap_in()  # validate the synchronized model: identical on all ranks
             self._swapped_for_eval = True
 
     @override
     def on_validation_end(self) -> None:
         if self._swapped_for_eval:
-            self._swap_anchor()
+            assert self.synchronizer is not None
+            self.synchronizer.anchor.swap_out()
             self._swapped_for_eval = False
         super().on_validation_end()
 
@@ -344,7 +313,7 @@ class LoRDOStrategy(DDPStrategy):
         state = super().lightning_module_state_dict()
         if self._mid_round() and not self._swapped_for_eval:
             assert self.synchronizer is not None
-            anchor = {id(p): a for p, a in zip(self.synchronizer.params, self.synchronizer.anchor)}
+            anchor = {id(p): a for p, a in zip(self.synchronizer.params, self.synchronizer.anchor.tensors)}
             module = self.lightning_module
             assert module is not None
             for name, p in module.named_parameters(remove_duplicate=False):  # tied weights: every name
@@ -359,10 +328,10 @@ class LoRDOStrategy(DDPStrategy):
         if self.synchronizer is not None and "optimizer_states" in checkpoint:  # not for save_weights_only
             swapped = self._swapped_for_eval
             if swapped:  # saved from within validation: put the local replica back while gathering it
-                self._swap_anchor()
+                self.synchronizer.anchor.swap_out()
             checkpoint["lordo"] = self._gather_lordo_state()
             if swapped:
-                self._swap_anchor()
+                self.synchronizer.anchor.swap_in()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _gather_lordo_state(self) -> dict[str, Any]:
@@ -397,7 +366,7 @@ class LoRDOStrategy(DDPStrategy):
         self._lordo_checkpoint = True
         if same_world:
             # mid-round each rank's own parameters; else the model Lightning loaded is already the synchronized one
-            source = mine.get("params", self.synchronizer.anchor)  # no anchor in the synchronous phase
+            source = mine.get("params", self.synchronizer.anchor.tensors)  # no anchor in the synchronous phase
             for p, saved in zip(self.synchronizer.params, source, strict=bool(source)):
                 p.data.copy_(saved)
             if "payload" in mine:
@@ -430,76 +399,3 @@ class LoRDOStrategy(DDPStrategy):
                               self.global_rank)
             return
         super().load_optimizer_state_dict(checkpoint)
-
-
-def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()) -> list[Tensor]:
-    """The parameters SPEC §2 keeps full-rank: every embedding weight (and a head tied to it), and the parameters
-    whose name matches one of ``patterns`` (default: the usual output-head names)."""
-    if not patterns:
-        patterns = _compile_patterns(DEFAULT_FULL_RANK_PARAMS)
-    embeddings = [m.weight for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-    named = [p for n, p in module.named_parameters() if any(r.search(n) for r in patterns)]
-    return embeddings + named
-
-
-def _compile_patterns(patterns: Sequence[str]) -> list[re.Pattern[str]]:
-    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
-        raise ValueError(f"Invalid full_rank_params={patterns!r}: it must be a sequence of regular expressions "
-                         r"(strings), e.g. full_rank_params=[r'lm_head\.weight$'].")
-    try:
-        return [re.compile(p) for p in patterns]
-    except re.error as err:
-        raise ValueError(f"Invalid full_rank_params={patterns!r}: {err}. Pass valid regular expressions.") from err
-
-
-def _warn_about_fullrank_matrices(optimizer: LoRDO, names: dict[Tensor, str]) -> None:
-    """One warning for the matrices the rank cannot help (smaller side below the rank), or for a model with none
-    that takes the low-rank step at all."""
-    rows = optimizer.describe(names)
-    too_small = [f"{r['name'] or r['shape']} {r['shape']}" for r in rows if r["reason"].startswith("rank ")]
-    if not any(r["step"] == "lowrank" for r in rows):
-        warnings.warn("LoRDO: no parameter of this model takes the low-rank step (it needs 2-D weights whose "
-                      "smaller side is at least the rank); every parameter runs AdamW locally, synchronized every "
-                      "sync_every steps. Lower `rank` to use the low-rank step.", stacklevel=3)
-    elif too_small:
-        warnings.warn(f"LoRDO: {len(too_small)} weight matrices are smaller than the rank and run AdamW: "
-                      f"{', '.join(too_small[:5])}{' ...' if len(too_small) > 5 else ''}. Lower `rank`, or opt "
-                      "them out with rank=0 in their param group to silence this.", stacklevel=3)
-
-
-def _repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> None:
-    """Make the user's LR schedulers drive ``new`` (same groups, same order) and keep their step counts.
-
-    Schedulers made of schedulers (``SequentialLR``, ``ChainedScheduler``) hold inner ones that point at ``old``
-    too: they are re-pointed as well, and ``old`` shares ``new``'s param-group dicts, so anything else still
-    holding ``old`` changes the learning rate ``new`` uses."""
-
-    def repoint(scheduler: Any) -> None:
-        if getattr(scheduler, "optimizer", None) is old:
-            scheduler.optimizer = new
-        for inner in getattr(scheduler, "_schedulers", ()):
-            repoint(inner)
-
-    for config in configs:
-        repoint(config.scheduler)
-    old.param_groups = new.param_groups
-    track_step_calls(new)
-
-
-def track_step_calls(optimizer: Optimizer) -> None:
-    """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does, so that re-pointed
-    schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``."""
-    import functools
-    import weakref
-
-    step = type(optimizer).step
-    ref = weakref.ref(optimizer)
-
-    @functools.wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = ref()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return step(opt, *args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]

@@ -1,12 +1,12 @@
 r"""Reduced-precision averaging across workers (the payload dtypes of SPEC §5), with per-worker error feedback.
 
 Pure tensor code and collectives, no Lightning. Every collective goes through a communicator passed in (a
-:class:`~lightning_lordo.accounting.Communicator`: its ``all_reduce_mean``, ``all_reduce_sum`` and ``all_gather``),
-so it is counted (numel x itemsize of what this worker passes, per purpose) and bounded by the communicator's
-timeout. With one process nothing travels and nothing is counted, but the numerics are the same as with many (a
-payload is quantized whatever the world size).
+:class:`~lightning_lordo.comm.communicator.Communicator`: its ``all_reduce_mean``, ``all_reduce_sum`` and
+``all_gather``), so it is counted (numel x itemsize of what this worker passes, per purpose) and bounded by the
+communicator's timeout. With one process nothing travels and nothing is counted, but the numerics are the same as
+with many (a payload is quantized whatever the world size).
 
-Two pieces (the ``lowrank`` payload, :mod:`lightning_lordo.payload`, sends its messages with the first):
+Two pieces (the ``lowrank`` payload, :mod:`lightning_lordo.comm.lowrank`, sends its messages with the first):
 
 * :func:`quantized_mean` — stateless: the float32 mean across workers of a list of tensors sent as ``float32``,
   ``bfloat16`` or ``int8`` (per-row scales), plus what this worker effectively contributed (its dequantized
@@ -60,9 +60,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_lordo.faults import all_finite
+from lightning_lordo._tensors import all_finite, math_dtype, total_norm
+from lightning_lordo.config import PAYLOAD_DTYPES
 
-PAYLOAD_DTYPES = ("float32", "bfloat16", "int8")
 REDUCTIONS = ("auto", "all_reduce", "all_gather")
 INT8_LEVELS = 127  # symmetric: q in [-127, 127]
 
@@ -176,15 +176,16 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
         CollectiveTimeout: from the communicator, when a collective fails or times out.
     """
     how = resolve_reduction(payload_dtype, reduction)
-    xs = [t.detach().float() for t in tensors]
+    full = payload_dtype == "float32" and how == "all_reduce"  # no compression: float64 stays float64
+    xs = [t.detach().to(math_dtype(t.dtype) if full else torch.float32) for t in tensors]
     shapes = [x.shape for x in xs]
     if not xs:
         return QuantizedMean([], [], {})
     world = comm.world_size
-    if payload_dtype == "float32" and how == "all_reduce":
+    if full:
         means = [x.clone() for x in xs]
         comm.all_reduce_mean(means, purpose)
-        traffic = {"all_reduce": sum(x.numel() * 4 for x in xs)} if world > 1 else {}
+        traffic = {"all_reduce": sum(x.numel() * x.element_size() for x in xs)} if world > 1 else {}
         return QuantizedMean(means, xs, traffic)
 
     if payload_dtype == "int8":
@@ -288,7 +289,7 @@ class QuantizedAverager:
             ValueError: the tensors do not match the shapes of the error feedback kept so far.
             CollectiveTimeout: from the communicator.
         """
-        xs = [t.detach().float().clone() for t in tensors]
+        xs = [t.detach().to(math_dtype(t.dtype)).clone() for t in tensors]
         if self._errors is not None:
             if [e.shape for e in self._errors] != [x.shape for x in xs]:
                 raise ValueError("QuantizedAverager.reduce: the tensors' shapes "
@@ -343,10 +344,3 @@ def check_latest_round(got: int, expected: int, owner: str) -> None:
     if got != expected:
         raise RuntimeError(f"{owner}.commit: this round is not the latest one reduced (already committed, or "
                            "reduced before a later round or a load_state_dict); reduce again.")
-
-
-def total_norm(tensors: Sequence[Tensor]) -> float:
-    """The L2 norm of all ``tensors`` together (0 for none)."""
-    if not tensors:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))

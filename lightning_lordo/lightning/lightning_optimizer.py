@@ -13,19 +13,25 @@ before the first update.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
-if TYPE_CHECKING:
-    from lightning_lordo.strategy import LoRDOStrategy
+
+class StepDriver(Protocol):
+    """What the wrapper needs of its strategy (``LoRDOStrategy``): a hook after the backward pass, one after the
+    optimizer step."""
+
+    def before_optimizer_step(self) -> None: ...
+
+    def after_optimizer_step(self) -> None: ...
 
 
 class LoRDOLightningOptimizer(LightningOptimizer):
     """A :class:`~lightning.pytorch.core.optimizer.LightningOptimizer` that drives LoRDO's synchronization."""
 
     def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-        strategy: LoRDOStrategy = self._strategy  # type: ignore[assignment]
+        strategy: StepDriver = self._strategy  # type: ignore[assignment]
 
         def backward_then_prepare() -> Any:
             output = closure() if closure is not None else None

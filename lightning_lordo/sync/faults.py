@@ -37,36 +37,22 @@ from a seeded random matrix (identical on all workers) instead, with a warning; 
 low-rank matrix whose *averaged* moments are non-finite (an overflow with finite updates) has its state reset on
 every worker (identical inputs, so no message is needed).
 
-Interruptions: the copies that commit a round run with Ctrl-C (SIGINT) held back (:func:`sigint_deferred`), and a
-round that fails after the bases were installed puts the optimizer's low-rank state back
-(:func:`snapshot_lowrank_state`, :func:`restore_lowrank_state`).
+Interruptions: a round runs every collective first and changes nothing local until all of them succeeded; the
+local commit that follows runs with Ctrl-C (SIGINT) held back (:func:`sigint_deferred`), so it is never half done.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_lordo.optim.lordo import LoRDO
-
-LowRankSnapshot = dict[Tensor, tuple[set[str], dict[str, Tensor]]]
-
-
-def all_finite(tensors: Iterable[Tensor]) -> bool:
-    """Whether every element of every tensor is finite (one host synchronization per device)."""
-    per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-    for t in tensors:
-        if (t.is_floating_point() or t.is_complex()) and t.numel():
-            per_device[t.device].append(torch.isfinite(t).all())
-    return all(bool(torch.stack(flags).all()) for flags in per_device.values())
 
 
 def state_tensors(state: dict[str, Any]) -> list[Tensor]:
@@ -104,30 +90,6 @@ def reset_moments(optimizer: Optimizer, p: Tensor) -> None:
     for key in ("exp_avg", "exp_avg_sq", "factored_row", "factored_col", "step"):
         if key in state:
             state[key].zero_()
-
-
-def snapshot_lowrank_state(lordo: Optional[LoRDO]) -> LowRankSnapshot:
-    """What a round changes in the optimizer before its last collective (bases, moments, step counters)."""
-    if lordo is None:
-        return {}
-    snapshot = {}
-    for p in lordo.lowrank_params():
-        state = lordo.state.get(p, {})
-        clones = {k: v.clone() for k, v in state.items() if isinstance(v, Tensor) and k != "error_feedback"}
-        snapshot[p] = (set(state), clones)
-    return snapshot
-
-
-def restore_lowrank_state(lordo: Optional[LoRDO], snapshot: LowRankSnapshot) -> None:
-    if lordo is None:
-        return
-    for p, (keys, clones) in snapshot.items():
-        state = lordo.state[p]
-        for key in [k for k in state if k not in keys]:  # created by this round (a first basis)
-            del state[key]
-        state.update(clones)
-        if not state:
-            del lordo.state[p]
 
 
 @contextmanager

@@ -17,8 +17,12 @@ Failure semantics of :class:`Communicator` (checked on gloo, torch 2.13, see ``t
 * a ``wait`` timeout under 1 ms means *no* timeout: c10d converts it to whole milliseconds and 0 ms is its
   "wait forever" (``kNoTimeout``); ``wait(timedelta(microseconds=500))`` on a pending gloo work never returns.
   So no wait here is ever shorter than 1 ms (a slice that would be is the deadline: the wait has timed out).
-* NCCL (CUDA tensors): ``wait`` only makes the current stream wait, so the bound is NCCL's watchdog, which uses
-  the process group's timeout (the strategy gives the group the same timeout). Not run by this project's CI.
+* NCCL (CUDA tensors): ``wait`` only makes the current stream wait and returns at once, so it bounds nothing.
+  The communicator therefore polls the work's ``is_completed()`` (it reads the collective's CUDA event without
+  blocking) until it completes or the deadline passes, sleeping a little longer each time (up to
+  ``_POLL_MAX_S``), then calls ``wait`` to surface the collective's own error. A hung NCCL peer thus raises
+  :class:`CollectiveTimeout` on the host within the timeout; NCCL's watchdog (the process group's timeout, the
+  same value) then aborts the communicator. The polling path is tested on gloo (``poll=True``); CI has no GPU.
 * after a failed or interrupted collective the process group cannot be trusted (a late peer would pair its
   pending collective with our next one and exchange the wrong tensors), so every later collective of this
   communicator raises :class:`CollectiveTimeout` at once, naming the first failure.
@@ -41,6 +45,7 @@ _MESSAGE_BYTES = 128 * 1024 * 1024  # at most this many bytes per collective cal
 # the name changed in torch 2.x; all_gather_into_tensor warns (deprecated) in recent versions
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _WAIT_SLICE_S = 0.25  # CPU collectives are waited on in slices this long, so that Ctrl-C gets through
+_POLL_MAX_S = 0.01  # device collectives: the longest sleep between two is_completed() polls
 
 
 class CommAccountant:
@@ -104,10 +109,12 @@ class Communicator:
             every collective raises :class:`CollectiveTimeout` without touching the process group.
     """
 
-    def __init__(self, accountant: CommAccountant, timeout: timedelta, group: Optional[Any] = None) -> None:
+    def __init__(self, accountant: CommAccountant, timeout: timedelta, group: Optional[Any] = None,
+                 poll: Optional[bool] = None) -> None:
         self.accountant = accountant
         self.timeout = timeout
         self.group = group
+        self.poll = poll  # None: poll is_completed() for device tensors (NCCL), wait in slices on the CPU (gloo)
         self.context = "setup"  # named in timeout errors, e.g. "sync 12"
         self.failure: Optional[str] = None
 
@@ -193,10 +200,11 @@ class Communicator:
         start = time.monotonic()
         try:
             work = issue()  # NCCL (and gloo, for a peer known to be gone) may raise here already
-            if device.type == "cpu":
+            poll = self.poll if self.poll is not None else device.type != "cpu"
+            if poll:
+                self._poll(work, start)
+            else:
                 self._wait_in_slices(work, start)
-            elif work.wait(_at_least_1ms(self.timeout.total_seconds())) is False:
-                raise _WaitTimedOut()
         except (RuntimeError, _WaitTimedOut) as err:  # gloo and NCCL raise RuntimeError (DistBackendError, ...)
             message = self._message(purpose, op, err, time.monotonic() - start)
             self.failure = message
@@ -205,6 +213,17 @@ class Communicator:
             self.failure = (f"the {op} of {purpose} in {self.context} was interrupted after "
                             f"{time.monotonic() - start:.1f} s")
             raise
+
+    def _poll(self, work: Any, start: float) -> None:
+        """Wait for ``work`` by polling ``is_completed()`` up to the deadline (NCCL's ``wait`` does not block)."""
+        deadline = start + self.timeout.total_seconds()
+        pause = 1e-5
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                raise _WaitTimedOut()
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+        work.wait()  # completed: returns, or raises the collective's own error
 
     def _wait_in_slices(self, work: Any, start: float) -> None:
         deadline = start + self.timeout.total_seconds()

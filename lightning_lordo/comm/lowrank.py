@@ -1,7 +1,7 @@
 r"""The ``lowrank`` payload of SPEC §5 (PowerSGD-style), with per-worker sync-level error feedback.
 
 Pure tensor code and collectives, no Lightning; every collective goes through a communicator, counted and bounded
-by its timeout, as in :mod:`lightning_lordo.quantization` (which also holds the reduced-precision messages this
+by its timeout, as in :mod:`lightning_lordo.comm.quantization` (which also holds the reduced-precision messages this
 payload can use). With one process nothing travels and nothing is counted, but the numerics are the same as with
 many (a low-rank payload is low-rank, a quantized one quantized, whatever the world size).
 
@@ -16,14 +16,14 @@ transposed), with a warm-started right factor ``R`` (``b x r``) and a per-worker
 
 The collectives are all-reduces (all-gathers for ``int8``, or with ``reduction="all_gather"``). Traffic
 ``r (a + b)`` numbers per matrix instead of ``a b``, each message priced as in the traffic model of
-:mod:`lightning_lordo.quantization` for its ``payload_dtype``. ``Q`` is the new basis computed from the averaged
+:mod:`lightning_lordo.comm.quantization` for its ``payload_dtype``. ``Q`` is the new basis computed from the averaged
 pseudo-gradient (one warm-started subspace iteration), to be installed in the optimizer. With ``r = a`` the applied
 update is the exact average. The P and B messages can be quantized too: the B error is absorbed by ``e``
 (``e_m = D_m - Q dequantize(B_m)``), the P error only perturbs the basis (``Q`` is still identical on all ranks and
 the error-feedback identity still holds for any ``Q``), so P needs no error feedback of its own — and could not
 have one: ``R`` changes every round, so last round's P error is not in this round's coordinates.
 
-Error feedback identity (as in :mod:`lightning_lordo.quantization`, with ``s_m = Q B_m`` what worker m effectively
+Error feedback identity (as in :mod:`lightning_lordo.comm.quantization`, with ``s_m = Q B_m`` what worker m effectively
 sent): after T rounds, the sum of the true averages of D minus the sum of the applied updates is ``mean_m e_m``,
 exactly for float32 and all-gathers, so nothing is dropped for good.
 
@@ -55,9 +55,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_lordo.faults import all_finite
-from lightning_lordo.optim.projection import random_basis
-from lightning_lordo.quantization import check_latest_round, quantized_mean, resolve_reduction, total_norm
+from lightning_lordo._tensors import (
+    all_finite,
+    canonical,
+    is_tall,
+    mix_seed,
+    orthonormalize,
+    random_orthonormal,
+    total_norm,
+)
+from lightning_lordo.comm.quantization import check_latest_round, quantized_mean, resolve_reduction
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -133,7 +140,7 @@ class LowRankPayload:
         self._ensure_state(deltas)
         work = []
         for i, d in enumerate(deltas):
-            w = _canonical(d.detach()).float().clone()
+            w = canonical(d.detach(), d).float().clone()
             if self.error_feedback:
                 w.add_(self._errors[i].to(w.device))
             work.append(w)
@@ -144,7 +151,7 @@ class LowRankPayload:
         traffic = dict(p_msg.traffic)
         if not all_finite(p_msg.means):  # identical on all ranks: all skip the second message
             return LowRankRound(False, [], [], traffic, version=self._version)
-        bases = [_orthonormalize(p.mT) for p in p_msg.means]
+        bases = [orthonormalize(p.mT) for p in p_msg.means]
         # message 2: B_m = Q^T D_m, r x b
         b_msg = quantized_mean(comm, [q.mT @ w for q, w in zip(bases, work)], purpose, self.payload_dtype,
                                self.reduction)
@@ -155,9 +162,9 @@ class LowRankPayload:
         averaged = []
         for d, q, b in zip(deltas, bases, b_msg.means):
             update = q @ b
-            averaged.append((update.mT if _is_tall(d) else update).contiguous())
+            averaged.append((update.mT if is_tall(d) else update).contiguous())
         errors = [w.sub_(q @ s) for w, q, s in zip(work, bases, b_msg.sent)] if self.error_feedback else []
-        right = [_orthonormalize(b.mT) for b in b_msg.means]
+        right = [orthonormalize(b.mT) for b in b_msg.means]
         return LowRankRound(True, averaged, bases, traffic, errors, right, self._version)
 
     def commit(self, result: LowRankRound) -> None:
@@ -246,24 +253,7 @@ class LowRankPayload:
     def _ensure_state(self, deltas: Sequence[Tensor]) -> None:
         if not self._right:
             for i, (d, r) in enumerate(zip(deltas, self.ranks)):
-                seed = (self.seed * 1_000_003 + 15_485_863 + 7_919 * i) % (2**63)
-                self._right.append(random_basis(max(d.shape), r, seed, d.device))
+                seed = mix_seed(self.seed, i, offset=15_485_863)
+                self._right.append(random_orthonormal(max(d.shape), r, seed, d.device))
         if self.error_feedback and not self._errors:
             self._errors = [torch.zeros(sorted(d.shape), device=d.device) for d in deltas]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------------------------------
-def _is_tall(t: Tensor) -> bool:
-    return t.shape[0] > t.shape[1]
-
-
-def _canonical(t: Tensor) -> Tensor:
-    """``a x b`` with ``a <= b`` (a tall matrix is transposed), as the optimizer's bases."""
-    return t.mT if _is_tall(t) else t
-
-
-def _orthonormalize(y: Tensor) -> Tensor:
-    # Householder QR: orthonormal columns even when y is rank-deficient (or zero), deterministic for a given y
-    return torch.linalg.qr(y.float(), mode="reduced").Q

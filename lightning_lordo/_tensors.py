@@ -1,0 +1,71 @@
+"""Small tensor helpers shared by every layer: canonical orientation, orthonormalization, finiteness, byte sizes,
+norms and seeds. Pure torch: no distributed, no Lightning, no other module of this package."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+_SEED_MODULUS = 2**63
+
+
+def canonical(t: Tensor, p: Tensor) -> Tensor:
+    """``t`` (shaped like the 2-D ``p``) as an ``a x b`` view with ``a <= b`` (SPEC §2: a tall matrix is worked on
+    transposed); applied twice it gives ``t`` back."""
+    return t.mT if p.shape[0] > p.shape[1] else t
+
+
+def is_tall(t: Tensor) -> bool:
+    return t.shape[0] > t.shape[1]
+
+
+def orthonormalize(y: Tensor) -> Tensor:
+    """Orthonormal columns spanning ``y``'s (Householder QR: orthonormal even when ``y`` is rank-deficient);
+    batched over leading dimensions."""
+    return torch.linalg.qr(y, mode="reduced").Q
+
+
+def mix_seed(base: int, index: int, generation: int = 0, offset: int = 0) -> int:
+    """One seed from a base seed, an index (which matrix), a generation (which round) and an offset (which use),
+    identical on every worker that passes the same numbers."""
+    return (base * 1_000_003 + offset + index * 7_919 + generation) % _SEED_MODULUS
+
+
+def seeded_normal(shape: Sequence[int], seed: int, device: torch.device) -> Tensor:
+    """Standard normal float32 numbers from a CPU generator seeded with ``seed`` (the same on every machine)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32).to(device)
+
+
+def random_orthonormal(a: int, r: int, seed: int, device: torch.device) -> Tensor:
+    """A seeded random ``a x r`` matrix with orthonormal columns (identical for identical seeds)."""
+    return orthonormalize(seeded_normal((a, r), seed, device))
+
+
+def all_finite(tensors: Iterable[Tensor]) -> bool:
+    """Whether every element of every floating tensor is finite (one host synchronization per device)."""
+    per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for t in tensors:
+        if (t.is_floating_point() or t.is_complex()) and t.numel():
+            per_device[t.device].append(torch.isfinite(t).all())
+    return all(bool(torch.stack(flags).all()) for flags in per_device.values())
+
+
+def nbytes(tensors: Iterable[Tensor]) -> int:
+    """numel x itemsize, summed."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def total_norm(tensors: Sequence[Tensor]) -> float:
+    """The L2 norm of all ``tensors`` together (0 for none)."""
+    if not tensors:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
+
+
+def math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype LoRDO computes in for parameters of ``dtype``: float64 stays float64, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

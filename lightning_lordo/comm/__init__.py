@@ -1,0 +1,2 @@
+"""Collectives and what travels: counted, time-bounded collectives, reduced-precision messages and the low-rank
+payload. No optimizer imports."""

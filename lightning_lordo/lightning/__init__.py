@@ -1,0 +1,2 @@
+"""The Lightning glue: the strategy, the LightningOptimizer wrapper, the monitor callback, the optimizer conversion
+and checkpoints."""

@@ -1,0 +1,124 @@
+"""From the user's optimizer to LoRDO: which parameters stay full-rank, Adam/AdamW converted into
+:class:`~lightning_lordo.LoRDO` with the same param groups and hyperparameters, and the LR schedulers re-pointed
+so they keep driving the learning rate."""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_lordo.optim.lordo import LoRDO
+
+#: Parameter names (regular expressions) that run full-rank AdamW by default, besides every ``nn.Embedding``
+#: weight (and anything tied to it): the usual output-head names (SPEC §2).
+DEFAULT_FULL_RANK_PARAMS = (r"(^|\.)(lm_head|head|classifier|output)\.weight$",)
+
+# Keys of torch.optim.Adam/AdamW param groups that LoRDO does not take (checked or dropped on conversion).
+_ADAM_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+
+
+def convert_optimizer(optimizer: Optimizer, full_rank: list[Tensor], knobs: dict[str, Any], seed: int,
+                      names: dict[Tensor, str]) -> LoRDO:
+    """The user's Adam/AdamW as a LoRDO optimizer with the same groups and hyperparameters (``knobs``: the
+    strategy's optimizer knobs, defaults for every group). A LoRDO optimizer is returned as it is."""
+    if isinstance(optimizer, LoRDO):
+        return optimizer
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise TypeError(
+            f"strategy='lordo' converts torch.optim.Adam or AdamW into LoRDO, but configure_optimizers returned "
+            f"{type(optimizer).__name__}. Return Adam/AdamW or lightning_lordo.LoRDO, or use strategy='diloco' "
+            "(full-rank local steps with any optimizer, averaged every K steps)."
+        )
+    groups = []
+    for group in optimizer.param_groups:
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ValueError("LoRDO has no amsgrad or maximize mode; create the Adam/AdamW without them.")
+        coupled_decay = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay")
+        if coupled_decay and group["weight_decay"]:
+            warnings.warn("LoRDO applies weight decay decoupled (as AdamW); your Adam's L2 weight_decay="
+                          f"{group['weight_decay']} becomes decoupled decay.", stacklevel=2)
+        groups.append({k: v for k, v in group.items() if k not in _ADAM_ONLY_KEYS})
+    fused = True if any(g.get("fused") for g in optimizer.param_groups) else None  # the user asked for it
+    with warnings.catch_warnings():  # the optimizer warns per shape; the strategy says it once, below
+        warnings.simplefilter("ignore", UserWarning)
+        lordo = LoRDO(groups, seed=seed, full_rank=full_rank, fused=fused, **knobs)
+    _warn_about_fullrank_matrices(lordo, names)
+    return lordo
+
+
+def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()) -> list[Tensor]:
+    """The parameters SPEC §2 keeps full-rank: every embedding weight (and a head tied to it), and the parameters
+    whose name matches one of ``patterns`` (default: the usual output-head names)."""
+    if not patterns:
+        patterns = compile_patterns(DEFAULT_FULL_RANK_PARAMS)
+    embeddings = [m.weight for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    named = [p for n, p in module.named_parameters() if any(r.search(n) for r in patterns)]
+    return embeddings + named
+
+
+def compile_patterns(patterns: Sequence[str]) -> list[re.Pattern[str]]:
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+        raise ValueError(f"Invalid full_rank_params={patterns!r}: it must be a sequence of regular expressions "
+                         r"(strings), e.g. full_rank_params=[r'lm_head\.weight$'].")
+    try:
+        return [re.compile(p) for p in patterns]
+    except re.error as err:
+        raise ValueError(f"Invalid full_rank_params={patterns!r}: {err}. Pass valid regular expressions.") from err
+
+
+def _warn_about_fullrank_matrices(optimizer: LoRDO, names: dict[Tensor, str]) -> None:
+    """One warning for the matrices the rank cannot help (smaller side below the rank), or for a model with none
+    that takes the low-rank step at all."""
+    rows = optimizer.describe(names)
+    too_small = [f"{r['name'] or r['shape']} {r['shape']}" for r in rows if r["reason"].startswith("rank ")]
+    if not any(r["step"] == "lowrank" for r in rows):
+        warnings.warn("LoRDO: no parameter of this model takes the low-rank step (it needs 2-D weights whose "
+                      "smaller side is at least the rank); every parameter runs AdamW locally, synchronized every "
+                      "sync_every steps. Lower `rank` to use the low-rank step.", stacklevel=3)
+    elif too_small:
+        warnings.warn(f"LoRDO: {len(too_small)} weight matrices are smaller than the rank and run AdamW: "
+                      f"{', '.join(too_small[:5])}{' ...' if len(too_small) > 5 else ''}. Lower `rank`, or opt "
+                      "them out with rank=0 in their param group to silence this.", stacklevel=3)
+
+
+def repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> None:
+    """Make the user's LR schedulers drive ``new`` (same groups, same order) and keep their step counts.
+
+    Schedulers made of schedulers (``SequentialLR``, ``ChainedScheduler``) hold inner ones that point at ``old``
+    too: they are re-pointed as well, and ``old`` shares ``new``'s param-group dicts, so anything else still
+    holding ``old`` changes the learning rate ``new`` uses."""
+
+    def repoint(scheduler: Any) -> None:
+        if getattr(scheduler, "optimizer", None) is old:
+            scheduler.optimizer = new
+        for inner in getattr(scheduler, "_schedulers", ()):
+            repoint(inner)
+
+    for config in configs:
+        repoint(config.scheduler)
+    old.param_groups = new.param_groups
+    track_step_calls(new)
+
+
+def track_step_calls(optimizer: Optimizer) -> None:
+    """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does, so that re-pointed
+    schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``."""
+    step = type(optimizer).step
+    ref = weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]

@@ -1,0 +1,286 @@
+r"""The LoRDO update as functions of tensors (SPEC §3, §6, §6b): a readable per-matrix reference and a grouped path.
+
+:func:`lowrank_reference` is the algorithm, one matrix at a time, written to be read. :func:`lowrank_grouped` computes
+the same for a list of matrices of one canonical shape, dtype and device (and one step count): they are stacked, the
+projection and the back-projection are one batched matmul each, and the elementwise moment updates are ``foreach``
+ops, so the number of dispatched operations does not grow with the number of matrices. Tests compare the two on
+random inputs against float64 references. The AdamW parameters go through torch's functional AdamW
+(:func:`adamw_torch`, foreach or fused); the quasi-hyperbolic variant and low-precision parameters, which torch's
+AdamW does not cover (float32 moments for bfloat16 parameters), through :func:`adamw_reference` /
+:func:`adamw_grouped`.
+
+For a low-rank matrix in the canonical orientation ``a x b`` (``a <= b``) with basis ``Q`` (``a x r``)::
+
+    A = G + gamma E;  g = Q^T A;  E <- A - Q g                      (error feedback, optional)
+    u <- beta1 u + (1 - beta1) g;  v <- beta2 v + (1 - beta2) g^2
+    "lordo":                D = (1 - omega) In / (mu (S + eps)) + omega Q (u_hat / (sqrt(v_hat) + eps))
+    "unnormalized_lowrank": D = (1 - omega) In / (mu (S + eps)) + omega Q u_hat
+    "subspace_qh":          D = Q ((1 - omega) g + omega u_hat) / (sqrt(v_hat) + eps)
+    W <- W (1 - lr lambda) - lr D
+
+with ``In`` the full-rank input (``G``, or ``A`` with ``full_rank_input="accumulated"``) and ``S`` the normalizer of
+SPEC §6. ``stats``, when given, collects the sums behind :meth:`LoRDO.diagnostics` (only when asked for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.optim.adamw import adamw as torch_adamw
+
+from lightning_lordo._tensors import canonical, is_tall
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The knobs of one param group that one step reads."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    omega: float
+    update: str
+    mu: Union[float, str]
+    normalizer: str
+    lifted_floor: float
+    full_rank_input: str
+    error_feedback: bool
+    ef_decay: float
+
+    @classmethod
+    def of(cls, group: Mapping[str, Any]) -> Hyper:
+        beta1, beta2 = group["betas"]
+        return cls(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                   omega=group["omega"], update=group["update"], mu=group["mu"], normalizer=group["normalizer"],
+                   lifted_floor=group["lifted_floor"], full_rank_input=group["full_rank_input"],
+                   error_feedback=group["error_feedback"], ef_decay=group["ef_decay"])
+
+
+def _add_stat(stats: Optional[dict[str, Tensor]], key: str, value: Tensor) -> None:
+    if stats is not None:
+        stats[key] = stats[key] + value if key in stats else value
+
+
+# ------------------------------------------------------------------------------------------------ reference
+def lowrank_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float,
+                      stats: Optional[dict[str, Tensor]] = None) -> None:
+    """One LoRDO step of one low-rank matrix ``p`` (its ``state`` holds ``basis``, the moments and the optional
+    ``error_feedback`` / ``factored_*`` buffers; ``t`` is the step count including this step)."""
+    bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
+    grad = canonical(p.grad, p).float()
+    q = state["basis"]
+    accumulated = grad
+    if h.error_feedback:
+        ef = state["error_feedback"]
+        accumulated = grad + ef.float() * h.ef_decay
+    projected = q.mT @ accumulated
+    if h.error_feedback:
+        ef.copy_(accumulated - q @ projected)
+        _add_stat(stats, "ef_sq", ef.float().square().sum())  # the stored buffer (maybe bf16), not the residual
+    state["exp_avg"].lerp_(projected, 1 - h.beta1)
+    state["exp_avg_sq"].mul_(h.beta2).addcmul_(projected, projected, value=1 - h.beta2)
+    v_hat = state["exp_avg_sq"] / bias2
+    u_hat = state["exp_avg"] / bias1
+    if h.update == "subspace_qh":  # the QH mix inside the subspace, no full-rank term
+        mixed = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega)
+        _apply(p, canonical(q @ mixed.div_(v_hat.sqrt().add_(h.eps)), p), h)
+        return
+    d_low = q @ (u_hat / (v_hat.sqrt() + h.eps) if h.update == "lordo" else u_hat)
+    update = d_low  # omega == 1: pure low-rank step
+    if h.omega < 1.0:
+        full_input = accumulated if h.full_rank_input == "accumulated" else grad
+        d_full = full_input / (_normalizer(state, h, grad, v_hat, bias2) + h.eps)
+        if h.mu == "auto":  # mu = RMS(In/(S+eps)) / RMS(D_low): both terms get the same size
+            d_full.mul_(_rms(d_low) / _rms(d_full).clamp(min=_TINY))
+        else:
+            d_full.div_(h.mu)
+        d_full.mul_(1.0 - h.omega)
+        _add_stat(stats, "full_sq", d_full.square().sum())
+        update = d_full.add_(d_low, alpha=h.omega)
+    _add_stat(stats, "low_sq", d_low.square().sum() * h.omega**2)
+    _apply(p, canonical(update, p), h)
+
+
+def _normalizer(state: dict[str, Tensor], h: Hyper, grad: Tensor, v_hat: Tensor, bias2: float) -> Tensor:
+    """The full-rank normalizer S of SPEC §6 for one matrix, broadcastable to ``a x b``."""
+    if h.normalizer == "col_rms":
+        return v_hat.mean(dim=0, keepdim=True).sqrt()
+    if h.normalizer == "scalar":
+        return v_hat.mean().sqrt()
+    if h.normalizer == "mean_denom":  # S + eps = mean over all entries of (sqrt(v_hat) + eps)
+        return v_hat.sqrt().mean()
+    if h.normalizer == "lifted":
+        floor = v_hat.mean().sqrt() * h.lifted_floor
+        return torch.maximum((state["basis"].square() @ v_hat).sqrt(), floor)
+    squared = grad.square()  # factored: Adafactor's row/column second moments of the gradient itself
+    state["factored_row"].mul_(h.beta2).add_(squared.mean(dim=1), alpha=1 - h.beta2)
+    state["factored_col"].mul_(h.beta2).add_(squared.mean(dim=0), alpha=1 - h.beta2)
+    row, col = state["factored_row"] / bias2, state["factored_col"] / bias2
+    return (row[:, None] * col[None, :] / row.mean().clamp(min=_TINY)).sqrt()
+
+
+def _apply(p: Tensor, update: Tensor, h: Hyper) -> None:
+    """Decoupled weight decay, then ``W -= lr * update`` (``update`` shaped like ``p``)."""
+    if h.weight_decay:
+        p.mul_(1 - h.lr * h.weight_decay)
+    p.add_(update.to(p.dtype), alpha=-h.lr)
+
+
+def _rms(t: Tensor) -> Tensor:
+    return t.square().mean().sqrt()
+
+
+def adamw_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float) -> None:
+    """AdamW (or QHAdam with ``update="subspace_qh"``) on one parameter, moments in ``state`` (float32 math)."""
+    grad = p.grad.to(state["exp_avg"].dtype)
+    state["exp_avg"].lerp_(grad, 1 - h.beta1)
+    state["exp_avg_sq"].mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
+    denom = (state["exp_avg_sq"].sqrt() / (1 - h.beta2**t) ** 0.5).add_(h.eps)
+    momentum = state["exp_avg"] / (1 - h.beta1**t)
+    if h.update == "subspace_qh":  # QHAdam: ((1 - omega) g + omega u_hat) / (sqrt(v_hat) + eps)
+        momentum = momentum.mul_(h.omega).add_(grad, alpha=1 - h.omega)
+    _apply(p, momentum.div_(denom), h)
+
+
+# ------------------------------------------------------------------------------------------------ grouped
+def lowrank_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, t: float,
+                    stats: Optional[dict[str, Tensor]] = None) -> None:
+    """:func:`lowrank_reference` for matrices of one shape, dtype and device at step count ``t``.
+
+    Full-size tensors stay in the parameters' own orientation: for tall matrices (worked on transposed, SPEC §2)
+    only the small ``r x b`` factors and the normalizer are transposed, never a gradient. The scalars of the
+    full-rank term are folded into its (small) normalizer, so each full-size tensor is read or written as few times
+    as the algorithm needs: the gradient stacked, read by the projection and by the full-rank term; the update
+    written by the back-projection, completed in place, and added to the weights."""
+    tall = is_tall(params[0])
+    bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
+    grad = torch.stack([p.grad for p in params]).float()  # n x rows x cols, the parameters' orientation
+    q = torch.stack([s["basis"] for s in states])  # n x a x r
+    accumulated = grad
+    if h.error_feedback:
+        errors = [s["error_feedback"] for s in states]
+        accumulated = grad.clone()
+        torch._foreach_add_(accumulated.unbind(0), [e.mT if tall else e for e in errors], alpha=h.ef_decay)
+    # the projection Q^T A (canonical A = G^T for a tall matrix): n x r x b
+    projected = torch.bmm(accumulated, q).mT.contiguous() if tall else torch.bmm(q.mT, accumulated)
+    rows = projected.unbind(0)
+    if h.error_feedback:
+        residual = torch.baddbmm(accumulated, *_back(q, projected, tall), alpha=-1)
+        torch._foreach_copy_(errors, [r.mT if tall else r for r in residual.unbind(0)])
+        if stats is not None:
+            _add_stat(stats, "ef_sq", torch.stack(errors).float().square().sum())
+    exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+    torch._foreach_lerp_(exp_avgs, rows, 1 - h.beta1)
+    torch._foreach_mul_(exp_avg_sqs, h.beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, rows, rows, value=1 - h.beta2)
+    v_hat = torch.stack(exp_avg_sqs).div_(bias2)
+    u_hat = torch.stack(exp_avgs).div_(bias1)
+    if h.update == "subspace_qh":
+        mixed = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega).div_(v_hat.sqrt().add_(h.eps))
+        _apply_grouped(params, torch.bmm(*_back(q, mixed, tall)), h)
+        return
+    low = u_hat / (v_hat.sqrt() + h.eps) if h.update == "lordo" else u_hat  # n x r x b
+    if h.omega == 1.0:
+        update = torch.bmm(*_back(q, low, tall))
+        if stats is not None:
+            _add_stat(stats, "low_sq", update.square().sum())
+        _apply_grouped(params, update, h)
+        return
+    denom = _normalizer_grouped(states, q, h, grad, v_hat, bias2, tall).add_(h.eps)  # S + eps, orientation of W
+    full_input = accumulated if h.full_rank_input == "accumulated" else grad
+    if h.mu == "auto":  # both terms the same RMS: needs the full-rank term's RMS first
+        d_low = torch.bmm(*_back(q, low, tall))
+        d_full = full_input / denom
+        d_full.mul_(_rms_each(d_low) / _rms_each(d_full).clamp(min=_TINY)).mul_(1.0 - h.omega)
+        if stats is not None:
+            _add_stat(stats, "full_sq", d_full.square().sum())
+            _add_stat(stats, "low_sq", d_low.square().sum() * h.omega**2)
+        _apply_grouped(params, d_full.add_(d_low, alpha=h.omega), h)
+        return
+    update = torch.bmm(*_back(q, low.mul_(h.omega), tall))  # omega D_low, then + (1 - omega) In / (mu (S + eps))
+    if stats is not None:
+        _add_stat(stats, "low_sq", update.square().sum())
+        _add_stat(stats, "full_sq", (full_input / denom).square().sum() * ((1.0 - h.omega) / h.mu) ** 2)
+    update.addcdiv_(full_input, denom, value=(1.0 - h.omega) / h.mu)
+    _apply_grouped(params, update, h)
+
+
+def _back(q: Tensor, x: Tensor, tall: bool) -> tuple[Tensor, Tensor]:
+    """The two factors whose batched product is ``Q x`` (canonical, ``n x a x b``) in the parameters' orientation."""
+    return (x.mT, q.mT) if tall else (q, x)
+
+
+def _normalizer_grouped(states: Sequence[dict[str, Tensor]], q: Tensor, h: Hyper, grad: Tensor, v_hat: Tensor,
+                        bias2: float, tall: bool) -> Tensor:
+    """:func:`_normalizer` for a stack (``n x r x b`` moments), broadcastable to the stacked parameters (a new
+    tensor: the caller adds ``eps`` in place)."""
+    if h.normalizer == "col_rms":
+        s = v_hat.mean(dim=1, keepdim=True).sqrt_()
+        return s.mT if tall else s
+    if h.normalizer == "scalar":
+        return v_hat.mean(dim=(1, 2), keepdim=True).sqrt_()
+    if h.normalizer == "mean_denom":
+        return v_hat.sqrt().mean(dim=(1, 2), keepdim=True)
+    if h.normalizer == "lifted":
+        floor = v_hat.mean(dim=(1, 2), keepdim=True).sqrt_() * h.lifted_floor
+        lifted = torch.bmm(v_hat.mT, q.square().mT) if tall else torch.bmm(q.square(), v_hat)
+        return torch.maximum(lifted.sqrt_(), floor)
+    squared = grad.square()  # factored: canonical rows are the raw columns of a tall matrix
+    rows, cols = [s["factored_row"] for s in states], [s["factored_col"] for s in states]
+    torch._foreach_mul_(rows, h.beta2)
+    torch._foreach_add_(rows, squared.mean(dim=1 if tall else 2).unbind(0), alpha=1 - h.beta2)
+    torch._foreach_mul_(cols, h.beta2)
+    torch._foreach_add_(cols, squared.mean(dim=2 if tall else 1).unbind(0), alpha=1 - h.beta2)
+    row, col = torch.stack(rows).div_(bias2), torch.stack(cols).div_(bias2)
+    scale = row.mean(dim=1, keepdim=True).clamp(min=_TINY)
+    s = (row[:, :, None] * col[:, None, :] / scale[:, :, None]).sqrt_()
+    return s.mT if tall else s
+
+
+def _rms_each(t: Tensor) -> Tensor:
+    return t.square().mean(dim=(1, 2), keepdim=True).sqrt()
+
+
+def _apply_grouped(params: Sequence[Tensor], update: Tensor, h: Hyper) -> None:
+    """:func:`_apply` for every matrix at once (``update``: the stack, in the parameters' orientation)."""
+    if h.weight_decay:
+        torch._foreach_mul_(list(params), 1 - h.lr * h.weight_decay)
+    torch._foreach_add_(list(params), update.to(params[0].dtype).unbind(0), alpha=-h.lr)
+
+
+def adamw_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper,
+                  steps: Sequence[float]) -> None:
+    """:func:`adamw_reference` for a list of parameters of one device (``steps``: each one's step count)."""
+    grads = [p.grad.to(s["exp_avg"].dtype) for p, s in zip(params, states)]
+    exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+    torch._foreach_lerp_(exp_avgs, grads, 1 - h.beta1)
+    torch._foreach_mul_(exp_avg_sqs, h.beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - h.beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, [(1 - h.beta2**t) ** 0.5 for t in steps])
+    torch._foreach_add_(denom, h.eps)
+    momentum = torch._foreach_div(exp_avgs, [1 - h.beta1**t for t in steps])
+    if h.update == "subspace_qh":
+        torch._foreach_mul_(momentum, h.omega)
+        torch._foreach_add_(momentum, grads, alpha=1 - h.omega)
+    torch._foreach_div_(momentum, denom)
+    if h.weight_decay:
+        torch._foreach_mul_(list(params), 1 - h.lr * h.weight_decay)
+    torch._foreach_add_(list(params), [m.to(p.dtype) for m, p in zip(momentum, params)], alpha=-h.lr)
+
+
+def adamw_torch(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, fused: bool) -> None:
+    """torch's own AdamW (``foreach``, or ``fused``) on parameters whose moments have their dtype; it increments
+    the step counters itself."""
+    torch_adamw(list(params), [p.grad for p in params], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=not fused, fused=fused,
+                amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,
+                maximize=False)

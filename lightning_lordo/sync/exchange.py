@@ -1,0 +1,175 @@
+"""The collectives of one synchronization round, as functions that change nothing local: each returns averaged
+copies (and, for the payloads, a round to commit later). :class:`~lightning_lordo.sync.synchronizer.Synchronizer`
+runs them all first and commits afterwards, so a failure or an interruption in any of them leaves the worker as it
+was (SPEC §4-5; torchft's exchange-then-commit).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_lordo._tensors import all_finite
+from lightning_lordo.comm.communicator import Communicator
+from lightning_lordo.comm.lowrank import LowRankPayload
+from lightning_lordo.comm.quantization import QuantizedAverager, quantized_mean
+from lightning_lordo.config import SyncConfig
+from lightning_lordo.optim.lordo import LoRDO
+
+#: ``(parameter, its state tensors, their averages)`` for one purpose of :func:`average_state`.
+StateEntries = list[tuple[Tensor, list[Tensor], list[Tensor]]]
+
+
+@dataclass
+class Exchange:
+    """Everything one round's collectives brought; nothing of the worker changed yet.
+
+    Attributes:
+        averaged: the averaged pseudo-gradients, one per parameter (float32, float64 for float64 parameters).
+        payload_rounds: ``(payload, round)`` pairs to commit (error feedback, right factors).
+        buffers: the floating buffers' averages and the other buffers from rank 0.
+        state: by purpose (``moments``, ``error_feedback``), the optimizer state to overwrite with its averages.
+        bases: the new bases (``{param: basis}``), identical on every worker.
+        reset: the parameters whose averaged optimizer state is not finite (reset at commit, on every worker).
+        basis_seconds: the time spent computing the bases.
+    """
+
+    averaged: list[Tensor]
+    payload_rounds: list[tuple[Any, Any]]
+    buffers: tuple[list[Tensor], list[Tensor]]
+    state: dict[str, StateEntries] = field(default_factory=dict)
+    bases: dict[Tensor, Tensor] = field(default_factory=dict)
+    reset: list[Tensor] = field(default_factory=list)
+    basis_seconds: float = 0.0
+
+
+def average_pseudo_gradients(comm: Communicator, local: list[Tensor], averager: QuantizedAverager,
+                             payload: Optional[LowRankPayload], positions: Sequence[int]
+                             ) -> tuple[list[Tensor], list[tuple[Any, Any]]]:
+    """The averaged pseudo-gradients (SPEC §5): the low-rank matrices at ``positions`` through ``payload`` (if any),
+    everything else through ``averager``, and the payload rounds to commit if the whole sync succeeds. A non-finite
+    round (NaN/Inf on any worker, so on every worker alike) comes back as non-finite averages."""
+    averaged: list[Tensor] = list(local)
+    rounds: list[tuple[Any, Any]] = []
+    if payload is not None:
+        result = payload.reduce(comm, [local[i] for i in positions], "pseudo_gradients")
+        rounds.append((payload, result))
+        for n, i in enumerate(positions):
+            averaged[i] = result.averaged[n] if result.finite else torch.full_like(local[i], float("nan"))
+    rest = [i for i in range(len(local)) if i not in set(positions)]
+    result = averager.reduce(comm, [local[i] for i in rest], "pseudo_gradients")
+    rounds.append((averager, result))
+    for i, mean in zip(rest, result.averaged):
+        averaged[i] = mean.to(local[i].dtype)
+    return averaged, rounds
+
+
+def average_buffers(comm: Communicator, buffers: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """Floating buffers averaged and the others from rank 0, as copies. A non-finite average (identical on all
+    workers) is replaced by the mean of the finite values (one more all-reduce, only then), with a warning."""
+    local = [b for b in buffers if b.is_floating_point()]
+    floating = [b.detach().clone() for b in local]
+    others = [b.detach().clone() for b in buffers if not b.is_floating_point()]
+    comm.all_reduce_mean(floating, "buffers")
+    if not all_finite(floating):
+        finite = [torch.isfinite(b) for b in local]
+        sums = [torch.where(f, b, torch.zeros_like(b)) for f, b in zip(finite, local)]
+        counts = [f.float() for f in finite]
+        comm.all_reduce_mean(sums + counts, "buffers")  # means of both: their ratio is the finite mean
+        floating = [torch.where(c > 0, s.float() / c.clamp(min=1e-30), b.float()).to(b.dtype)
+                    for s, c, b in zip(sums, counts, local)]
+        if comm.rank == 0:
+            left = "" if all_finite(floating) else " Some values are non-finite on every worker and stay so."
+            warnings.warn(f"LoRDO {comm.context}: module buffers are not finite on some worker; they are averaged "
+                          f"over the workers where they are finite.{left}", RuntimeWarning, stacklevel=4)
+    comm.broadcast(others, "buffers")
+    return floating, others
+
+
+def commit_buffers(buffers: Sequence[Tensor], floating: list[Tensor], others: list[Tensor]) -> None:
+    targets = [b for b in buffers if b.is_floating_point()] + [b for b in buffers if not b.is_floating_point()]
+    for b, new in zip(targets, floating + others):
+        b.copy_(new)
+
+
+def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncConfig
+                   ) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
+    """The optimizer state a sync averages, by purpose: ``(parameter, its tensors)`` pairs.
+
+    ``moments``: the low-rank moments in their current (old, shared) basis (global scope only) and, with
+    ``average_fullrank_moments``, every floating state tensor shaped like its full-rank parameter (AdamW's
+    moments, SGD's momentum). ``error_feedback``: the optimizer's error-feedback buffers, if asked for."""
+    lowrank = set(optimizer.lowrank_params()) if isinstance(optimizer, LoRDO) else set()
+    moments, feedback = [], []
+    for p in params:
+        state = optimizer.state.get(p, {})
+        if p in lowrank:
+            if config.average_moments and config.basis_scope == "global" and "exp_avg" in state:
+                moments.append((p, [state["exp_avg"], state["exp_avg_sq"]]))
+            if config.average_error_feedback and "error_feedback" in state:
+                feedback.append((p, [state["error_feedback"]]))
+        elif config.average_fullrank_moments:
+            tensors = [v for k, v in state.items() if k != "step" and isinstance(v, Tensor)
+                       and v.is_floating_point() and v.shape == p.shape]
+            if tensors:
+                moments.append((p, tensors))
+    return {"moments": moments, "error_feedback": feedback}
+
+
+def average_state(comm: Communicator, optimizer: Optimizer, params: Sequence[Tensor], config: SyncConfig
+                  ) -> tuple[dict[str, StateEntries], list[Tensor]]:
+    """Averages of :func:`averaged_state`, in ``config.moments_dtype``, and the parameters whose averages are not
+    finite (the same on every worker, the averages being identical), in parameter order."""
+    out: dict[str, StateEntries] = {}
+    bad: set[Tensor] = set()
+    for purpose, entries in averaged_state(optimizer, params, config).items():
+        tensors = [t for _, ts in entries for t in ts]
+        if not tensors:
+            continue
+        if config.moments_dtype == "float32":
+            means = [t.detach().clone() for t in tensors]
+            comm.all_reduce_mean(means, purpose)
+        elif comm.world_size > 1:
+            means = [m.to(t.dtype) for t, m in zip(tensors, quantized_mean(comm, tensors, purpose,
+                                                                         config.moments_dtype).means)]
+        else:  # alone nothing is averaged: the state stays as it is
+            means = [t.detach().clone() for t in tensors]
+        out[purpose], offset = [], 0
+        for p, ts in entries:
+            mine = means[offset: offset + len(ts)]
+            offset += len(ts)
+            out[purpose].append((p, ts, mine))
+            if not all_finite(mine):
+                bad.add(p)
+    return out, [p for p in params if p in bad]
+
+
+def commit_state(entries: dict[str, StateEntries]) -> None:
+    for purpose_entries in entries.values():
+        for _, tensors, means in purpose_entries:
+            for t, mean in zip(tensors, means):
+                t.copy_(mean)
+
+
+def average_gradients(comm: Communicator, params: Sequence[Tensor]) -> None:
+    """DDP's gradient all-reduce (purpose ``gradients``): the mean over workers in place, a missing gradient
+    counting as zeros. A parameter without a gradient on every worker keeps none (one flag per parameter travels
+    with the gradients)."""
+    flags = torch.zeros(len(params), device=params[0].device if params else None)
+    grads = []
+    for i, p in enumerate(params):
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError("LoRDO's synchronous phase averages dense gradients only; use a dense embedding "
+                               "(sparse=False).")
+        flags[i] = float(p.grad is not None)
+        grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
+    comm.all_reduce_mean([*grads, flags], "gradients")
+    for p, g, flag in zip(params, grads, flags.tolist()):
+        if p.grad is None and flag > 0:
+            p.grad = g

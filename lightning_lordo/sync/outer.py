@@ -1,0 +1,154 @@
+"""The anchor (the parameters of the last synchronization, SPEC §4's theta_0) and the outer step applied to it.
+
+:class:`Anchor` keeps one copy of the trainable parameters, in their dtype, on their device or (``device="cpu"``)
+in CPU memory, pinned when the parameters are on a GPU: local-update methods need it, and on a GPU the CPU copy
+saves one model of device memory at the cost of one host-to-device copy of the model per sync (and, between syncs,
+of a copy for every validation or checkpoint of the synchronized model).
+
+:class:`OuterStep` moves the anchor by the averaged pseudo-gradient ``delta``: plain averaging (``anchor - delta``,
+an outer SGD step with learning rate 1 and no momentum) or DiLoCo's Nesterov momentum, which is a real
+:class:`torch.optim.SGD` on the anchor tensors (so its momentum has a ``state_dict``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_lordo._tensors import math_dtype, nbytes
+
+
+class Anchor:
+    """The synchronized parameters. Empty until :meth:`take` (the synchronous phase needs none).
+
+    Args:
+        params: the trainable parameters, in the order every worker uses.
+        device: ``"param"`` (each parameter's device) or ``"cpu"`` (pinned when the parameters are on a GPU).
+    """
+
+    def __init__(self, params: Sequence[Tensor], device: str = "param") -> None:
+        self.params = list(params)
+        self.device = device
+        self.tensors: list[Tensor] = []
+        self._saved: Optional[list[Tensor]] = None  # the local replicas while the anchor is in the model
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    def _storage(self, p: Tensor) -> Tensor:
+        if self.device == "param" or p.device.type == "cpu":
+            return torch.empty_like(p, memory_format=torch.contiguous_format)
+        return torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+
+    def take(self) -> None:
+        """The anchor becomes the parameters as they are now (allocated on first use)."""
+        if not self.tensors:
+            self.tensors = [self._storage(p) for p in self.params]
+        for a, p in zip(self.tensors, self.params):
+            a.copy_(p.detach())
+
+    def deltas(self) -> list[Tensor]:
+        """Each worker's pseudo-gradient ``anchor - params`` (old minus new, as DiLoCo), on the parameters'
+        device, in float32 (float64 for float64 parameters)."""
+        out = []
+        for a, p in zip(self.tensors, self.params):
+            dtype = math_dtype(p.dtype)
+            out.append(a.to(device=p.device, dtype=dtype, non_blocking=True) - p.detach().to(dtype))
+        return out
+
+    def set(self, values: Sequence[Tensor]) -> None:
+        """Anchor and parameters become ``values`` (the new synchronized point)."""
+        for a, p, v in zip(self.tensors, self.params, values):
+            a.copy_(v)
+            p.detach().copy_(v)
+
+    def restore(self) -> None:
+        """The parameters go back to the anchor (a discarded round)."""
+        for a, p in zip(self.tensors, self.params):
+            p.detach().copy_(a)
+
+    def swap_in(self) -> None:
+        """Put the anchor into the model (validation, checkpoints of the synchronized model) until :meth:`swap_out`:
+        O(1) by exchanging storages where dtype and device match, else through a copy of the local replicas."""
+        if all(a.dtype == p.dtype and a.device == p.device for a, p in zip(self.tensors, self.params)):
+            self._exchange()
+            return
+        self._saved = [p.detach().clone() for p in self.params]
+        self.restore()
+
+    def swap_out(self) -> None:
+        if self._saved is None:
+            self._exchange()
+            return
+        for p, saved in zip(self.params, self._saved):
+            p.detach().copy_(saved)
+        self._saved = None
+
+    def _exchange(self) -> None:
+        for a, p in zip(self.tensors, self.params):  # storages change hands; the tensor objects stay
+            local = p.data
+            p.data = a.data
+            a.data = local
+
+    def state_dict(self) -> list[Tensor]:
+        return [a.clone() for a in self.tensors]
+
+    def load_state_dict(self, saved: Sequence[Tensor]) -> None:
+        """Restore :meth:`state_dict` (empty: saved in the synchronous phase, no anchor kept there)."""
+        if saved and [tuple(a.shape) for a in saved] != [tuple(p.shape) for p in self.params]:
+            raise ValueError("the saved anchor does not match the parameters' shapes; resume with the model the "
+                             "checkpoint was written for.")
+        self.tensors = [self._storage(p).copy_(a) for p, a in zip(self.params, saved)]
+
+    def nbytes(self) -> int:
+        return nbytes(self.tensors)
+
+
+class OuterStep:
+    """``average`` (the new anchor is ``anchor - delta``) or ``nesterov`` (DiLoCo: torch's SGD with Nesterov
+    momentum on the anchor, ``lr`` and ``momentum`` from the config)."""
+
+    def __init__(self, kind: str, lr: float = 0.7, momentum: float = 0.9) -> None:
+        self.kind, self.lr, self.momentum = kind, lr, momentum
+        self._sgd: Optional[torch.optim.SGD] = None
+        self._buffers: list[Tensor] = []  # restored momentum, installed when the SGD is built on the anchor
+
+    def apply(self, anchor: Anchor, delta: Sequence[Tensor]) -> list[Tensor]:
+        """The new synchronized point from the averaged ``delta``; the SGD momentum moves (call it at commit)."""
+        if self.kind == "average":
+            return [a.to(device=d.device, dtype=d.dtype) - d for a, d in zip(anchor.tensors, delta)]
+        sgd = self._optimizer(anchor)
+        for a, d in zip(anchor.tensors, delta):
+            a.grad = d.to(device=a.device, dtype=a.dtype)
+        sgd.step()
+        for a in anchor.tensors:
+            a.grad = None
+        return [a.to(p.device) for a, p in zip(anchor.tensors, anchor.params)]
+
+    def _optimizer(self, anchor: Anchor) -> torch.optim.SGD:
+        if self._sgd is None or self._sgd.param_groups[0]["params"][0] is not anchor.tensors[0]:
+            buffers = self._buffers or self.momentum_buffers()
+            self._sgd = torch.optim.SGD(anchor.tensors, lr=self.lr, momentum=self.momentum, nesterov=True)
+            for a, b in zip(anchor.tensors, buffers):
+                self._sgd.state[a]["momentum_buffer"] = b.to(device=a.device, dtype=a.dtype)
+            self._buffers = []
+        return self._sgd
+
+    def momentum_buffers(self) -> list[Tensor]:
+        """The outer momentum, one tensor per parameter (empty before the first Nesterov step)."""
+        if self._sgd is None:
+            return list(self._buffers)
+        state = self._sgd.state
+        return [state[a]["momentum_buffer"] for a in self._sgd.param_groups[0]["params"]
+                if "momentum_buffer" in state.get(a, {})]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"momentum": [b.clone() for b in self.momentum_buffers()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (installed in the SGD when it is built on the anchor)."""
+        self._sgd = None
+        self._buffers = [b.clone() for b in state["momentum"]]

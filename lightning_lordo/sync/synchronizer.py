@@ -1,0 +1,394 @@
+"""LoRDO's synchronization over a process group (SPEC §4-5), independent of Lightning.
+
+Every ``sync_every`` local steps all workers call :meth:`Synchronizer.sync` together. A round is two phases:
+
+1. **exchange** (every collective, nothing local changes; :mod:`lightning_lordo.sync.exchange`): each worker's
+   pseudo-gradient ``delta = anchor - params`` averaged (the ``full`` or ``lowrank`` payload, in
+   ``payload_dtype``), the module buffers, the optimizer state in its *old* shared basis (low-rank moments; with
+   ``average_fullrank_moments`` the full-rank moments; with ``average_error_feedback`` the error feedback), and,
+   with ``broadcast_bases``, rank 0's new bases. The new bases are computed here too (pure math).
+2. **commit** (local, cannot fail, Ctrl-C held back): the outer step (averaging, or Nesterov SGD on the anchor),
+   the averaged optimizer state written, the new bases installed with the moments rotated into them, buffers,
+   payload state, parameters and anchor.
+
+Averaging the first moment before the rotation gives exactly what averaging after it would (the rotation is
+linear); for the second moment it does not (the rotation mixes in ``u * u``), a difference the benchmark measures.
+
+Before any round, the synchronous phase (``warmup_steps``, or ``synchronous=True``: low-rank DDP) averages the
+gradients every step (:meth:`before_optimizer_step`) and refreshes the bases every ``sync_every`` steps from the
+averaged gradient; at the end of the warm-up the replicas are identical, the anchor is taken and the switch knobs
+apply.
+
+Non-finite values (NaN/Inf on any worker) discard the round on every worker, and poisoned optimizer state is
+reset identically everywhere (:mod:`lightning_lordo.sync.faults`).
+
+Failure semantics: every collective is bounded by the communicator's timeout; a worker that dies or hangs makes
+the others raise :class:`~lightning_lordo.comm.communicator.CollectiveTimeout` naming the sync and the timeout.
+As all collectives come before the commit, an exception or ``KeyboardInterrupt`` inside a sync leaves the worker
+exactly as it was before it (bytes already sent stay counted). Nothing here touches the disk.
+
+Reference: Jovanović et al., "LoRDO: Distributed Low-Rank Optimization with Infrequent Communication",
+ICML 2026 (arXiv 2602.04396); Douillard et al., "DiLoCo" (arXiv 2311.08105) for the outer step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.profiler import record_function
+
+from lightning_lordo._tensors import all_finite, mix_seed, nbytes, seeded_normal
+from lightning_lordo.comm.communicator import Communicator
+from lightning_lordo.comm.lowrank import LowRankPayload
+from lightning_lordo.comm.quantization import QuantizedAverager
+from lightning_lordo.config import SyncConfig
+from lightning_lordo.optim.lordo import LoRDO
+from lightning_lordo.sync import exchange as ex
+from lightning_lordo.sync.faults import reset_moments, reset_optimizer_state, sigint_deferred, state_tensors
+from lightning_lordo.sync.outer import Anchor, OuterStep
+
+
+@dataclass
+class SyncReport:
+    """What one synchronization (or one synchronous round of ``sync_every`` steps) did, per worker."""
+
+    index: int
+    step: int
+    bytes_by_purpose: dict[str, int]
+    seconds: float
+    basis_seconds: float
+    subspace_movement: Optional[float]
+    pseudo_gradient_norm: Optional[float]
+    skipped: bool = False
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(self.bytes_by_purpose.values())
+
+
+class Synchronizer:
+    """Keeps the anchor (the last synchronized parameters) and runs synchronization rounds.
+
+    Args:
+        params: the trainable parameters, in an order identical on all workers.
+        buffers: module buffers kept identical across workers (floating ones averaged, others from rank 0).
+        optimizer: the local optimizer; if it is a :class:`LoRDO`, its bases and moments are synchronized.
+        config: the synchronization knobs.
+        communicator: the counted, time-bounded collectives.
+    """
+
+    def __init__(self, params: Sequence[Tensor], buffers: Sequence[Tensor], optimizer: Optimizer,
+                 config: SyncConfig, communicator: Communicator) -> None:
+        self.params = list(params)
+        self.buffers = list(buffers)
+        self.optimizer = optimizer
+        self.config = config
+        self.comm = communicator
+        self.steps_since_sync = 0
+        self.optimizer_steps = 0
+        self.syncs_done = 0
+        self.skipped_syncs = 0
+        self.anchor = Anchor(self.params, config.anchor_device)
+        if not self.synchronous_now:  # the synchronous phase needs no anchor: it is taken at the switch
+            self.anchor.take()
+        self.outer = OuterStep(config.outer_optimizer, config.outer_lr, config.outer_momentum)
+        self.switch_callbacks: list[Callable[[], None]] = []  # run after the switch (the strategy's LR schedulers)
+        self._round = {"seconds": 0.0, "basis_seconds": 0.0, "movement": None}  # synchronous rounds
+        self.comm.accountant.start_round()  # a synchronous round counts its gradients from here (not the setup)
+        # torch's optimizers create a parameter's state at its first step, so clearing it gives fresh state;
+        # one that already holds state now (eager, e.g. Adagrad) gets its tensors zeroed instead (faults module)
+        self._clear_to_reset = not any(optimizer.state.get(p) for p in self.params)
+        lordo = self.lordo
+        self.lowrank_payload: Optional[LowRankPayload] = None
+        self._lowrank_positions: list[int] = []
+        if config.payload == "lowrank":  # SPEC §5: the low-rank matrices travel low-rank, the rest averaged
+            if lordo is None:
+                raise ValueError("payload='lowrank' needs the LoRDO optimizer (strategy 'lordo' or 'lordo_local'); "
+                                 "with 'diloco' use payload='full' (payload_dtype may still be bfloat16 or int8).")
+            ranks = {id(p): lordo.lowrank_rank(p, g) for g in lordo.param_groups for p in g["params"]}
+            self._lowrank_positions = [i for i, p in enumerate(self.params) if ranks.get(id(p), 0)]
+            self.lowrank_payload = LowRankPayload([ranks[id(self.params[i])] for i in self._lowrank_positions],
+                                                  seed=config.seed, payload_dtype=config.payload_dtype)
+        self.averager = QuantizedAverager(config.payload_dtype)
+        if lordo is not None and config.initial_basis == "random":
+            lordo.init_random_bases()
+
+    @property
+    def lordo(self) -> Optional[LoRDO]:
+        return self.optimizer if isinstance(self.optimizer, LoRDO) else None
+
+    # ------------------------------------------------------------------ driving
+    @property
+    def synchronous_now(self) -> bool:
+        """Whether the next optimizer step is synchronous (``synchronous=True``, or within ``warmup_steps``)."""
+        return self.config.synchronous or self.optimizer_steps < self.config.warmup_steps
+
+    @torch.no_grad()
+    def before_optimizer_step(self) -> None:
+        """Every worker calls this after the backward pass of each optimizer step, before clipping and the step.
+
+        In the synchronous phase it averages the gradients (DDP's all-reduce, purpose ``gradients``) and, every
+        ``sync_every`` steps, gives the low-rank matrices new bases from the averaged gradient. In both phases the
+        low-rank matrices without a basis get their first one (SPEC §4: from the averaged first gradient), and the
+        last step before a round collects the optimizer's diagnostics for the monitor.
+        """
+        start = time.perf_counter()
+        synchronous, lordo, k = self.synchronous_now, self.lordo, self.config.sync_every
+        if synchronous:
+            self.comm.context = f"gradient average (optimizer step {self.optimizer_steps + 1})"
+            ex.average_gradients(self.comm, self.params)
+            if lordo is not None and self.optimizer_steps and self.optimizer_steps % k == 0:
+                basis_start = time.perf_counter()
+                moved = lordo.set_bases(self._bases({p: p.grad for p in self.params if p.grad is not None}))
+                self._round["movement"] = _mean_movement(moved)
+                self._round["basis_seconds"] += time.perf_counter() - basis_start
+        self._ensure_first_bases(averaged=synchronous)
+        next_step = (self.optimizer_steps + 1) if synchronous else (self.steps_since_sync + 1)
+        if lordo is not None and next_step % k == 0:
+            lordo.request_diagnostics()
+        if synchronous:
+            self._round["seconds"] += time.perf_counter() - start
+
+    def on_optimizer_step(self) -> Optional[SyncReport]:
+        """Count one optimizer step; synchronize when ``sync_every`` local steps have passed. In the synchronous
+        phase, report every ``sync_every`` steps, and switch to local steps at the end of ``warmup_steps``."""
+        synchronous = self.synchronous_now
+        self.optimizer_steps += 1
+        if synchronous:
+            switch = not self.config.synchronous and self.optimizer_steps == self.config.warmup_steps
+            report = None
+            if switch or self.optimizer_steps % self.config.sync_every == 0:
+                report = self._finish_synchronous_round()
+            if switch:
+                self._switch_to_local()
+            return report
+        if not self.anchor:  # a synchronous checkpoint resumed with other phase knobs: the replicas are identical
+            self.anchor.take()
+        self.steps_since_sync += 1
+        if self.steps_since_sync >= self.config.sync_every:
+            return self.sync()
+        return None
+
+    def _ensure_first_bases(self, averaged: bool) -> None:
+        """First bases for the low-rank matrices that have none: from the gradient when it is already the average
+        (``averaged``) or the scope is local, else from the averaged first gradient (one extra all-reduce)."""
+        lordo = self.lordo
+        if lordo is None or self.config.initial_basis == "random":
+            return
+        missing = lordo.missing_bases()
+        if not missing:
+            return
+        if averaged or self.config.basis_scope == "local":
+            lordo.set_bases(lordo.compute_bases(missing, generation=self.optimizer_steps))
+        else:
+            lordo.set_bases(self._bases(self.average_first_gradients(missing)))
+
+    def average_first_gradients(self, grads: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """The first bases come from the averaged first gradient (SPEC §4); a non-finite one (NaN/Inf on some
+        worker) is replaced by a seeded random matrix, identical on all workers."""
+        averaged = {p: g.detach().float().clone() for p, g in grads.items()}
+        self.comm.context = "initial basis"
+        self.comm.all_reduce_mean(list(averaged.values()), "initial_gradients")
+        bad = [i for i, g in enumerate(averaged.values()) if not all_finite([g])]
+        for i, p in enumerate(averaged):
+            if i in bad:
+                averaged[p] = seeded_normal(averaged[p].shape, mix_seed(self.config.seed, i, offset=104_729),
+                                            averaged[p].device)
+        if bad and self.comm.rank == 0:
+            warnings.warn(f"LoRDO initial basis: the averaged first gradient of {len(bad)} weight matrices is not "
+                          "finite (NaN/Inf on some worker); their first bases are seeded random ones instead.",
+                          RuntimeWarning, stacklevel=2)
+        return averaged
+
+    def _bases(self, sources: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """New bases from ``sources`` identical on every worker: computed everywhere from identical inputs, or with
+        ``broadcast_bases`` computed on rank 0 and sent (a collective: every worker calls this together)."""
+        lordo = self.lordo
+        assert lordo is not None
+        lowrank = [p for p in lordo.lowrank_params() if p in sources]
+        sources = {p: sources[p] for p in lowrank}
+        if not self.config.broadcast_bases:
+            return lordo.compute_bases(sources, generation=self.optimizer_steps)
+        if self.comm.rank == 0:
+            bases = lordo.compute_bases(sources, generation=self.optimizer_steps)
+        else:  # only rank 0 computes; the others receive
+            bases = {p: torch.empty(min(p.shape), lordo.lowrank_rank(p, _group_of(lordo, p)), device=p.device)
+                     for p in lowrank}
+        self.comm.broadcast(list(bases.values()), "bases")
+        return bases
+
+    def _finish_synchronous_round(self) -> SyncReport:
+        data, self._round = self._round, {"seconds": 0.0, "basis_seconds": 0.0, "movement": None}
+        self.syncs_done += 1
+        return SyncReport(index=self.syncs_done, step=self.optimizer_steps,
+                          bytes_by_purpose=self.comm.accountant.end_round(), seconds=data["seconds"],
+                          basis_seconds=data["basis_seconds"], subspace_movement=data["movement"],
+                          pseudo_gradient_norm=None, extra={"synchronous": 1.0})
+
+    def _switch_to_local(self) -> None:
+        """The end of the warm-up (the replicas are identical): take the anchor, apply the switch knobs."""
+        self.anchor.take()
+        self.steps_since_sync = 0
+        config = self.config
+        for group in self.optimizer.param_groups:
+            if config.switch_betas is not None:
+                group["betas"] = config.switch_betas
+            if config.switch_lr_scale != 1.0:
+                for key in ("lr", "initial_lr", "max_lr", "min_lr"):  # the last two: OneCycleLR's
+                    if key in group:
+                        group[key] = group[key] * config.switch_lr_scale
+        if config.switch_reset_moments:
+            for p in self.params:
+                reset_moments(self.optimizer, p)
+        for callback in self.switch_callbacks:
+            callback()
+
+    # ------------------------------------------------------------------ one round
+    @torch.no_grad()
+    def sync(self) -> SyncReport:
+        """One synchronization round; every worker must call it at the same point.
+
+        Raises:
+            CollectiveTimeout: a collective failed or timed out (another worker died or hangs); this worker's
+                parameters, anchor, buffers and optimizer state are then as they were before the call.
+        """
+        start = time.perf_counter()
+        self.comm.accountant.start_round()
+        self.comm.context = f"sync {self.syncs_done + 1} (optimizer step {self.optimizer_steps})"
+        with record_function("lordo.exchange"):
+            local = self.anchor.deltas()
+            averaged, rounds = ex.average_pseudo_gradients(self.comm, local, self.averager, self.lowrank_payload,
+                                                           self._lowrank_positions)
+            buffers = ex.average_buffers(self.comm, self.buffers)
+            if not all_finite(averaged):  # identical on all workers: they all discard the round
+                return self._discard(start, buffers)
+            state, reset = ex.average_state(self.comm, self.optimizer, self.params, self.config)
+            basis_start = time.perf_counter()
+            bases = {}
+            if self.lordo is not None:
+                shared = self.config.basis_scope == "global"
+                sources = {p: s for p, s in zip(self.params, averaged if shared else local)}
+                bases = self._bases(sources) if shared else self.lordo.compute_bases(sources, self.optimizer_steps)
+            round_ = ex.Exchange(averaged, rounds, buffers, state, bases, reset, time.perf_counter() - basis_start)
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in averaged]))) \
+            if averaged else 0.0
+        with record_function("lordo.commit"), sigint_deferred():
+            movement = self._commit(round_)
+        extra = {"reset_moments": float(len(reset))} if reset else {}
+        if self.config.payload != "full" or self.config.payload_dtype != "float32":
+            extra["sync_error_feedback_norm"] = self.payload_error_norm()
+        return self._finish(start, round_.basis_seconds, _mean_movement(movement), norm, extra=extra)
+
+    def _commit(self, round_: ex.Exchange) -> dict[Tensor, Tensor]:
+        """Local and unable to fail: the exchanged round becomes this worker's state."""
+        new = self.outer.apply(self.anchor, round_.averaged)
+        ex.commit_state(round_.state)
+        movement = self.lordo.set_bases(round_.bases) if self.lordo is not None else {}
+        for p in round_.reset:
+            reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
+        ex.commit_buffers(self.buffers, *round_.buffers)
+        for payload, payload_round in round_.payload_rounds:
+            payload.commit(payload_round)
+        self.anchor.set(new)
+        return movement
+
+    def payload_error_norm(self) -> float:
+        """Norm of this worker's sync-level error feedback (SPEC §5), over all payloads."""
+        norms = [self.averager.error_norm()]
+        if self.lowrank_payload is not None:
+            norms.append(self.lowrank_payload.error_norm())
+        return math.sqrt(sum(n * n for n in norms))
+
+    def payload_state_dict(self) -> dict[str, Any]:
+        """This worker's payload state (error feedback, right factors): per worker, for checkpoints."""
+        state = {"averager": self.averager.state_dict()}
+        if self.lowrank_payload is not None:
+            state["lowrank"] = self.lowrank_payload.state_dict()
+        return state
+
+    def load_payload_state_dict(self, state: dict[str, Any]) -> None:
+        self.averager.load_state_dict(state["averager"])
+        if self.lowrank_payload is not None and "lowrank" in state:
+            self.lowrank_payload.load_state_dict(state["lowrank"])
+
+    # ------------------------------------------------------------------ non-finite rounds
+    def _discard(self, start: float, buffers: tuple[list[Tensor], list[Tensor]]) -> SyncReport:
+        """Every worker is here (the decision came from identical averages): discard the round everywhere. One more
+        collective tells every worker which parameters' optimizer state is non-finite on some worker and which
+        ranks sent non-finite values; then, locally, those states are reset and the parameters go back to the
+        anchor. The buffers' new values apply as in any round."""
+        n, world = len(self.params), self.comm.world_size
+        flags = torch.zeros(n + world, device=self.params[0].device if self.params else None)
+        for i, p in enumerate(self.params):
+            flags[i] = float(not all_finite(state_tensors(self.optimizer.state.get(p, {}))))
+        flags[n + self.comm.rank] = float(not all_finite(self.anchor.deltas()))
+        self.comm.all_reduce_mean([flags], "fault_flags")
+        host = (flags.cpu() > 0).tolist()  # no collective below: commit
+        bad_ranks = [r for r in range(world) if host[n + r]]
+        with sigint_deferred():
+            reset = [p for p, f in zip(self.params, host[:n]) if f]
+            for p in reset:
+                reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
+            self.anchor.restore()
+            ex.commit_buffers(self.buffers, *buffers)
+        self.skipped_syncs += 1
+        if self.comm.rank == 0:
+            warnings.warn(
+                f"LoRDO {self.comm.context}: the averaged pseudo-gradient is not finite (NaN/Inf on rank(s) "
+                f"{bad_ranks or 'unknown: an overflow of the average'}). The round is discarded on every worker: "
+                "parameters go back to the last synchronized model, and the optimizer state of "
+                f"{len(reset)} of {n} parameters (non-finite on some worker) is reset on every worker. Training "
+                f"continues; {self.skipped_syncs} sync(s) skipped so far.",
+                RuntimeWarning, stacklevel=3,
+            )
+        return self._finish(start, 0.0, None, float("nan"), skipped=True,
+                            extra={"reset_params": float(len(reset)), "bad_ranks": float(len(bad_ranks))})
+
+    def _finish(self, start: float, basis_seconds: float, movement: Optional[float], norm: float,
+                skipped: bool = False, extra: Optional[dict[str, float]] = None) -> SyncReport:
+        self.syncs_done += 1
+        self.steps_since_sync = 0
+        return SyncReport(index=self.syncs_done, step=self.optimizer_steps,
+                          bytes_by_purpose=self.comm.accountant.end_round(), seconds=time.perf_counter() - start,
+                          basis_seconds=basis_seconds, subspace_movement=movement, pseudo_gradient_norm=norm,
+                          skipped=skipped, extra=dict(extra or {}))
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"anchor": self.anchor.state_dict(), "outer": self.outer.state_dict(),
+                "steps_since_sync": self.steps_since_sync, "optimizer_steps": self.optimizer_steps,
+                "syncs_done": self.syncs_done, "skipped_syncs": self.skipped_syncs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.anchor.load_state_dict(state["anchor"])
+        # before the outer step was torch's SGD its momentum was saved as a list, "outer_momentum"
+        self.outer.load_state_dict(state["outer"] if "outer" in state else {"momentum": state["outer_momentum"]})
+        self.steps_since_sync = state["steps_since_sync"]
+        self.optimizer_steps = state["optimizer_steps"]
+        self.syncs_done = state["syncs_done"]
+        self.skipped_syncs = state["skipped_syncs"]
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of synchronization buffers (SPEC §8): the anchor, the outer momentum, the payload's state."""
+        report = {"anchor": self.anchor.nbytes(), "outer_momentum": nbytes(self.outer.momentum_buffers()),
+                  **self.averager.memory_report()}
+        if self.lowrank_payload is not None:
+            report.update(self.lowrank_payload.memory_report())
+        return report
+
+
+def _mean_movement(moved: dict[Tensor, Tensor]) -> Optional[float]:
+    return float(torch.stack(list(moved.values())).mean()) if moved else None
+
+
+def _group_of(optimizer: Optimizer, p: Tensor) -> dict[str, Any]:
+    return next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
