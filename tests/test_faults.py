@@ -282,8 +282,10 @@ def _free_port() -> int:
 
 
 def _timeout_worker(rank: int, port: int, mode: str, out: str) -> None:
-    """Rank 1 misbehaves (``mode``) before sync 1; rank 0 syncs and reports what happened to ``out``."""
+    """Rank 1 misbehaves (``mode``) before sync 1; rank 0 syncs and reports what happened to ``out``. A mode ending
+    in ``-poll`` makes the communicator wait as it does for device (NCCL) collectives: polling ``is_completed``."""
     result: dict[str, Any] = {}
+    mode, _, poll = mode.partition("-")
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -293,7 +295,7 @@ def _timeout_worker(rank: int, port: int, mode: str, out: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         timeout = 30 if mode == "interrupt" else TIMEOUT_S
         sync = Synchronizer(list(model.parameters()), [], opt, SyncConfig(sync_every=1),
-                            Communicator(CommAccountant(), timedelta(seconds=timeout)))
+                            Communicator(CommAccountant(), timedelta(seconds=timeout), poll=poll == "poll"))
         model(torch.randn(5, 6) * (rank + 1)).square().sum().backward()
         opt.step()  # the replicas now differ
         params, anchor = [p.detach().clone() for p in model.parameters()], [a.clone() for a in sync.anchor.tensors]
@@ -340,7 +342,7 @@ def _run_two(mode: str, tmp_path: Path) -> dict[int, dict[str, Any]]:
         p.start()
     try:
         procs[0].join(30)
-        if mode == "late":
+        if mode.startswith("late"):
             procs[1].join(30)
     finally:
         for p in procs:
@@ -388,10 +390,13 @@ def test_the_last_wait_slice_is_never_a_wait_without_timeout(monkeypatch: pytest
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("wait", ["slices", "poll"], ids=["gloo wait", "polling (as on NCCL)"])
 @pytest.mark.parametrize("mode", ["exit", "hang"])
-def test_a_dead_or_hung_worker_makes_the_other_fail_naming_the_sync_and_the_timeout(mode: str,
+def test_a_dead_or_hung_worker_makes_the_other_fail_naming_the_sync_and_the_timeout(mode: str, wait: str,
                                                                                    tmp_path: Path) -> None:
-    results = _run_two(mode, tmp_path)
+    """The timeout holds whether the communicator waits in slices (gloo, CPU tensors) or polls the work's
+    is_completed() (device tensors: NCCL's wait does not block the host, so polling is what bounds it)."""
+    results = _run_two(mode if wait == "slices" else f"{mode}-poll", tmp_path)
     rank0 = results[0]
     assert "error" not in rank0, rank0
     assert rank0["outcome"] == "CollectiveTimeout", rank0
@@ -408,8 +413,9 @@ def test_a_dead_or_hung_worker_makes_the_other_fail_naming_the_sync_and_the_time
 
 
 @pytest.mark.timeout(60)
-def test_a_late_worker_within_the_timeout_is_waited_for(tmp_path: Path) -> None:
-    results = _run_two("late", tmp_path)
+@pytest.mark.parametrize("mode", ["late", "late-poll"])
+def test_a_late_worker_within_the_timeout_is_waited_for(mode: str, tmp_path: Path) -> None:
+    results = _run_two(mode, tmp_path)
     assert results[0]["outcome"] == results[1]["outcome"] == "synced", results
     assert results[0]["seconds"] > 0.8  # rank 0 waited through several slices of its wait
     assert results[0]["params"] == results[1]["params"]

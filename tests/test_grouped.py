@@ -89,3 +89,44 @@ def test_grouped_step_dispatches_a_fixed_number_of_ops_per_group() -> None:
     reference = [ops(n, False) for n in (2, 8)]
     assert grouped[1] - grouped[0] <= 2 * 6  # per matrix only its step counter (add is one foreach op, item each)
     assert reference[1] - reference[0] >= 6 * 15
+
+
+HOST_READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.allclose")
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["grouped", "reference"])
+@pytest.mark.parametrize("case", list(GROUPED_CASES))
+def test_a_step_reads_nothing_on_the_host_but_cpu_step_counters(case: str, foreach: bool) -> None:
+    """No host synchronization with the parameters' device in ``step``: every scalar read (``.item()``, ``bool()``,
+    ``==`` on tensors) a step dispatches reads one of the CPU step counters, and nothing else, also while it
+    collects the diagnostics."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads: list[tuple[str, torch.Tensor]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(str(func).startswith(name) for name in HOST_READS):
+                self.reads.append((str(func), args[0]))
+            return func(*args, **(kwargs or {}))
+
+    params = _mixed_model(40)
+    knobs = {"rank": RANK, "omega": 0.6, "error_feedback": True, **GROUPED_CASES[case]}
+    opt = LoRDO(params, lr=0.05, foreach=foreach, **knobs)
+    gen = _gen(41)
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        if step == 1:
+            opt.request_diagnostics()
+            counters = {opt.state[p]["step"].data_ptr() for p in params}
+            with HostReads() as mode:
+                opt.step()
+        else:
+            opt.step()  # the first step installs the bases from the gradients (not a step's own work)
+    assert mode.reads, "the step counters are read on the host (as torch's Adam does)"
+    for func, tensor in mode.reads:
+        assert tensor.device.type == "cpu" and tensor.data_ptr() in counters, f"{func} on {tuple(tensor.shape)}"
+    assert opt.diagnostics()  # and the diagnostics were collected without any host read

@@ -177,8 +177,9 @@ class Communicator:
             out[:, start:stop] = received.view(world, -1)
         return out, flat.numel() * flat.element_size()
 
-    def broadcast(self, tensors: Sequence[Tensor], purpose: str, src: int = 0) -> None:
-        """Overwrite ``tensors`` with rank ``src``'s values. Counted on the sender only (it is what it sends)."""
+    def broadcast(self, tensors: Sequence[Tensor], purpose: str, src: int = 0, in_round: bool = True) -> None:
+        """Overwrite ``tensors`` with rank ``src``'s values. Counted on the sender only (it is what it sends);
+        ``in_round=False``: in the totals only (traffic that belongs to no synchronization round)."""
         if self.world_size == 1:
             return
         for t in tensors:
@@ -188,7 +189,7 @@ class Communicator:
             if buffer is not t:
                 t.copy_(buffer)
             if self.rank == src:
-                self.accountant.add(purpose, t.numel() * t.element_size())
+                self.accountant.add(purpose, t.numel() * t.element_size(), in_round=in_round)
 
     def _run(self, issue: Callable[[], Any], purpose: str, op: str, device: torch.device) -> None:
         """Issue one collective (``issue`` returns its work handle) and wait for it, at most ``timeout``."""

@@ -60,6 +60,7 @@ from lightning_lordo._tensors import (
     canonical,
     is_tall,
     mix_seed,
+    nbytes,
     orthonormalize,
     random_orthonormal,
     total_norm,
@@ -155,8 +156,8 @@ class LowRankPayload:
         # message 2: B_m = Q^T D_m, r x b
         b_msg = quantized_mean(comm, [q.mT @ w for q, w in zip(bases, work)], purpose, self.payload_dtype,
                                self.reduction)
-        for kind, nbytes in b_msg.traffic.items():
-            traffic[kind] = traffic.get(kind, 0) + nbytes
+        for kind, sent in b_msg.traffic.items():
+            traffic[kind] = traffic.get(kind, 0) + sent
         if not all_finite(b_msg.means):
             return LowRankRound(False, [], [], traffic, version=self._version)
         averaged = []
@@ -216,8 +217,8 @@ class LowRankPayload:
     def memory_report(self) -> dict[str, int]:
         """Bytes of this worker's synchronization buffers of the payload (SPEC §8)."""
         return {
-            "sync_error_feedback": sum(e.numel() * e.element_size() for e in self._errors),
-            "payload_right_factors": sum(r.numel() * r.element_size() for r in self._right),
+            "sync_error_feedback": nbytes(self._errors),
+            "payload_right_factors": nbytes(self._right),
         }
 
     @staticmethod

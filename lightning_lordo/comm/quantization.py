@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from lightning_lordo._tensors import all_finite, math_dtype, total_norm
+from lightning_lordo._tensors import nbytes as tensor_bytes
 from lightning_lordo.config import PAYLOAD_DTYPES
 
 REDUCTIONS = ("auto", "all_reduce", "all_gather")
@@ -185,7 +186,7 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
     if full:
         means = [x.clone() for x in xs]
         comm.all_reduce_mean(means, purpose)
-        traffic = {"all_reduce": sum(x.numel() * x.element_size() for x in xs)} if world > 1 else {}
+        traffic = {"all_reduce": tensor_bytes(xs)} if world > 1 else {}
         return QuantizedMean(means, xs, traffic)
 
     if payload_dtype == "int8":
@@ -328,7 +329,7 @@ class QuantizedAverager:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of this worker's error feedback (a synchronization buffer, SPEC §8)."""
-        return {"payload_error_feedback": sum(e.numel() * e.element_size() for e in self._errors or [])}
+        return {"payload_error_feedback": tensor_bytes(self._errors or [])}
 
 
 # ---------------------------------------------------------------------------------------------------------------

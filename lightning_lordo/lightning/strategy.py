@@ -14,14 +14,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lordo._tensors import nbytes
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.config import (
     OPTIMIZER_DEFAULTS,
@@ -50,8 +53,6 @@ from lightning_lordo.lightning.convert import (
 from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimizer
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync.synchronizer import Synchronizer, SyncReport
-
-_SIGTERM_TENSOR_BYTES = 8  # Lightning's per-batch SIGTERM check broadcasts one int64
 
 # Keys of torch.optim.Adam/AdamW param groups that LoRDO does not take (checked or dropped on conversion).
 
@@ -170,6 +171,9 @@ class LoRDOStrategy(DDPStrategy):
 
         if self.monitor and not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
             trainer.callbacks.append(CommunicationMonitor())
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # lightning >= 2.5.2 runs it before every batch
+            epoch_loop._broadcast_sigterm_tensor = self._sigterm_check
         super().setup(trainer)
 
     @override
@@ -201,7 +205,7 @@ class LoRDOStrategy(DDPStrategy):
             repoint_schedulers(self.lr_scheduler_configs, user_optimizer, optimizer)
             self.optimizers = [optimizer]
         trainable = [p for p in module.parameters() if p.requires_grad]
-        self._ddp_bytes_per_step = sum(p.numel() * p.element_size() for p in trainable)
+        self._ddp_bytes_per_step = nbytes(trainable)
         self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
                                          self.communicator)
         self.synchronizer.switch_callbacks.append(self._scale_schedulers)
@@ -267,12 +271,19 @@ class LoRDOStrategy(DDPStrategy):
                 "before trainer.fit, or save a checkpoint and resume to include them."
             )
 
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        # Lightning broadcasts one int64 from rank 0 every batch (its SIGTERM check): real traffic, counted.
-        if self.world_size > 1 and self.global_rank == 0:
-            self.accountant.add("lightning_sigterm_check", _SIGTERM_TENSOR_BYTES, in_round=False)
+    def _sigterm_check(self) -> None:
+        """Lightning's check for SIGTERM before every training batch (a broadcast of one int64 from rank 0),
+        through the plugin's communicator: counted, bounded by the timeout, and a failure (a worker that died or
+        hangs between syncs) raised as :class:`CollectiveTimeout` saying so, instead of swallowed by Lightning."""
+        assert self.communicator is not None and self.synchronizer is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        flag = torch.tensor([1 if trainer.received_sigterm else 0], device=self.root_device)
+        self.communicator.context = (f"Lightning's per-batch SIGTERM check before optimizer step "
+                                     f"{self.synchronizer.optimizer_steps + 1} (between syncs)")
+        self.communicator.broadcast([flag], "lightning_sigterm_check", in_round=False)
+        if flag.item() == 1:
+            self.barrier("sigterm")
+            raise SIGTERMException()
 
     @override
     def on_train_end(self) -> None:

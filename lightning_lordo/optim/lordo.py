@@ -1,23 +1,9 @@
-r"""The LoRDO optimizer: the local step of SPEC §3 and the basis installation of SPEC §4.4-4.5.
+"""The LoRDO optimizer: param groups, which parameter takes which step, lazily created state, the local step of
+SPEC §3 and the installation of new bases (SPEC §4.4-4.5).
 
-Pure tensor math: no ``torch.distributed``, no Lightning. The synchronization (``lightning_lordo.sync``)
-calls :meth:`LoRDO.install_bases` with the averaged pseudo-gradients; everything else happens in
-:meth:`LoRDO.step`.
-
-For a low-rank matrix (canonical orientation ``a x b``, ``a <= b``, basis ``Q`` of shape ``a x r``):
-
-.. math::
-    \begin{aligned}
-    A &= \hat G + \gamma E, \qquad \hat g = Q^\top A, \qquad E \leftarrow A - Q\hat g
-        \quad\text{(error feedback, optional)}\\
-    u &\leftarrow \beta_1 u + (1-\beta_1)\hat g, \qquad v \leftarrow \beta_2 v + (1-\beta_2)\hat g^2\\
-    D_{low} &= Q\,\frac{u/b_1}{\sqrt{v/b_2}+\epsilon}, \qquad
-    D_{full} = \frac{\hat G}{\mu\,(S+\epsilon)}\\
-    W &\leftarrow W(1-\eta\lambda) - \eta\left[(1-\omega)D_{full} + \omega D_{low}\right]
-    \end{aligned}
-
-with :math:`b_i = 1-\beta_i^t` and :math:`S` the full-rank normalizer of SPEC §6. Every other parameter
-(1-D, embeddings, matrices opted out with ``rank=0``) takes a plain AdamW step.
+Pure tensor math: no ``torch.distributed``, no Lightning. ``step`` gathers each group's tensors and calls the
+functional core (:mod:`lightning_lordo.optim.functional`, where the update is written out); the synchronizer calls
+:meth:`LoRDO.compute_bases` / :meth:`LoRDO.set_bases` with the averaged pseudo-gradients.
 """
 
 from __future__ import annotations
@@ -39,7 +25,7 @@ from lightning_lordo.config import (
     check_optimizer_knobs,
     resolve_rank,
 )
-from lightning_lordo.optim import functional
+from lightning_lordo.optim import functional, report
 from lightning_lordo.optim.projection import compute_basis, random_basis, rotate_moments, subspace_movement
 
 _LOWRANK_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -57,7 +43,12 @@ class LoRDO(Optimizer):
             warning; it is never silently clamped.
         omega: weight of the low-rank term; ``1 - omega`` weights the full-rank normalized term (SPEC §6).
         mu: scale of the full-rank term, or ``"auto"`` to give both terms the same RMS every step.
-        normalizer: full-rank normalizer ``S``: ``"col_rms"``, ``"factored"``, ``"scalar"`` or ``"lifted"``.
+        update: ``"lordo"`` (SPEC §3), ``"subspace_qh"`` (the authors' low-rank DDP: the QH mix inside the
+            subspace, no full-rank term; QHAdam for the AdamW parameters) or ``"unnormalized_lowrank"`` (the
+            authors' training step, ``Q u_hat`` undivided; for ablations).
+        normalizer: full-rank normalizer ``S``: ``"col_rms"``, ``"factored"``, ``"scalar"``, ``"lifted"`` or
+            ``"mean_denom"`` (one scalar per matrix, the mean of ``sqrt(v_hat) + eps``, as the authors).
+        full_rank_input: what the full-rank term normalizes: ``"gradient"`` or ``"accumulated"`` (``G + E``).
         lifted_floor: for ``"lifted"``, floor of ``S`` as a fraction of ``sqrt(mean(v_hat))``.
         projection: how a new basis is computed: ``"power"`` (warm-started block power iteration + QR),
             ``"randomized"`` (randomized SVD) or ``"svd"`` (exact).
@@ -65,6 +56,7 @@ class LoRDO(Optimizer):
         oversample: extra columns of the randomized range finder.
         transition: what happens to the moments when the basis changes: ``"rotate"`` (LDAdam),
             ``"reset"`` (zero them and restart bias correction) or ``"keep"`` (GaLore; for ablations only).
+        variance_clamp: clamp the variance estimate ``v_hat - u_hat^2`` at 0 before rotating (LDAdam).
         error_feedback: keep what the projection drops in a full-size buffer and add it back next step.
         ef_dtype: dtype of that buffer, ``"float32"`` or ``"bfloat16"``.
         ef_decay: ``gamma``, the buffer's decay per step (1 keeps everything).
@@ -155,24 +147,7 @@ class LoRDO(Optimizer):
 
     def describe(self, names: Optional[Mapping[Tensor, str]] = None) -> list[dict[str, Any]]:
         """Which parameter takes which step, and why: one row per parameter (print it, or log it)."""
-        rows = []
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                r = self.lowrank_rank(p, group)
-                if r:
-                    reason = f"2-D, rank {r} <= smaller side {min(p.shape)}"
-                elif p.ndim != 2:
-                    reason = f"{p.ndim}-D"
-                elif id(p) in self._full_rank:
-                    reason = "listed in full_rank (embedding or output head)"
-                elif group["rank"] == 0:
-                    reason = "opted out (rank=0)"
-                else:
-                    reason = f"rank {resolve_rank(group['rank'], min(p.shape))} > smaller side {min(p.shape)}"
-                name = names.get(p, "") if names is not None else ""
-                rows.append({"name": name, "group": gi, "shape": tuple(p.shape),
-                             "step": "lowrank" if r else "adamw", "rank": r, "reason": reason})
-        return rows
+        return report.describe(self, names)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -404,29 +379,9 @@ class LoRDO(Optimizer):
                 index += 1
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of optimizer state by category (SPEC §8), and AdamW's for the same parameters.
-
-        Keys: ``lowrank_moments``, ``bases``, ``fullrank_moments``, ``error_feedback``, ``other`` (step
-        counters, factored normalizer), ``adamw_equivalent`` (2 moments per parameter element, all params) and
-        ``adamw_equivalent_lowrank`` (the same for the low-rank matrices alone).
-        """
-        report = dict.fromkeys(("lowrank_moments", "bases", "fullrank_moments", "error_feedback", "other",
-                                "adamw_equivalent", "adamw_equivalent_lowrank"), 0)
-        for group in self.param_groups:
-            for p in group["params"]:
-                lowrank = bool(self.lowrank_rank(p, group))
-                adamw = 2 * p.numel() * torch.float32.itemsize
-                report["adamw_equivalent"] += adamw
-                report["adamw_equivalent_lowrank"] += adamw if lowrank else 0
-                for key, value in self.state.get(p, {}).items():
-                    report[_category(key, lowrank)] += value.numel() * value.element_size()
-        return report
-
-
-def _category(key: str, lowrank: bool) -> str:
-    if key in _LOWRANK_MOMENTS:
-        return "lowrank_moments" if lowrank else "fullrank_moments"
-    return {"basis": "bases", "error_feedback": "error_feedback"}.get(key, "other")
+        """Bytes of optimizer state by category (SPEC §8), and AdamW's for the same parameters
+        (:func:`lightning_lordo.optim.report.memory_report`)."""
+        return report.memory_report(self)
 
 
 def _trainable(p: Tensor) -> bool:

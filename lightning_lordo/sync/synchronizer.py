@@ -218,8 +218,9 @@ class Synchronizer:
         sources = {p: sources[p] for p in lowrank}
         if not self.config.broadcast_bases:
             return lordo.compute_bases(sources, generation=self.optimizer_steps)
-        if self.comm.rank == 0:
-            bases = lordo.compute_bases(sources, generation=self.optimizer_steps)
+        if self.comm.rank == 0:  # contiguous, as the receivers' copies: the same layout rounds the same way later
+            computed = lordo.compute_bases(sources, generation=self.optimizer_steps)
+            bases = {p: q.contiguous() for p, q in computed.items()}
         else:  # only rank 0 computes; the others receive
             bases = {p: torch.empty(min(p.shape), lordo.lowrank_rank(p, _group_of(lordo, p)), device=p.device)
                      for p in lowrank}

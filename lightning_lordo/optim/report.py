@@ -1,0 +1,65 @@
+"""What the optimizer holds, in words and bytes: the per-parameter plan and the memory report (SPEC §8)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_lordo.config import resolve_rank
+
+if TYPE_CHECKING:  # the optimizer passes itself in
+    from torch.optim import Optimizer
+
+_LOWRANK_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def describe(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None) -> list[dict[str, Any]]:
+    """One row per parameter of a :class:`~lightning_lordo.LoRDO`: its step (``lowrank`` or ``adamw``), rank and
+    the reason."""
+    rows = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            r = optimizer.lowrank_rank(p, group)
+            if r:
+                reason = f"2-D, rank {r} <= smaller side {min(p.shape)}"
+            elif p.ndim != 2:
+                reason = f"{p.ndim}-D"
+            elif id(p) in optimizer._full_rank:
+                reason = "listed in full_rank (embedding or output head)"
+            elif group["rank"] == 0:
+                reason = "opted out (rank=0)"
+            else:
+                reason = f"rank {resolve_rank(group['rank'], min(p.shape))} > smaller side {min(p.shape)}"
+            name = names.get(p, "") if names is not None else ""
+            rows.append({"name": name, "group": gi, "shape": tuple(p.shape),
+                         "step": "lowrank" if r else "adamw", "rank": r, "reason": reason})
+    return rows
+
+
+def memory_report(optimizer: Optimizer) -> dict[str, int]:
+    """Bytes of optimizer state by category, and AdamW's for the same parameters.
+
+    Keys: ``lowrank_moments``, ``bases``, ``fullrank_moments``, ``error_feedback``, ``other`` (step counters,
+    factored normalizer), ``adamw_equivalent`` (2 float32 moments per parameter element, all params) and
+    ``adamw_equivalent_lowrank`` (the same for the low-rank matrices alone).
+    """
+    out = dict.fromkeys(("lowrank_moments", "bases", "fullrank_moments", "error_feedback", "other",
+                         "adamw_equivalent", "adamw_equivalent_lowrank"), 0)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            lowrank = bool(optimizer.lowrank_rank(p, group))
+            adamw = 2 * p.numel() * torch.float32.itemsize
+            out["adamw_equivalent"] += adamw
+            out["adamw_equivalent_lowrank"] += adamw if lowrank else 0
+            for key, value in optimizer.state.get(p, {}).items():
+                out[_category(key, lowrank)] += value.numel() * value.element_size()
+    return out
+
+
+def _category(key: str, lowrank: bool) -> str:
+    if key in _LOWRANK_MOMENTS:
+        return "lowrank_moments" if lowrank else "fullrank_moments"
+    return {"basis": "bases", "error_feedback": "error_feedback"}.get(key, "other")
