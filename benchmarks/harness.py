@@ -285,5 +285,5 @@ def load(path: Path) -> list[dict[str, Any]]:
 
 def done(records: list[dict[str, Any]], spec: RunSpec) -> Optional[dict[str, Any]]:
     """The record of ``spec`` if this part already measured it (resuming an interrupted part)."""
-    key = dataclasses.asdict(spec)
+    key = json.loads(json.dumps(dataclasses.asdict(spec)))  # as stored: tuples become lists
     return next((r for r in records if r.get("spec") == key), None)
