@@ -12,6 +12,8 @@ Parts (times measured on the project's 2-core machine, 4 worker processes):
 * ``wikitext``: every method at its best LR on WikiText-2, 3 seeds (18 runs, about 12 minutes).
 * ``payload``: LoRDO with the ``full`` and ``lowrank`` payloads in float32, bfloat16 and int8, at LoRDO's best LR,
   3 seeds (18 runs, about 13 minutes).
+* ``order``: the LoRDO runs of ``main`` (3 seeds) with the synchronization reordered to exchange-then-commit,
+  which averages the second moment before rotating it instead of after (about 8 minutes).
 * ``payload-budget``: the payloads of ``payload`` more than 1 % above ``full``/float32 on some seed, trained
   for 1.2x and 1.5x the steps (3 seeds each), to measure the bytes they need to reach that loss, and
   ``full``/float32 at the same steps for reference (about 5.5 minutes per payload).
@@ -113,6 +115,8 @@ def specs_for(part: str, data: str, quick: bool) -> list[RunSpec]:
     if part == "payload":
         return [payload_spec(lrs["lordo"], data, payload, dtype, seed, PAYLOAD_STEPS)
                 for seed in SEEDS for payload, dtype in PAYLOADS]
+    if part == "order":  # the LoRDO runs of ``main`` again: the moments now averaged before the rotation
+        return [RunSpec(method="lordo", lr=lrs["lordo"], data=data, seed=s) for s in SEEDS]
     if part == "payload-budget":  # full/float32 too: the same steps show what the extra steps alone buy
         payloads = [*payloads_short_of_target(lrs["lordo"]), PAYLOADS[0]]
         return [payload_spec(lrs["lordo"], data, payload, dtype, seed, steps)
@@ -123,7 +127,8 @@ def specs_for(part: str, data: str, quick: bool) -> list[RunSpec]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", default="main",
-                        choices=("lr-sweep", "main", "long", "ablations", "wikitext", "payload", "payload-budget"))
+                        choices=("lr-sweep", "main", "long", "ablations", "wikitext", "payload", "payload-budget",
+                                 "order"))
     parser.add_argument("--data", required=True, help="text file (e.g. ../shared/data/tinyshakespeare.txt)")
     parser.add_argument("--quick", action="store_true", help="every method, 128 steps, one LR (~2 minutes)")
     args = parser.parse_args(argv)
