@@ -1,13 +1,15 @@
 """Speed and memory of the optimizer itself, in one process, as ratios measured side by side.
 
-1. Step overhead: a LoRDO optimizer step vs an AdamW step on the same model and gradients, for 3 GPT sizes
-   (interleaved repetitions; medians), and the same for a whole training step (forward + backward + step).
+1. Optimizer step: LoRDO (grouped) vs torch's AdamW (foreach and fused) on the same parameters and gradients,
+   on the 3.2 M-parameter GPT (rank 32) and on a 12-layer GPT-2-small-shaped parameter set (ranks 96 = d/8 and
+   24 = d/32), 1 and 2 threads, interleaved repeats (medians); the ops each step dispatches and its full-size
+   memory passes per matrix; a whole training step (forward + backward + step) of the demo's GPTs.
 2. Basis computation per sync: power iteration (1 step) vs randomized SVD vs exact SVD as the matrix grows.
 3. Memory: optimizer state at several ranks against AdamW's, for the whole model and the low-rank matrices
    alone, plus the error-feedback buffers and the synchronization buffers (anchor) in separate lines (SPEC §8).
 
-Writes ``benchmarks/results/speed.json`` and prints the tables. Takes about 3 minutes on 2 cores.
-Usage: ``python benchmarks/speed.py``
+Writes ``benchmarks/results/speed.json`` and prints the tables. Takes about 10 minutes on 2 cores (``--quick``:
+the GPT-2 set at 2 layers, about 2 minutes). Usage: ``python benchmarks/speed.py [--quick]``
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 from harness import ROOT, provenance
 from rich.console import Console
 from rich.table import Table
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_lordo import LoRDO
 from lightning_lordo.lightning.convert import full_rank_params
@@ -31,6 +35,10 @@ from lightning_lordo.models import CharGPT
 from lightning_lordo.optim.projection import compute_basis
 
 SIZES = {"small (d64, 2L)": (64, 2), "medium (d128, 4L)": (128, 4), "large (d256, 4L)": (256, 4)}
+OPTIMIZERS = ("adamw_foreach", "adamw_fused", "lordo", "lordo_reference")
+VIEWS = ("aten.t.", "aten.transpose", "aten.permute", "aten.view", "aten._unsafe_view", "aten.unbind", "aten.expand",
+         "aten.select", "aten.slice", "aten.alias", "aten.as_strided", "aten.detach", "aten.unsqueeze", "aten.squeeze",
+         "aten.lift_fresh", "profiler.", "aten._local_scalar_dense")
 
 
 def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
@@ -42,38 +50,148 @@ def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def gpt2_small(layers: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> tuple[list[Tensor], int]:
+    """A GPT-2-small-shaped parameter set (random values): token and position embeddings (full-rank), per block
+    two LayerNorms, the fused qkv (2304 x 768), the attention out (768 x 768), the MLP in (3072 x 768) and out
+    (768 x 3072) with their biases, and a final LayerNorm. Returns the parameters and how many are embeddings."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    shapes += [(d,), (d,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=generator) * 0.02) for s in shapes], 2
+
+
+def _optimizer(kind: str, params: list[Tensor], embeddings: int, rank: int) -> torch.optim.Optimizer:
+    if kind == "adamw_foreach":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    if kind == "adamw_fused":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    return LoRDO(params, lr=1e-3, rank=rank, full_rank=params[:embeddings], foreach=kind == "lordo")
+
+
+def _copies(make: Callable[[], tuple[list[Tensor], int]], kinds: tuple[str, ...], rank: int
+            ) -> dict[str, torch.optim.Optimizer]:
+    """One copy of the parameters per optimizer, the same random gradients, state created by two steps."""
+    out = {}
+    for kind in kinds:
+        params, embeddings = make()
+        generator = torch.Generator().manual_seed(1)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator) * 1e-3
+        out[kind] = _optimizer(kind, params, embeddings, rank)
+        out[kind].step()
+        out[kind].step()
+    return out
+
+
+def optimizer_step(name: str, make: Callable[[], tuple[list[Tensor], int]], rank: int, threads: int,
+                   repeats: int, kinds: tuple[str, ...] = OPTIMIZERS) -> dict[str, Any]:
+    """Median step time of each optimizer over interleaved repeats, and LoRDO's ratios to AdamW."""
+    torch.set_num_threads(threads)
+    optimizers = _copies(make, kinds, rank)
+    times: dict[str, list[float]] = {k: [] for k in optimizers}
+    for _ in range(repeats):  # interleaved, so machine noise hits all alike
+        for kind, opt in optimizers.items():
+            times[kind].append(_median_seconds(opt.step, 1))
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    torch.set_num_threads(1)
+    return {"set": name, "rank": rank, "threads": threads, **{f"{k}_ms": v for k, v in ms.items()},
+            "lordo_over_foreach": ms["lordo"] / ms["adamw_foreach"],
+            "lordo_over_fused": ms["lordo"] / ms["adamw_fused"]}
+
+
+class _Ops(TorchDispatchMode):
+    """Counts dispatched ops, and full-size memory passes: every read of an argument and every write of a result
+    (or, in place, of the first argument; torch's fused AdamW writes its params and both moments) whose matrices
+    have at least ``size`` elements, in units of ``size``. Views move nothing."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size, self.ops, self.passes = size, 0, 0.0
+
+    def _tensors(self, value: Any) -> list[Tensor]:
+        if isinstance(value, Tensor):
+            return [value]
+        if isinstance(value, (list, tuple)):
+            return [t for v in value for t in self._tensors(v)]
+        return []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if not any(name.startswith(v) for v in VIEWS):
+            touched = self._tensors(list(args) + list((kwargs or {}).values()))
+            if name.startswith("aten._fused_adam"):
+                touched += self._tensors([args[0], args[2], args[3]])
+            elif name.split(".")[1].endswith("_"):  # in place: the first argument is written
+                touched += self._tensors(args[0])
+            else:
+                touched += self._tensors(out)
+            self.passes += sum(t.numel() for t in touched if _area(t) >= self.size) / self.size
+        return out
+
+
+def _area(t: Tensor) -> int:
+    """The elements of one matrix of ``t`` (a stack counts per matrix)."""
+    return t.shape[-1] * t.shape[-2] if t.dim() >= 2 else t.numel()
+
+
+def dispatch_counts(make: Callable[[], tuple[list[Tensor], int]], rank: int, matrix: int, matrices: int,
+                    kinds: tuple[str, ...] = OPTIMIZERS) -> list[dict[str, Any]]:
+    """Ops dispatched by one step, and full-size memory passes per matrix (``matrix`` elements, ``matrices`` of
+    them in the set)."""
+    optimizers = _copies(make, kinds, rank)
+    rows = []
+    for kind, opt in optimizers.items():
+        with _Ops(matrix) as count:
+            opt.step()
+        rows.append({"optimizer": kind, "ops_per_step": count.ops, "passes_per_matrix": count.passes / matrices})
+    return rows
+
+
+def _gpt(d: int, layers: int) -> Callable[[], tuple[list[Tensor], int]]:
+    def make() -> tuple[list[Tensor], int]:
+        torch.manual_seed(0)
+        model = CharGPT(d_model=d, n_layers=layers, n_heads=4, seq_len=64)
+        params = list(model.parameters())
+        full = {id(p) for p in full_rank_params(model)}
+        return [p for p in params if id(p) in full] + [p for p in params if id(p) not in full], len(full)
+    return make
+
+
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
     optimizer.zero_grad()
     model(x).logsumexp(-1).mean().backward()
     optimizer.step()
 
 
-def step_overhead(repeats: int = 30) -> list[dict[str, Any]]:
+def training_step(repeats: int = 20) -> list[dict[str, Any]]:
+    """A whole training step (forward, backward, optimizer step) of the demo's GPTs: LoRDO against AdamW."""
     rows = []
     for name, (d, layers) in SIZES.items():
         torch.manual_seed(0)
-        models = {k: CharGPT(d_model=d, n_layers=layers, n_heads=4, seq_len=64) for k in ("adamw", "lordo")}
-        models["lordo"].load_state_dict(models["adamw"].state_dict())
-        optimizers = {
-            "adamw": torch.optim.AdamW(models["adamw"].parameters(), lr=1e-3),
-            "lordo": LoRDO(models["lordo"].parameters(), lr=1e-3, rank=d // 8,
-                           full_rank=full_rank_params(models["lordo"])),
-        }
+        base = CharGPT(d_model=d, n_layers=layers, n_heads=4, seq_len=64)
+        models, optimizers = {}, {}
+        for kind in ("adamw_foreach", "adamw_fused", "lordo"):
+            models[kind] = CharGPT(d_model=d, n_layers=layers, n_heads=4, seq_len=64)
+            models[kind].load_state_dict(base.state_dict())
+            params = list(models[kind].parameters())
+            full = {id(p) for p in full_rank_params(models[kind])}
+            ordered = [p for p in params if id(p) in full] + [p for p in params if id(p) not in full]
+            optimizers[kind] = _optimizer(kind, ordered, len(full), d // 8)
         x = torch.randint(0, 256, (8, 64))
-
         for kind in optimizers:  # warm up, and create the state
             _train_step(models[kind], optimizers[kind], x)
-        opt_times: dict[str, list[float]] = {"adamw": [], "lordo": []}
-        full_times: dict[str, list[float]] = {"adamw": [], "lordo": []}
-        for _ in range(repeats):  # interleaved, so machine noise hits both alike
+        times: dict[str, list[float]] = {k: [] for k in optimizers}
+        for _ in range(repeats):
             for kind in optimizers:
-                opt_times[kind].append(_median_seconds(optimizers[kind].step, 1))
-                full_times[kind].append(_median_seconds(partial(_train_step, models[kind], optimizers[kind], x), 1))
-        adamw_opt, lordo_opt = statistics.median(opt_times["adamw"]), statistics.median(opt_times["lordo"])
-        adamw_full, lordo_full = statistics.median(full_times["adamw"]), statistics.median(full_times["lordo"])
-        rows.append({"model": name, "params": sum(p.numel() for p in models["adamw"].parameters()),
-                     "adamw_step_ms": adamw_opt * 1e3, "lordo_step_ms": lordo_opt * 1e3,
-                     "optimizer_step_ratio": lordo_opt / adamw_opt, "train_step_ratio": lordo_full / adamw_full})
+                times[kind].append(_median_seconds(partial(_train_step, models[kind], optimizers[kind], x), 1))
+        ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        rows.append({"model": name, "params": sum(p.numel() for p in base.parameters()),
+                     **{f"{k}_ms": v for k, v in ms.items()}, "lordo_over_foreach": ms["lordo"] / ms["adamw_foreach"],
+                     "lordo_over_fused": ms["lordo"] / ms["adamw_fused"]})
     return rows
 
 
@@ -123,19 +241,35 @@ def _table(title: str, rows: list[dict[str, Any]]) -> Table:
     return table
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    quick = "--quick" in argv  # the GPT-2-small set at 2 layers instead of 12 (seconds instead of minutes)
+    layers = 2 if quick else 12
     torch.set_num_threads(1)
-    results = {"header": provenance("python benchmarks/speed.py"), "step_overhead": step_overhead(),
+    gpt2 = partial(gpt2_small, layers)
+    steps = [optimizer_step("GPT d256 4L (3.2 M)", _gpt(256, 4), 32, threads, 20) for threads in (1, 2)]
+    steps += [optimizer_step(f"GPT-2 small shapes ({layers} layers)", gpt2, rank, threads, 3 if quick else 5,
+                             kinds=OPTIMIZERS[:3])
+              for rank in (96, 24) for threads in (1, 2)]
+    ops = dispatch_counts(gpt2, 96, 768 * 3072, 2 * layers, kinds=OPTIMIZERS[:3])
+    passes = dispatch_counts(lambda: ([torch.nn.Parameter(torch.randn(3072, 768)) for _ in range(8)], 0), 96,
+                             768 * 3072, 8)
+    results = {"header": provenance("python benchmarks/speed.py " + " ".join(argv)), "optimizer_step": steps,
+               "dispatch": ops, "memory_passes": passes, "training_step": training_step(),
                "basis_cost": basis_cost(), "memory": memory()}
     (ROOT / "results").mkdir(exist_ok=True)
-    (ROOT / "results" / "speed.json").write_text(json.dumps(results, indent=2))
+    (ROOT / "results" / ("speed-quick.json" if quick else "speed.json")).write_text(json.dumps(results, indent=2))
     console = Console()
-    console.print(_table("LoRDO vs AdamW step time (1 thread, medians of interleaved repeats)",
-                         results["step_overhead"]))
+    console.print(_table("Optimizer step, ms (medians of interleaved repeats) and LoRDO's ratios",
+                         results["optimizer_step"]))
+    console.print(_table(f"Ops dispatched per step, GPT-2-small shapes ({layers} layers, rank 96); memory passes "
+                         "per 3072 x 768 matrix", results["dispatch"]))
+    console.print(_table("Full-size memory passes per matrix (8 matrices 3072 x 768, rank 96)",
+                         results["memory_passes"]))
+    console.print(_table("Whole training step, ms (1 thread)", results["training_step"]))
     console.print(_table("Basis computation per matrix (a x 4a, r = a/8)", results["basis_cost"]))
     console.print(_table("Optimizer memory, GPT d128 4L (0.84 M params), SPEC §8 lines", results["memory"]))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
