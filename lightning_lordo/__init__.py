@@ -11,9 +11,11 @@ from lightning_lordo.config import SyncConfig
 from lightning_lordo.lightning.callbacks import CommunicationMonitor
 from lightning_lordo.lightning.strategy import LoRDOStrategy
 from lightning_lordo.optim import LoRDO
+from lightning_lordo.sync.faults import NonFiniteTraining
 
 __version__ = "0.1.0"
 
 LoRDOStrategy.register_strategies(StrategyRegistry)  # idempotent: names already present are skipped
 
-__all__ = ["CollectiveTimeout", "CommunicationMonitor", "LoRDO", "LoRDOStrategy", "SyncConfig", "__version__"]
+__all__ = ["CollectiveTimeout", "CommunicationMonitor", "LoRDO", "LoRDOStrategy", "NonFiniteTraining", "SyncConfig",
+           "__version__"]

@@ -34,6 +34,7 @@ INITIAL_BASES = ("gradient", "random")
 PAYLOADS = ("full", "lowrank")
 PAYLOAD_DTYPES = ("float32", "bfloat16", "int8")
 ANCHOR_DEVICES = ("param", "cpu")
+TIMEOUT_RANGE_S = (1.0, 365 * 24 * 3600.0)
 
 #: Defaults of the optimizer knobs. ``lr``, ``betas``, ``eps`` and ``weight_decay`` mean what they mean in
 #: :class:`torch.optim.AdamW`; the rest are LoRDO's (see :class:`lightning_lordo.LoRDO`).
@@ -225,6 +226,8 @@ class SyncConfig:
         anchor_device: where the anchor (the last synchronized parameters) lives: ``"param"`` (the parameters'
             device) or ``"cpu"`` (pinned host memory when training on a GPU: one model less of GPU memory, one
             host-to-device copy of the model per sync).
+        max_skipped_syncs: after this many consecutive discarded rounds (non-finite values on some worker every
+            time) the run stops with an error naming the ranks, instead of training on with a frozen model.
     """
 
     sync_every: int = 16
@@ -247,6 +250,7 @@ class SyncConfig:
     switch_reset_moments: bool = False
     switch_lr_scale: float = 1.0
     anchor_device: str = "param"
+    max_skipped_syncs: int = 3
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every)
@@ -261,11 +265,18 @@ class SyncConfig:
         check_choice("initial_basis", self.initial_basis, INITIAL_BASES)
         check_choice("payload", self.payload, PAYLOADS)
         check_choice("payload_dtype", self.payload_dtype, PAYLOAD_DTYPES)
-        if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
-            self.timeout = timedelta(seconds=check_positive("timeout", self.timeout))
-        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
-            raise _fail("timeout", self.timeout, "it must be a positive timedelta or number of seconds",
+        given = self.timeout
+        seconds = given.total_seconds() if isinstance(given, timedelta) else given
+        if not _is_number(seconds) or not TIMEOUT_RANGE_S[0] <= seconds <= TIMEOUT_RANGE_S[1]:
+            raise _fail("timeout", given, f"it must be a timedelta or a number of seconds from {TIMEOUT_RANGE_S[0]:g} "
+                        f"s (the process group's setup needs that) to {TIMEOUT_RANGE_S[1]:g} s (one year)",
                         "Pass e.g. timeout=timedelta(minutes=5).")
+        self.timeout = given if isinstance(given, timedelta) else timedelta(seconds=float(seconds))
+        check_positive_int("max_skipped_syncs", self.max_skipped_syncs)
+        if self.broadcast_bases and self.basis_scope == "local":
+            raise _fail("broadcast_bases", True, "it must be False with basis_scope='local' (each worker keeps its own "
+                        "bases there, so there is nothing to broadcast)", "Drop broadcast_bases, or use "
+                        "basis_scope='global'.")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise _fail("seed", self.seed, "it must be an integer", "Pass e.g. seed=0.")
         check_positive_int("warmup_steps", self.warmup_steps, minimum=0)

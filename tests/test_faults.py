@@ -39,7 +39,7 @@ from strategy_helpers import (
 )
 from torch import Tensor, nn
 
-from lightning_lordo import CollectiveTimeout, LoRDO, LoRDOStrategy, SyncConfig
+from lightning_lordo import CollectiveTimeout, LoRDO, LoRDOStrategy, NonFiniteTraining, SyncConfig
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.sync.faults import sigint_deferred
 from lightning_lordo.sync.synchronizer import Synchronizer
@@ -645,3 +645,26 @@ def test_exception_inside_a_sync_leaves_the_checkpoint_intact(error: str, payloa
     assert checkpoint["global_step"] == 4 and checkpoint["lordo"]["sync"]["syncs_done"] == 1
     assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values() if v.is_floating_point())
     assert not list(tmp_path.glob("**/*.tmp")) and not list(tmp_path.glob("**/.*ckpt*"))
+
+
+class AlwaysNaNOnRank1(TinyRegressor):
+    """Rank 1's loss is NaN at every step: every round is non-finite."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * NAN if self.global_rank == 1 else loss
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_a_run_that_is_non_finite_at_every_sync_stops_naming_the_rank(limit: int) -> None:
+    """After ``max_skipped_syncs`` consecutive discarded rounds the run stops with NonFiniteTraining (on every
+    rank alike) instead of returning with a model frozen since the last good round."""
+    strategy = lordo(sync_every=2, max_skipped_syncs=limit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(Exception) as info:
+            trainer(strategy, max_steps=20).fit(AlwaysNaNOnRank1(), loader())
+    message = str(info.value)
+    assert "NonFiniteTraining" in message or isinstance(info.value, NonFiniteTraining), message
+    assert f"{limit} consecutive syncs were discarded" in message and "rank(s) [1]" in message, message
+    assert f"sync {limit} (optimizer step {2 * limit})" in message and "since optimizer step 0" in message

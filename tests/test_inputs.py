@@ -68,7 +68,9 @@ BAD: list[tuple[str, Any, str]] = [
     ("broadcast_bases", 0, "0"), ("broadcast_bases", None, "None"),
     ("timeout", 0, "0"), ("timeout", -5.0, "-5.0"), ("timeout", NAN, "nan"), ("timeout", INF, "inf"),
     ("timeout", True, "True"), ("timeout", "30", "'30'"), ("timeout", timedelta(0), repr(timedelta(0))),
-    ("timeout", timedelta(seconds=-1), repr(timedelta(seconds=-1))),
+    ("timeout", timedelta(seconds=-1), repr(timedelta(seconds=-1))), ("timeout", 0.001, "0.001"),
+    ("timeout", 1e15, "1000000000000000.0"), ("timeout", timedelta(days=400), repr(timedelta(days=400))),
+    ("max_skipped_syncs", 0, "0"), ("max_skipped_syncs", 2.0, "2.0"), ("max_skipped_syncs", None, "None"),
     ("seed", 1.5, "1.5"), ("seed", True, "True"), ("seed", "0", "'0'"), ("seed", None, "None"),
     ("average_fullrank_moments", 1, "1"), ("average_error_feedback", "no", "'no'"),
     ("warmup_steps", -1, "-1"), ("warmup_steps", 2.5, "2.5"), ("warmup_steps", True, "True"),
@@ -105,7 +107,8 @@ GOOD: list[tuple[Any, ...]] = [
     ("outer_momentum", 0.0), ("outer_momentum", 0.95), ("average_moments", False), ("basis_scope", "local"),
     ("initial_basis", "random"), ("payload", "full"), ("payload", "lowrank"),
     ("payload_dtype", "float32"), ("payload_dtype", "bfloat16"), ("payload_dtype", "int8"), ("broadcast_bases", True),
-    ("timeout", 5), ("timeout", 0.5), ("timeout", timedelta(minutes=1)), ("seed", 7), ("seed", 0),
+    ("timeout", 5), ("timeout", 1.0), ("timeout", timedelta(minutes=1)), ("timeout", 3600 * 24 * 365),
+    ("seed", 7), ("seed", 0), ("max_skipped_syncs", 1), ("max_skipped_syncs", 10),
     ("lowrank", False), ("monitor", False), ("start_method", "spawn"), ("start_method", "fork"),
     ("full_rank_params", [r"fc\.weight$"]), ("full_rank_params", ()),
 ]
@@ -179,6 +182,7 @@ IGNORED_COMBINATIONS: list[tuple[dict[str, Any], str]] = [
     ({"synchronous": True, "outer_optimizer": "nesterov"}, "outer_optimizer='nesterov'"),
     ({"synchronous": True, "warmup_steps": 10}, "warmup_steps=10"),
     ({"synchronous": True, "basis_scope": "local"}, "basis_scope='local'"),
+    ({"broadcast_bases": True, "basis_scope": "local"}, "broadcast_bases=True"),
 ]
 
 

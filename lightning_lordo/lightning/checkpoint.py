@@ -15,15 +15,19 @@ costs rank 0 the memory of every rank's optimizer state for the duration of the 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor
-from torch.optim import Optimizer
-
-from lightning_lordo.optim.lordo import LoRDO
 
 
 def to_cpu(obj: Any) -> Any:
@@ -46,57 +50,37 @@ def gather_to_rank_zero(local: Any, world_size: int, rank: int) -> Optional[list
     return gathered
 
 
-def is_lordo_optimizer_state(state_dict: dict[str, Any]) -> bool:
-    return all("omega" in group for group in state_dict.get("param_groups", [])) and bool(state_dict["param_groups"])
-
-
-def convert_adam_state(optimizer: LoRDO, saved: dict[str, Any]) -> str:
-    """Load an Adam/AdamW state dict (e.g. from a plain DDP run) into ``optimizer``.
-
-    Full-rank parameters keep their AdamW moments (LoRDO runs the same AdamW on them); low-rank matrices start
-    with fresh moments (their bases come from the first gradient). Returns a sentence saying so.
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(saved["param_groups"]) != len(optimizer.param_groups) or len(params) != sum(
-        len(g["params"]) for g in saved["param_groups"]
-    ):
-        raise ValueError(
-            "The checkpoint's optimizer has a different number of param groups or parameters than the one "
-            "configure_optimizers returns now; resume with the same configure_optimizers."
-        )
-    kept, reset = {}, 0
-    for index, p in enumerate(params):
-        entry = saved["state"].get(index)
-        if entry is None:
-            continue
-        group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-        if optimizer.lowrank_rank(p, group):
-            reset += 1
-        else:
-            kept[index] = {"step": torch.as_tensor(entry["step"], dtype=torch.float32).cpu(),
-                           "exp_avg": entry["exp_avg"].float(), "exp_avg_sq": entry["exp_avg_sq"].float()}
-    groups = []
-    for current, old in zip(optimizer.param_groups, saved["param_groups"]):
-        merged = {k: v for k, v in current.items() if k != "params"}
-        merged.update({k: old[k] for k in ("lr", "betas", "eps", "weight_decay", "initial_lr") if k in old})
-        merged["params"] = old["params"]
-        groups.append(merged)
-    optimizer.load_state_dict({"state": kept, "param_groups": groups})
-    return (f"kept the Adam moments of {len(kept)} full-rank tensors and reset those of {reset} low-rank matrices "
-            "(they start over in their new subspace)")
-
-
-def reset_error_feedback(optimizer: Optimizer) -> int:
-    """Zero every error-feedback buffer; returns how many there were."""
-    count = 0
-    for state in optimizer.state.values():
-        if "error_feedback" in state:
-            state["error_feedback"].zero_()
-            count += 1
-    return count
-
-
 def warn_on_rank_zero(message: str, rank: int) -> None:
     if rank == 0:
         warnings.warn(message, stacklevel=3)
 
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO``, but a save never leaves a truncated file: it writes a temporary file in the
+    target's directory, fsyncs it, renames it over the target and fsyncs the directory. A save that fails (a full
+    disk, an interruption) leaves the previous file as it was and removes the temporary one. Paths that are not on
+    the local file system (``s3://...``) are written as Lightning writes them."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)

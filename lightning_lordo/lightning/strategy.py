@@ -34,15 +34,9 @@ from lightning_lordo.config import (
     check_optimizer_knobs,
     split_knobs,
 )
+from lightning_lordo.lightning import resume
 from lightning_lordo.lightning.callbacks import CommunicationMonitor
-from lightning_lordo.lightning.checkpoint import (
-    convert_adam_state,
-    gather_to_rank_zero,
-    is_lordo_optimizer_state,
-    reset_error_feedback,
-    to_cpu,
-    warn_on_rank_zero,
-)
+from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.convert import (
     DEFAULT_FULL_RANK_PARAMS,
     compile_patterns,
@@ -118,6 +112,7 @@ class LoRDOStrategy(DDPStrategy):
         self.optimizer_knobs = optimizer_knobs
         self.lowrank = lowrank
         self.monitor = monitor
+        ddp_kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())  # a failed save keeps the previous file
         super().__init__(timeout=self.sync_config.timeout, start_method=start_method, **ddp_kwargs)
         self.accountant = CommAccountant()
         self.communicator: Optional[Communicator] = None
@@ -128,6 +123,8 @@ class LoRDOStrategy(DDPStrategy):
         self._swapped_for_eval = False
         self._restored: Optional[dict[str, Any]] = None
         self._restored_optimizer: Optional[dict[str, Any]] = None
+        self._restored_names: Optional[list[str]] = None
+        self._resume_notes: list[str] = []
         self._lordo_checkpoint = False
         self._reset_on_load = False
 
@@ -340,21 +337,10 @@ class LoRDOStrategy(DDPStrategy):
             swapped = self._swapped_for_eval
             if swapped:  # saved from within validation: put the local replica back while gathering it
                 self.synchronizer.anchor.swap_out()
-            checkpoint["lordo"] = self._gather_lordo_state()
+            checkpoint["lordo"] = resume.gather_state(self)
             if swapped:
                 self.synchronizer.anchor.swap_in()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def _gather_lordo_state(self) -> dict[str, Any]:
-        assert self.synchronizer is not None
-        local: dict[str, Any] = {"comm": self.accountant.state_dict(),
-                                 "payload": to_cpu(self.synchronizer.payload_state_dict())}
-        if self.global_rank != 0:  # rank 0's optimizer state is Lightning's own "optimizer_states" entry
-            local["optimizer"] = to_cpu(self.optimizers[0].state_dict())
-        if self.synchronizer.steps_since_sync > 0:
-            local["params"] = to_cpu(self.synchronizer.params)
-        ranks = gather_to_rank_zero(local, self.world_size, self.global_rank)
-        return {"sync": to_cpu(self.synchronizer.state_dict()), "world_size": self.world_size, "ranks": ranks}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -367,46 +353,63 @@ class LoRDOStrategy(DDPStrategy):
         return checkpoint
 
     def _apply_restored_state(self) -> None:
+        """The checkpoint's LoRDO state, after setup (the synchronizer exists): refuse what cannot be converted, then
+        restore the synchronizer, this rank's replica, buffers, payload state and totals (see ``resume.py``)."""
         assert self._restored is not None and self.synchronizer is not None
         restored, self._restored = self._restored, None
+        saved = restored.get("layout")
         same_world = restored["world_size"] == self.world_size
-        self.synchronizer.load_state_dict(restored["sync"])
+        notes = resume.knob_changes(saved, self) if saved is not None else []
+        if saved is not None:
+            resume.refuse_unconvertible(saved, restored["sync"], self)
+        names_now = [self.parameter_names.get(p, "") for p in self.synchronizer.params]
+        same_params = saved is None or saved["sync_names"] == names_now
+        if same_params:
+            self.synchronizer.load_state_dict(restored["sync"])
+        else:  # at a sync (refused otherwise): the model Lightning loaded is the synchronized one
+            sync_state = {**restored["sync"], "anchor": [], "outer": {"momentum": []}}
+            self.synchronizer.load_state_dict(sync_state)
+            self.synchronizer.anchor.take()
+            notes.append("the trainable parameters changed: the anchor is the loaded model, the outer momentum "
+                         "restarts")
         mine = restored["ranks"][self.global_rank if same_world else 0]
         self.accountant.load_state_dict(mine["comm"])
         self._restored_optimizer = mine.get("optimizer")  # None for rank 0: Lightning's optimizer_states
+        self._restored_names = saved["param_names"] if saved is not None else None
         self._lordo_checkpoint = True
-        if same_world:
+        if same_world and same_params:
             # mid-round each rank's own parameters; else the model Lightning loaded is already the synchronized one
             source = mine.get("params", self.synchronizer.anchor.tensors)  # no anchor in the synchronous phase
-            for p, saved in zip(self.synchronizer.params, source, strict=bool(source)):
-                p.data.copy_(saved)
-            if "payload" in mine:
+            for p, value in zip(self.synchronizer.params, source, strict=bool(source)):
+                p.data.copy_(value)
+            for b, value in zip(self.synchronizer.buffers, mine.get("buffers", []), strict="buffers" in mine):
+                b.copy_(value)
+            payload_changed = saved is not None and any(
+                saved["sync_knobs"].get(k) != getattr(self.sync_config, k) for k in ("payload", "payload_dtype"))
+            if payload_changed:
+                notes.append("the payload changed: its sync-level error feedback restarts")
+            elif "payload" in mine:
                 self.synchronizer.load_payload_state_dict(mine["payload"])
-            return
-        self.synchronizer.steps_since_sync = 0  # the round restarts from the synchronized model
-        self._reset_on_load = True
-        warn_on_rank_zero(
-            f"LoRDO: this checkpoint was written by {restored['world_size']} workers and is resumed by "
-            f"{self.world_size}. Resumed from the synchronized model; reset: each worker's progress since the last "
-            "sync, the error-feedback buffers and the payload's sync-level error feedback; every worker starts "
-            "from rank 0's optimizer moments and communication totals.", self.global_rank)
+        elif not same_world:
+            self.synchronizer.steps_since_sync = 0  # the round restarts from the synchronized model
+            self._reset_on_load = True
+            notes.append(f"written by {restored['world_size']} workers, resumed by {self.world_size}: resumed from the "
+                         "synchronized model; reset: each worker's progress since the last sync, the error-feedback "
+                         "buffers and the payload's sync-level error feedback; every worker starts from rank 0's "
+                         "optimizer moments and communication totals")
+        self._resume_notes = notes
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         optimizer = self.optimizers[0]
-        if self._lordo_checkpoint:  # this rank's own optimizer state (rank 0's is Lightning's entry)
-            if self._restored_optimizer is not None:
-                optimizer.load_state_dict(self._restored_optimizer)
-            else:
-                super().load_optimizer_state_dict(checkpoint)
-            self._restored_optimizer, self._lordo_checkpoint = None, False
-            if self._reset_on_load:
-                reset_error_feedback(optimizer)
-            return
-        saved = checkpoint["optimizer_states"][0]
-        if isinstance(optimizer, LoRDO) and not is_lordo_optimizer_state(saved):
-            what = convert_adam_state(optimizer, saved)
-            warn_on_rank_zero(f"LoRDO: resuming a checkpoint of another strategy (no LoRDO state in it): {what}.",
-                              self.global_rank)
-            return
-        super().load_optimizer_state_dict(checkpoint)
+        saved = self._restored_optimizer if self._restored_optimizer is not None else checkpoint["optimizer_states"][0]
+        notes = list(self._resume_notes)
+        if not self._lordo_checkpoint and isinstance(optimizer, LoRDO):
+            notes.append("a checkpoint of another strategy (no LoRDO state): the full-rank parameters keep their Adam "
+                         "moments, the low-rank matrices' moments restart in their new subspace")
+        notes += resume.load_optimizer(optimizer, saved, self._restored_names, self.parameter_names)
+        if self._reset_on_load:
+            resume.reset_error_feedback(optimizer)
+        resume.warn(notes, self.global_rank)
+        self._restored_optimizer, self._restored_names, self._resume_notes = None, None, []
+        self._lordo_checkpoint = self._reset_on_load = False

@@ -25,7 +25,7 @@ from lightning_lordo.config import (
     check_optimizer_knobs,
     resolve_rank,
 )
-from lightning_lordo.optim import functional, report
+from lightning_lordo.optim import conversion, functional, report
 from lightning_lordo.optim.projection import compute_basis, random_basis, rotate_moments, subspace_movement
 
 _LOWRANK_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -249,19 +249,25 @@ class LoRDO(Optimizer):
 
     # ------------------------------------------------------------------ bases
     def _init_lowrank_state(self, p: Tensor, group: dict[str, Any], r: int) -> dict[str, Tensor]:
+        """The state of a low-rank matrix, its missing entries created (zeros, step 0)."""
         state = self.state[p]
-        if "exp_avg" in state:
-            return state
         a, b = sorted(p.shape)
-        state["step"] = torch.tensor(0.0)
-        state["exp_avg"] = torch.zeros(r, b, dtype=torch.float32, device=p.device)
-        state["exp_avg_sq"] = torch.zeros(r, b, dtype=torch.float32, device=p.device)
-        if group["error_feedback"]:
+        if "exp_avg" not in state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros(r, b, dtype=torch.float32, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(r, b, dtype=torch.float32, device=p.device)
+        if group["error_feedback"] and "error_feedback" not in state:
             state["error_feedback"] = torch.zeros(a, b, dtype=EF_DTYPES[group["ef_dtype"]], device=p.device)
-        if group["normalizer"] == "factored":
+        if group["normalizer"] == "factored" and "factored_row" not in state:
             state["factored_row"] = torch.zeros(a, dtype=torch.float32, device=p.device)
             state["factored_col"] = torch.zeros(b, dtype=torch.float32, device=p.device)
         return state
+
+    def conform_state(self, names: Optional[Mapping[Tensor, str]] = None) -> list[str]:
+        """Make each parameter's state fit its group's knobs as they are now (after knobs changed, e.g. on a resume),
+        and return what changed, naming parameters by ``names`` (:func:`lightning_lordo.optim.conversion.
+        conform_state`)."""
+        return conversion.conform_state(self, names)
 
     def _seed_for(self, index: int, p: Tensor, generation: Optional[int]) -> int:
         """Seed of the random numbers of matrix ``index``'s next basis: from ``generation`` when given (the

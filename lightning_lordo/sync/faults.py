@@ -55,6 +55,11 @@ from torch.optim import Optimizer
 from lightning_lordo.optim.lordo import LoRDO
 
 
+class NonFiniteTraining(RuntimeError):
+    """Too many consecutive synchronization rounds were discarded for non-finite values (``max_skipped_syncs``):
+    the model has not moved since the last good round. The message names the ranks that sent them."""
+
+
 def state_tensors(state: dict[str, Any]) -> list[Tensor]:
     return [v for v in state.values() if isinstance(v, Tensor)]
 

@@ -52,7 +52,13 @@ from lightning_lordo.comm.quantization import QuantizedAverager
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync import exchange as ex
-from lightning_lordo.sync.faults import reset_moments, reset_optimizer_state, sigint_deferred, state_tensors
+from lightning_lordo.sync.faults import (
+    NonFiniteTraining,
+    reset_moments,
+    reset_optimizer_state,
+    sigint_deferred,
+    state_tensors,
+)
 from lightning_lordo.sync.outer import Anchor, OuterStep
 
 
@@ -97,6 +103,7 @@ class Synchronizer:
         self.optimizer_steps = 0
         self.syncs_done = 0
         self.skipped_syncs = 0
+        self.consecutive_skips = 0
         self.anchor = Anchor(self.params, config.anchor_device)
         if not self.synchronous_now:  # the synchronous phase needs no anchor: it is taken at the switch
             self.anchor.take()
@@ -342,6 +349,15 @@ class Synchronizer:
             self.anchor.restore()
             ex.commit_buffers(self.buffers, *buffers)
         self.skipped_syncs += 1
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= self.config.max_skipped_syncs:  # the same decision on every worker
+            ranks = bad_ranks or "unknown: an overflow of the average"
+            since = self.optimizer_steps - self.consecutive_skips * self.config.sync_every
+            raise NonFiniteTraining(
+                f"LoRDO {self.comm.context}: {self.consecutive_skips} consecutive syncs were discarded because the "
+                f"averaged pseudo-gradient was not finite (NaN/Inf from rank(s) {ranks} this time); the model has "
+                f"not changed since optimizer step {since}. Check those ranks' data and loss, lower the learning "
+                "rate, or raise max_skipped_syncs to keep trying.")
         if self.comm.rank == 0:
             warnings.warn(
                 f"LoRDO {self.comm.context}: the averaged pseudo-gradient is not finite (NaN/Inf on rank(s) "
@@ -357,6 +373,8 @@ class Synchronizer:
     def _finish(self, start: float, basis_seconds: float, movement: Optional[float], norm: float,
                 skipped: bool = False, extra: Optional[dict[str, float]] = None) -> SyncReport:
         self.syncs_done += 1
+        if not skipped:
+            self.consecutive_skips = 0
         self.steps_since_sync = 0
         return SyncReport(index=self.syncs_done, step=self.optimizer_steps,
                           bytes_by_purpose=self.comm.accountant.end_round(), seconds=time.perf_counter() - start,
@@ -367,7 +385,8 @@ class Synchronizer:
     def state_dict(self) -> dict[str, Any]:
         return {"anchor": self.anchor.state_dict(), "outer": self.outer.state_dict(),
                 "steps_since_sync": self.steps_since_sync, "optimizer_steps": self.optimizer_steps,
-                "syncs_done": self.syncs_done, "skipped_syncs": self.skipped_syncs}
+                "syncs_done": self.syncs_done, "skipped_syncs": self.skipped_syncs,
+                "consecutive_skips": self.consecutive_skips}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.anchor.load_state_dict(state["anchor"])
@@ -377,6 +396,7 @@ class Synchronizer:
         self.optimizer_steps = state["optimizer_steps"]
         self.syncs_done = state["syncs_done"]
         self.skipped_syncs = state["skipped_syncs"]
+        self.consecutive_skips = state.get("consecutive_skips", 0)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of synchronization buffers (SPEC §8): the anchor, the outer momentum, the payload's state."""

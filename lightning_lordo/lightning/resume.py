@@ -1,0 +1,197 @@
+"""What a LoRDO checkpoint holds beyond Lightning's keys, and how a run resumes from it, also with changed knobs,
+another world size, another preset (``lordo`` <-> ``diloco``), a checkpoint of another strategy or a changed set
+of trainable parameters.
+
+The rule: **the knobs passed now win**. Every difference from the checkpoint's knobs is listed in one warning,
+with what it did to the state: a new rank restarts that matrix's moments (its basis comes from the next averaged
+gradient), a matrix that became full-rank gets AdamW moments expanded through its basis, error feedback and
+factored statistics are created, cast or dropped, a changed payload or payload dtype restarts the payload's error
+feedback. What cannot be converted is refused before training starts, naming the knob, the saved value and the new
+one: going back to synchronous steps after the warm-up's switch, switch knobs changed after the switch, or a
+changed set of trainable parameters in a checkpoint written mid-round (the local replicas cannot be matched).
+
+Optimizer state is matched to parameters by name, so a parameter added (an untied head), removed or frozen keeps
+the others' state. A torch Adam/AdamW state (``diloco``, plain DDP) resumed by ``lordo`` keeps the full-rank
+moments and restarts the low-rank ones; a LoRDO state resumed by ``diloco`` becomes AdamW state (low-rank moments
+expanded through the basis, error feedback dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
+from lightning_lordo.lightning.checkpoint import gather_to_rank_zero, to_cpu
+from lightning_lordo.optim.conversion import expand_lowrank_state
+from lightning_lordo.optim.lordo import LoRDO
+
+#: The knobs LoRDO keeps in its param groups (lr, betas, eps, weight_decay come from the user's optimizer and are
+#: restored with its state, as Lightning does for any optimizer).
+LORDO_KNOBS = tuple(k for k in OPTIMIZER_DEFAULTS if k not in ("lr", "betas", "eps", "weight_decay"))
+_HYPER = ("lr", "initial_lr", "betas", "eps", "weight_decay")  # restored from the checkpoint's groups
+
+
+def _sync_knobs(config: SyncConfig) -> dict[str, Any]:
+    knobs = dataclasses.asdict(config)
+    knobs["timeout"] = config.timeout.total_seconds()
+    return knobs
+
+
+def layout(strategy: Any) -> dict[str, Any]:
+    """The knobs and parameter names a checkpoint records, to compare with those of the run that resumes it."""
+    optimizer = strategy.optimizers[0]
+    names = strategy.parameter_names
+    groups = [{k: g[k] for k in LORDO_KNOBS if k in g} for g in optimizer.param_groups]
+    return {"optimizer_knobs": groups if isinstance(optimizer, LoRDO) else None,
+            "sync_knobs": _sync_knobs(strategy.sync_config), "lowrank": strategy.lowrank,
+            "param_names": [names.get(p, "") for g in optimizer.param_groups for p in g["params"]],
+            "sync_names": [names.get(p, "") for p in strategy.synchronizer.params]}
+
+
+def gather_state(strategy: Any) -> dict[str, Any]:
+    """``checkpoint["lordo"]``: the synchronizer's state, the layout, and every rank's own state gathered to rank 0
+    (all ranks must call it: a checkpoint save is a collective)."""
+    sync = strategy.synchronizer
+    local: dict[str, Any] = {"comm": strategy.accountant.state_dict(), "payload": to_cpu(sync.payload_state_dict()),
+                             "buffers": to_cpu(sync.buffers)}  # each rank's own between syncs (e.g. BatchNorm's)
+    if strategy.global_rank != 0:  # rank 0's optimizer state is Lightning's own "optimizer_states" entry
+        local["optimizer"] = to_cpu(strategy.optimizers[0].state_dict())
+    if sync.steps_since_sync > 0:  # mid-round each rank's replica is its own
+        local["params"] = to_cpu(sync.params)
+    ranks = gather_to_rank_zero(local, strategy.world_size, strategy.global_rank)
+    return {"sync": to_cpu(sync.state_dict()), "world_size": strategy.world_size, "ranks": ranks,
+            "layout": layout(strategy)}
+
+
+def knob_changes(saved: dict[str, Any], strategy: Any) -> list[str]:
+    """The knobs that differ from the checkpoint's, as ``name: saved -> now`` (optimizer knobs per group)."""
+    changes = []
+    for name, value in _sync_knobs(strategy.sync_config).items():
+        if name in saved["sync_knobs"] and saved["sync_knobs"][name] != _plain(value):
+            changes.append(f"{name}: {saved['sync_knobs'][name]!r} -> {value!r}")
+    optimizer = strategy.optimizers[0]
+    if saved["optimizer_knobs"] is not None and isinstance(optimizer, LoRDO):
+        for i, (old, group) in enumerate(zip(saved["optimizer_knobs"], optimizer.param_groups)):
+            where = f" (group {i})" if len(optimizer.param_groups) > 1 else ""
+            changes += [f"{k}{where}: {old[k]!r} -> {group[k]!r}" for k in LORDO_KNOBS
+                        if k in old and _plain(group[k]) != _plain(old[k])]
+    if saved["lowrank"] != strategy.lowrank:
+        changes.append(f"lowrank: {saved['lowrank']!r} -> {strategy.lowrank!r} (preset "
+                       f"{'lordo' if saved['lowrank'] else 'diloco'} -> {'lordo' if strategy.lowrank else 'diloco'})")
+    return changes
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], strategy: Any) -> None:
+    """Raise ``ValueError`` (before training starts) for what a resume cannot convert."""
+    old, now = saved["sync_knobs"], strategy.sync_config
+    steps, mid_round = sync_state["optimizer_steps"], sync_state["steps_since_sync"] > 0
+    switched = not old.get("synchronous", False) and steps >= old.get("warmup_steps", 0)
+    synchronous_now = now.synchronous or steps < now.warmup_steps
+    if switched and synchronous_now and (old.get("warmup_steps", 0) or mid_round):
+        knob = "synchronous" if now.synchronous else "warmup_steps"
+        saved_phase = f"warmup_steps={old.get('warmup_steps', 0)!r}, synchronous={old.get('synchronous', False)!r}"
+        raise ValueError(f"Cannot resume with {knob}={getattr(now, knob)!r} (the checkpoint has {saved_phase}): "
+                         f"it was written at optimizer step {steps}, after the switch to local steps, and the switch "
+                         "cannot be undone. Keep the checkpoint's warm-up, or start a new run.")
+    if synchronous_now and mid_round:
+        raise ValueError(f"Cannot resume with synchronous steps at optimizer step {steps + 1}: the checkpoint was "
+                         f"written mid-round ({sync_state['steps_since_sync']} local steps since the last sync), when "
+                         "the replicas differ. Resume from a checkpoint written at a sync.")
+    for name in ("switch_betas", "switch_reset_moments", "switch_lr_scale"):
+        if switched and old.get("warmup_steps", 0) and _plain(getattr(now, name)) != _plain(old.get(name)):
+            raise ValueError(f"Cannot change {name} from {old.get(name)!r} to {getattr(now, name)!r}: the switch "
+                             f"already happened (optimizer step {old['warmup_steps']}). Pass the checkpoint's value.")
+    if saved["sync_names"] != [strategy.parameter_names.get(p, "") for p in strategy.synchronizer.params] \
+            and mid_round:
+        raise ValueError("The trainable parameters differ from the checkpoint's (a parameter added, removed, frozen "
+                         "or untied), and the checkpoint was written mid-round, when each rank's replica is its own: "
+                         "they cannot be matched. Resume from a checkpoint written at a sync, or keep the model.")
+
+
+def load_optimizer(optimizer: Optimizer, saved: dict[str, Any], saved_names: Optional[Sequence[str]],
+                   names: dict[Tensor, str]) -> list[str]:
+    """Load ``saved`` (an optimizer state dict, LoRDO's or torch Adam/AdamW's) into ``optimizer`` whatever its
+    knobs; returns what was converted. The current knobs stay (LoRDO's); lr, betas, eps and weight decay come
+    from the checkpoint as for any optimizer."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    order = [names.get(p, "") for p in params]
+    by_name = _state_by_name(saved, saved_names if saved_names is not None else order)
+    notes = []
+    missing = [n for n in order if n not in by_name]
+    dropped = [n for n in by_name if n not in set(order)]
+    if missing or dropped:
+        notes.append(f"optimizer state matched by name: {len(missing)} parameter(s) without saved state start fresh"
+                     f"{' (' + ', '.join(missing[:3]) + ')' if missing else ''}, {len(dropped)} saved one(s) dropped"
+                     f"{' (' + ', '.join(dropped[:3]) + ')' if dropped else ''}")
+    state = {}
+    lordo_now = isinstance(optimizer, LoRDO)
+    expanded = 0
+    for i, (p, name) in enumerate(zip(params, order)):
+        entry = by_name.get(name, ({}, {}))[0]
+        if not entry:
+            continue
+        if not lordo_now and "basis" in entry:  # LoRDO's low-rank state into torch's AdamW
+            entry, expanded = expand_lowrank_state(entry, p), expanded + 1
+        elif not lordo_now:
+            entry = {k: v for k, v in entry.items() if k in ("step", "exp_avg", "exp_avg_sq")}
+        state[i] = entry
+    if expanded:
+        notes.append(f"the moments of {expanded} low-rank matrices were expanded through their bases into AdamW "
+                     "moments (error feedback dropped)")
+    groups, index = [], 0
+    saved_groups = saved["param_groups"] if len(saved["param_groups"]) == len(optimizer.param_groups) else None
+    for gi, group in enumerate(optimizer.param_groups):
+        merged = {k: v for k, v in group.items() if k != "params"}
+        if saved_groups is not None:
+            merged.update({k: saved_groups[gi][k] for k in _HYPER if k in saved_groups[gi]})
+        merged["params"] = list(range(index, index + len(group["params"])))
+        index += len(group["params"])
+        groups.append(merged)
+    knobs = [{k: g[k] for k in LORDO_KNOBS if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    for group, now in zip(optimizer.param_groups, knobs):  # the knobs passed now win
+        group.update(now)
+    if lordo_now:
+        notes += optimizer.conform_state(names)
+    return notes
+
+
+def _state_by_name(saved: dict[str, Any], names: Sequence[str]) -> dict[str, tuple[dict[str, Any], int]]:
+    out = {}
+    flat = [i for g in saved["param_groups"] for i in g["params"]]
+    for position, index in enumerate(flat):
+        name = names[position] if position < len(names) else f"#{position}"
+        out[name] = (saved["state"].get(index, {}), position)
+    return out
+
+
+def warn(notes: list[str], rank: int) -> None:
+    """One warning, from rank 0, with every knob that changed and what the resume did about it."""
+    if notes and rank == 0:
+        warnings.warn("LoRDO resumed a checkpoint with changes (the knobs passed now win): " + "; ".join(notes) + ".",
+                      UserWarning, stacklevel=3)
+
+
+def is_lordo_state(state_dict: dict[str, Any]) -> bool:
+    return bool(state_dict.get("param_groups")) and all("omega" in g for g in state_dict["param_groups"])
+
+
+def reset_error_feedback(optimizer: Optimizer) -> int:
+    """Zero every error-feedback buffer; returns how many there were."""
+    count = 0
+    for state in optimizer.state.values():
+        if "error_feedback" in state and isinstance(state["error_feedback"], torch.Tensor):
+            state["error_feedback"].zero_()
+            count += 1
+    return count

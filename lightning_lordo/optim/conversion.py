@@ -1,0 +1,74 @@
+"""Optimizer state across changes of its knobs: a LoRDO state made to fit the knobs it has now, and AdamW state
+expanded from a low-rank one (a matrix that becomes full-rank, or a checkpoint resumed by another optimizer)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_lordo._tensors import canonical, math_dtype
+from lightning_lordo.config import EF_DTYPES
+
+
+@torch.no_grad()
+def conform_state(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None) -> list[str]:
+    """Make each parameter's state fit its group's knobs as they are now (after knobs changed, e.g. on a resume),
+    and say what changed: a low-rank matrix whose rank changed, or that was full-rank, starts its moments over
+    (its basis comes from its next gradient); one that is full-rank now gets AdamW moments expanded through
+    its basis (the first moment exactly, ``Q u``; the second lifted, ``(Q o Q) v``, floored at its mean);
+    error-feedback buffers and factored statistics are created (zeros), cast or dropped as the knobs say."""
+    changes: list[str] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            label = (names or {}).get(p) or str(tuple(p.shape))
+            r = optimizer.lowrank_rank(p, group)
+            lowrank_state = "basis" in state or ("exp_avg" in state and state["exp_avg"].shape != p.shape)
+            if r and lowrank_state and state.get("basis") is not None and state["basis"].shape[1] == r:
+                changes += _conform_lowrank(optimizer, p, group, state, label)
+            elif r:
+                state.clear()  # the next step gives it a basis (from the averaged gradient) and fresh moments
+                changes.append(f"{label}: rank {r}, moments restarted")
+            elif lowrank_state:
+                optimizer.state[p] = expand_lowrank_state(state, p)
+                changes.append(f"{label}: full-rank now, moments expanded through its basis")
+    return changes
+
+
+def _conform_lowrank(optimizer: Optimizer, p: Tensor, group: dict[str, Any], state: dict[str, Tensor],
+                     label: str) -> list[str]:
+    changes = []
+    if group["error_feedback"] and "error_feedback" in state:
+        wanted = EF_DTYPES[group["ef_dtype"]]
+        if state["error_feedback"].dtype != wanted:
+            state["error_feedback"] = state["error_feedback"].to(wanted)
+            changes.append(f"{label}: error feedback cast to {group['ef_dtype']}")
+    elif "error_feedback" in state:
+        del state["error_feedback"]
+        changes.append(f"{label}: error feedback dropped")
+    if group["normalizer"] != "factored" and "factored_row" in state:
+        del state["factored_row"], state["factored_col"]
+    missing = (group["error_feedback"] and "error_feedback" not in state) or (
+        group["normalizer"] == "factored" and "factored_row" not in state)
+    optimizer._init_lowrank_state(p, group, optimizer.lowrank_rank(p, group))
+    if missing:
+        changes.append(f"{label}: error feedback or factored statistics start at zero")
+    return changes
+
+
+def expand_lowrank_state(state: Mapping[str, Tensor], p: Tensor) -> dict[str, Tensor]:
+    """AdamW state for ``p`` from its low-rank state: the first moment ``Q u`` (exactly the momentum, restricted to
+    the subspace), the second ``(Q o Q) v`` floored at the mean of ``v`` (a per-coordinate estimate; the floor keeps
+    directions outside the subspace from a near-zero denominator), the step count kept."""
+    q, u, v = state["basis"].float(), state["exp_avg"].float(), state["exp_avg_sq"].float()
+    dtype = math_dtype(p.dtype)
+    first = canonical(q @ u, p)
+    second = canonical(torch.maximum(q.square() @ v, v.mean()), p)
+    return {"step": state["step"].detach().clone().float().cpu(), "exp_avg": first.to(dtype).contiguous(),
+            "exp_avg_sq": second.to(dtype).contiguous()}

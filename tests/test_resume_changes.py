@@ -1,0 +1,145 @@
+"""Resuming with changes: knobs passed now win (one warning lists them), another preset, a changed set of
+trainable parameters, and what is refused before training starts."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from strategy_helpers import TinyRegressor, lordo, trainer
+from test_resume import FIXED_DATA, BatchNormRegressor, K, epoch_loader
+from torch import nn
+
+from lightning_lordo import LoRDO, LoRDOStrategy
+
+
+def _first_fit(tmp_path: Path, module: L.LightningModule, strategy: Any, steps: int = 12) -> Path:
+    """A run with checkpoints at steps 3, 6, 9, 12 (K = 4: step 6 is mid-round, 12 at a sync)."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_epochs=1, save_top_k=-1)
+    torch.manual_seed(0)
+    trainer(strategy, callbacks=[checkpoints], max_steps=steps, **FIXED_DATA, enable_checkpointing=True).fit(
+        module, epoch_loader())
+    return tmp_path / "ckpt"
+
+
+class Record(L.Callback):
+    """What the resumed run ended with (rank 0): its parameters, its optimizer's knobs and bases, and the warnings
+    the resume gave (recorded in the worker, from setup on)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        self._recorder = warnings.catch_warnings(record=True)
+        self.caught = self._recorder.__enter__()
+        warnings.simplefilter("always")
+
+    def teardown(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        self._recorder.__exit__(None, None, None)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        optimizer = trainer.strategy.optimizers[0]
+        out: dict[str, Any] = {"params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
+                               "warnings": [str(w.message) for w in self.caught]}
+        if isinstance(optimizer, LoRDO):
+            out["groups"] = [{k: g[k] for k in ("rank", "omega", "normalizer", "error_feedback")}
+                             for g in optimizer.param_groups]
+            out["ranks"] = [optimizer.state[p]["basis"].shape[1] for p in optimizer.lowrank_params()]
+            out["ef"] = all("error_feedback" in optimizer.state[p] for p in optimizer.lowrank_params())
+        if trainer.global_rank == 0:
+            torch.save(out, self.path)
+
+
+def _resume(tmp_path: Path, ckpt: Path, module: L.LightningModule, strategy: Any, tag: str,
+            steps: int = 16) -> tuple[dict[str, Any], list[str]]:
+    path = tmp_path / f"{tag}.pt"
+    torch.manual_seed(0)
+    trainer(strategy, callbacks=[Record(path)], max_steps=steps, **FIXED_DATA).fit(module, epoch_loader(),
+                                                                                  ckpt_path=str(ckpt))
+    out = torch.load(path, weights_only=True)
+    return out, [m for m in out["warnings"] if "LoRDO resumed a checkpoint" in m]
+
+
+def test_knobs_changed_on_resume_win_and_one_warning_lists_them(tmp_path: Path) -> None:
+    """rank 4 -> 8, omega 0.7 -> 0.3, normalizer col_rms -> factored, error feedback off -> on, at a mid-round
+    checkpoint: the resumed run uses the new knobs (a different trajectory from an unchanged resume), the state is
+    converted (bases of rank 8, error-feedback buffers), and one warning lists all four."""
+    ckpt = _first_fit(tmp_path, BatchNormRegressor(scheduler=True), lordo(sync_every=K)) / "step=6.ckpt"
+    same, none = _resume(tmp_path, ckpt, BatchNormRegressor(scheduler=True), lordo(sync_every=K), "same")
+    assert none == []  # nothing changed: no warning
+    changed = {"rank": 8, "omega": 0.3, "normalizer": "factored", "error_feedback": True}
+    new, messages = _resume(tmp_path, ckpt, BatchNormRegressor(scheduler=True), lordo(sync_every=K, **changed), "new")
+    assert len(messages) == 1, messages
+    for text in ("rank: 4 -> 8", "omega: 0.7 -> 0.3", "normalizer: 'col_rms' -> 'factored'",
+                 "error_feedback: False -> True", "moments restarted"):
+        assert text in messages[0], (text, messages[0])
+    assert all(g["rank"] == 8 and g["omega"] == 0.3 and g["normalizer"] == "factored" and g["error_feedback"]
+               for g in new["groups"])
+    assert new["ranks"] == [8, 8] and new["ef"]
+    assert not torch.equal(new["params"], same["params"])
+
+
+@pytest.mark.parametrize(("first", "then"), [("lordo", "diloco"), ("diloco", "lordo")])
+def test_a_checkpoint_of_one_preset_resumes_under_the_other(tmp_path: Path, first: str, then: str) -> None:
+    """lordo <-> diloco: the same AdamW state for the full-rank parameters; LoRDO's low-rank moments become AdamW
+    moments (expanded through the basis) for diloco, and restart for lordo from diloco's."""
+    def strategy(preset: str) -> Any:
+        return lordo(sync_every=K) if preset == "lordo" else LoRDOStrategy(sync_every=K, lowrank=False,
+                                                                            start_method="fork")
+    ckpt = _first_fit(tmp_path, TinyRegressor(scheduler=True), strategy(first)) / "step=12.ckpt"
+    out, messages = _resume(tmp_path, ckpt, TinyRegressor(scheduler=True), strategy(then), "other")
+    assert len(messages) == 1 and f"preset {first} -> {then}" in messages[0], messages
+    if then == "diloco":
+        assert "expanded through their bases" in messages[0]
+    else:
+        assert messages[0].count("moments restarted") == 2
+    assert torch.isfinite(out["params"]).all()
+
+
+class Tied(TinyRegressor):
+    """Two square layers sharing one weight (``tie=True``), or not."""
+
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 12), nn.GELU(), nn.Linear(12, 12), nn.GELU(), nn.Linear(12, 3))
+        if tie:
+            self.net[2].weight = self.net[0].weight
+
+
+def test_an_untied_layer_resumes_from_a_checkpoint_at_a_sync_and_is_refused_mid_round(tmp_path: Path) -> None:
+    ckpt_dir = _first_fit(tmp_path, Tied(tie=True), lordo(sync_every=K))
+    out, messages = _resume(tmp_path, ckpt_dir / "step=12.ckpt", Tied(tie=False), lordo(sync_every=K), "untied")
+    assert len(messages) == 1 and "trainable parameters changed" in messages[0], messages
+    assert "1 parameter(s) without saved state start fresh (net.2.weight)" in messages[0], messages[0]
+    assert torch.isfinite(out["params"]).all()
+    with pytest.raises(Exception, match="trainable parameters differ from the checkpoint's"):
+        _resume(tmp_path, ckpt_dir / "step=6.ckpt", Tied(tie=False), lordo(sync_every=K), "refused")
+
+
+class FrozenFirst(BatchNormRegressor):
+    def __init__(self) -> None:
+        super().__init__(scheduler=True)
+        self.net[0].requires_grad_(False)
+
+
+def test_a_parameter_frozen_on_resume_keeps_the_others_state(tmp_path: Path) -> None:
+    ckpt = _first_fit(tmp_path, BatchNormRegressor(scheduler=True), lordo(sync_every=K)) / "step=12.ckpt"
+    out, messages = _resume(tmp_path, ckpt, FrozenFirst(), lordo(sync_every=K), "frozen")
+    assert len(messages) == 1 and "trainable parameters changed" in messages[0], messages
+    assert torch.isfinite(out["params"]).all()
+
+
+@pytest.mark.parametrize(("knobs", "match"), [
+    ({"warmup_steps": 20}, r"warmup_steps=20 .*after the switch to local steps"),
+    ({"warmup_steps": 4, "switch_lr_scale": 0.5}, r"Cannot change switch_lr_scale from 1.0 to 0.5"),
+])
+def test_what_cannot_be_converted_is_refused_before_training(tmp_path: Path, knobs: dict[str, Any],
+                                                             match: str) -> None:
+    ckpt = _first_fit(tmp_path, TinyRegressor(scheduler=True), lordo(sync_every=K, warmup_steps=4)) / "step=12.ckpt"
+    with pytest.raises(Exception, match=match):
+        _resume(tmp_path, ckpt, TinyRegressor(scheduler=True), lordo(sync_every=K, **knobs), "refused")
