@@ -130,8 +130,9 @@ class Communicator:
             return 0
         return dist.get_rank(self.group)
 
-    def all_reduce_mean(self, tensors: Sequence[Tensor], purpose: str) -> None:
-        """Average ``tensors`` across workers in place (flattened into buckets of one dtype and device).
+    def all_reduce_mean(self, tensors: Sequence[Tensor], purpose: str, in_round: bool = True) -> None:
+        """Average ``tensors`` across workers in place (flattened into buckets of one dtype and device);
+        ``in_round=False``: counted in the totals only (traffic that belongs to no synchronization round).
 
         On an exception some buckets may already hold averaged values: pass copies when that matters.
         """
@@ -141,7 +142,7 @@ class Communicator:
             flat = torch.cat([t.reshape(-1) for t in bucket])
             issue = partial(dist.all_reduce, flat, group=self.group, async_op=True)
             self._run(issue, purpose, "all_reduce", flat.device)
-            self.accountant.add(purpose, flat.numel() * flat.element_size())
+            self.accountant.add(purpose, flat.numel() * flat.element_size(), in_round=in_round)
             flat.div_(self.world_size)
             offset = 0
             for t in bucket:
@@ -250,10 +251,23 @@ class Communicator:
             what = (f"failed after {elapsed:.1f} s (within its timeout of {limit}), usually because another worker "
                     "died or cannot be reached")
         why = f" ({detail})" if detail and not isinstance(err, _WaitTimedOut) else ""
-        return (
-            f"LoRDO {self.context}: the {op} of {purpose} {what}{why}. Check the other workers' logs. If your syncs "
-            "are legitimately slower, raise the timeout with LoRDOStrategy(timeout=...)."
-        )
+        return f"LoRDO {self.context}: the {op} of {purpose} {what}{why}. {LIKELY_CAUSES}"
+
+
+#: What a failed or timed-out collective usually means, and what to do (the end of every such error message).
+LIKELY_CAUSES = (
+    "Likely causes: a worker died (see its log), hangs, or cannot be reached; or the workers are not at the same "
+    "point, e.g. they ran different numbers of batches (give every rank the same number of batches: a "
+    "DistributedSampler with drop_last, or data of equal length per rank). If the workers are only slow, raise the "
+    "timeout with LoRDOStrategy(timeout=...).")
+
+
+def translate(err: BaseException, what: str, timeout: timedelta) -> CollectiveTimeout:
+    """A collective's raw backend error (gloo's ``Connection closed by peer``, a process-group timeout) as a
+    :class:`CollectiveTimeout` naming what was running (``what``)."""
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return CollectiveTimeout(f"LoRDO: {what} failed or timed out (timeout {_seconds(timeout)}: {detail}). "
+                             f"{LIKELY_CAUSES}")
 
 
 def _at_least_1ms(seconds: float) -> timedelta:

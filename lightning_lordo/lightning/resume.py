@@ -55,9 +55,10 @@ def layout(strategy: Any) -> dict[str, Any]:
             "sync_names": [names.get(p, "") for p in strategy.synchronizer.params]}
 
 
-def gather_state(strategy: Any) -> dict[str, Any]:
+def gather_state(strategy: Any, collective: bool = True) -> dict[str, Any]:
     """``checkpoint["lordo"]``: the synchronizer's state, the layout, and every rank's own state gathered to rank 0
-    (all ranks must call it: a checkpoint save is a collective)."""
+    (all ranks must call it: a checkpoint save is a collective). ``collective=False`` (after a failed collective):
+    rank 0's own state only, marked ``partial``."""
     sync = strategy.synchronizer
     local: dict[str, Any] = {"comm": strategy.accountant.state_dict(), "payload": to_cpu(sync.payload_state_dict()),
                              "buffers": to_cpu(sync.buffers)}  # each rank's own between syncs (e.g. BatchNorm's)
@@ -65,9 +66,12 @@ def gather_state(strategy: Any) -> dict[str, Any]:
         local["optimizer"] = to_cpu(strategy.optimizers[0].state_dict())
     if sync.steps_since_sync > 0:  # mid-round each rank's replica is its own
         local["params"] = to_cpu(sync.params)
-    ranks = gather_to_rank_zero(local, strategy.world_size, strategy.global_rank)
+    if collective:
+        ranks = gather_to_rank_zero(local, strategy.world_size, strategy.global_rank)
+    else:
+        ranks = [local] if strategy.global_rank == 0 else None
     return {"sync": to_cpu(sync.state_dict()), "world_size": strategy.world_size, "ranks": ranks,
-            "layout": layout(strategy)}
+            "layout": layout(strategy), "partial": not collective}
 
 
 def knob_changes(saved: dict[str, Any], strategy: Any) -> list[str]:

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lordo._tensors import nbytes
-from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.comm.communicator import CollectiveTimeout, CommAccountant, Communicator, translate
 from lightning_lordo.config import (
     OPTIMIZER_DEFAULTS,
     SyncConfig,
@@ -125,6 +125,7 @@ class LoRDOStrategy(DDPStrategy):
         self._restored_optimizer: Optional[dict[str, Any]] = None
         self._restored_names: Optional[list[str]] = None
         self._resume_notes: list[str] = []
+        self._sigterm_pending = False  # a SIGTERM arrived; the next per-batch check tells every rank
         self._lordo_checkpoint = False
         self._reset_on_load = False
 
@@ -171,6 +172,8 @@ class LoRDOStrategy(DDPStrategy):
         epoch_loop = trainer.fit_loop.epoch_loop
         if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # lightning >= 2.5.2 runs it before every batch
             epoch_loop._broadcast_sigterm_tensor = self._sigterm_check
+            # registered after Strategy.setup (Trainer._run), so the instance attribute is what gets registered
+            trainer._signal_connector._sigterm_notifier_fn = self._sigterm_notifier
         super().setup(trainer)
 
     @override
@@ -268,23 +271,90 @@ class LoRDOStrategy(DDPStrategy):
                 "before trainer.fit, or save a checkpoint and resume to include them."
             )
 
-    def _sigterm_check(self) -> None:
-        """Lightning's check for SIGTERM before every training batch (a broadcast of one int64 from rank 0),
-        through the plugin's communicator: counted, bounded by the timeout, and a failure (a worker that died or
-        hangs between syncs) raised as :class:`CollectiveTimeout` saying so, instead of swallowed by Lightning."""
+    # ------------------------------------------------------------------ Lightning's own collectives
+    def _lightning_collective(self, what: str, run: Any) -> Any:
+        """Run one of Lightning's collectives (``run``) with its failure named: what was running and the likely
+        causes, instead of the backend's raw text; after an earlier failure, refuse at once (the process group
+        cannot be trusted any more)."""
+        communicator = self.communicator
+        if communicator is not None and communicator.failure is not None:
+            raise CollectiveTimeout(f"LoRDO: {what} was not attempted because an earlier collective failed: "
+                                    f"{communicator.failure}")
+        try:
+            return run()
+        except RuntimeError as err:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
+            failure = translate(err, what, self.sync_config.timeout)
+            if communicator is not None:
+                communicator.failure = str(failure)
+            raise failure from err
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self.communicator is not None and self.communicator.failure is not None:
+            return  # nobody can be waited for (e.g. the emergency checkpoint after an interrupted sync)
+        self._lightning_collective(f"Lightning's barrier ({name or 'unnamed'})", lambda: super(
+            LoRDOStrategy, self).barrier(name))
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._lightning_collective("Lightning's broadcast (e.g. of a checkpoint path)",
+                                          lambda: super(LoRDOStrategy, self).broadcast(obj, src))
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        return self._lightning_collective("Lightning's reduce (a metric logged with sync_dist=True)",
+                                          lambda: super(LoRDOStrategy, self).reduce(tensor, group, reduce_op))
+
+    @override
+    def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+        return self._lightning_collective("Lightning's all_gather", lambda: super(LoRDOStrategy, self).all_gather(
+            tensor, group, sync_grads))
+
+    def _sigterm_check(self, finished: bool = False) -> None:
+        """Lightning's check for SIGTERM before every training batch, replaced: one all-reduce of each rank's flags
+        through the plugin's communicator (counted, bounded by the timeout). A SIGTERM to any rank stops every rank
+        at the same batch; a rank that ran out of batches while others have more (``finished``, from the end of
+        training) makes all of them stop with an error saying so; a failure (a worker that died or hangs between
+        syncs) is raised as :class:`CollectiveTimeout` naming this check, instead of swallowed by Lightning."""
         assert self.communicator is not None and self.synchronizer is not None and self.lightning_module is not None
         trainer = self.lightning_module.trainer
-        flag = torch.tensor([1 if trainer.received_sigterm else 0], device=self.root_device)
-        self.communicator.context = (f"Lightning's per-batch SIGTERM check before optimizer step "
-                                     f"{self.synchronizer.optimizer_steps + 1} (between syncs)")
-        self.communicator.broadcast([flag], "lightning_sigterm_check", in_round=False)
-        if flag.item() == 1:
-            self.barrier("sigterm")
+        steps = self.synchronizer.optimizer_steps
+        flags = torch.tensor([float(self._sigterm_pending), float(finished)], device=self.root_device)
+        where = "at the end of training" if finished else f"before optimizer step {steps + 1} (between syncs)"
+        self.communicator.context = f"Lightning's per-batch SIGTERM check {where}"
+        self.communicator.all_reduce_mean([flags], "lightning_sigterm_check", in_round=False)
+        sigterm, done = flags.tolist()
+        if 0 < done < 1:  # the same decision on every rank
+            mine = "finished" if finished else f"was about to take optimizer step {steps + 1}"
+            theirs = "others were still training" if finished else "another rank had finished"
+            raise CollectiveTimeout(
+                f"LoRDO: the workers ran different numbers of batches: this rank {mine} while {theirs} (it took "
+                f"{steps} steps). Give every rank the same number of batches: a DistributedSampler with drop_last, "
+                "or data of equal length per rank.")
+        if sigterm > 0:  # on every rank at once; Lightning's own checks follow its flag, set only here
+            trainer._signal_connector.received_sigterm = True
             raise SIGTERMException()
+
+    def _sigterm_notifier(self, signum: int, frame: Any) -> None:
+        """Lightning's SIGTERM handler, replaced: it notes the signal (and, in the main process, passes it on to the
+        processes it launched, as Lightning does) but issues no collective and does not set Lightning's own flag.
+        Lightning's handler broadcasts from inside the signal handler, which pairs with whatever collective the ranks
+        are in (it hangs them when the signal reaches a rank twice: from the process group and from the launcher),
+        and its loops leave at the end of a batch as soon as the local flag is set, each rank at another batch. The
+        per-batch check carries the flag to every rank and sets Lightning's on all of them at the same batch."""
+        rank_zero_info(f"LoRDO: received SIGTERM ({signum}); every rank stops before its next batch.")
+        if not self._sigterm_pending and self.launcher is not None:
+            self.launcher.kill(signum)
+        self._sigterm_pending = True
 
     @override
     def on_train_end(self) -> None:
-        """The final synchronization: training ends with one model, identical on all ranks."""
+        """The final synchronization: training ends with one model, identical on all ranks (after checking that
+        every rank ended: one that still has batches is at its per-batch check, which this pairs with)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.world_size > 1 and trainer is not None and self.communicator is not None \
+                and self.communicator.failure is None and not trainer.received_sigterm:
+            self._sigterm_check(finished=True)
         if self.synchronizer is not None and self.synchronizer.steps_since_sync > 0:
             self.sync_reports.append(self.synchronizer.sync())
         super().on_train_end()
@@ -337,7 +407,10 @@ class LoRDOStrategy(DDPStrategy):
             swapped = self._swapped_for_eval
             if swapped:  # saved from within validation: put the local replica back while gathering it
                 self.synchronizer.anchor.swap_out()
-            checkpoint["lordo"] = resume.gather_state(self)
+            # after a failed or interrupted collective (an emergency save) no rank can be waited for: rank 0 writes
+            # what it has, and a resume starts every rank from it
+            healthy = self.communicator is None or self.communicator.failure is None
+            checkpoint["lordo"] = resume.gather_state(self, collective=healthy)
             if swapped:
                 self.synchronizer.anchor.swap_in()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -358,7 +431,7 @@ class LoRDOStrategy(DDPStrategy):
         assert self._restored is not None and self.synchronizer is not None
         restored, self._restored = self._restored, None
         saved = restored.get("layout")
-        same_world = restored["world_size"] == self.world_size
+        same_world = restored["world_size"] == self.world_size and not restored.get("partial", False)
         notes = resume.knob_changes(saved, self) if saved is not None else []
         if saved is not None:
             resume.refuse_unconvertible(saved, restored["sync"], self)
@@ -393,7 +466,9 @@ class LoRDOStrategy(DDPStrategy):
         elif not same_world:
             self.synchronizer.steps_since_sync = 0  # the round restarts from the synchronized model
             self._reset_on_load = True
-            notes.append(f"written by {restored['world_size']} workers, resumed by {self.world_size}: resumed from the "
+            written = ("written after a failed or interrupted collective (rank 0's state only)" if restored.get(
+                "partial") else f"written by {restored['world_size']} workers, resumed by {self.world_size}")
+            notes.append(f"{written}: resumed from the "
                          "synchronized model; reset: each worker's progress since the last sync, the error-feedback "
                          "buffers and the payload's sync-level error feedback; every worker starts from rank 0's "
                          "optimizer moments and communication totals")

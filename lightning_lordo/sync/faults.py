@@ -98,26 +98,37 @@ def reset_moments(optimizer: Optimizer, p: Tensor) -> None:
 
 
 @contextmanager
-def sigint_deferred() -> Iterator[None]:
-    """Hold back Ctrl-C (SIGINT) while the block runs, then deliver it: the block's copies are never half done.
+def signals_deferred(*signums: int) -> Iterator[None]:
+    """Hold back the signals ``signums`` while the block runs, then deliver each once, to the handler that was
+    installed before. Only in the main thread (where Python handles signals), for signals with a Python-level or
+    the default handler (an ignored signal stays ignored).
 
-    Only in the main thread (where Python handles signals) and when a Python-level handler is installed.
+    A synchronization round holds back SIGTERM for its whole length: Lightning's SIGTERM handler issues a
+    collective of its own, which inside a round would pair with the round's collectives and hang until the
+    timeout. Deferred, it runs after the round, on every rank alike, and Lightning's preemption path follows.
+    The local commit also holds back Ctrl-C (SIGINT), so that it is never half done.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is None or previous is signal.SIG_IGN:
-        yield
-        return
-    received: list[Any] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    previous = {s: signal.getsignal(s) for s in signums}
+    deferred = [s for s, handler in previous.items() if handler is not None and handler is not signal.SIG_IGN]
+    received: dict[int, Any] = {}
+    for signum in deferred:
+        signal.signal(signum, lambda number, frame: received.setdefault(number, frame))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            if callable(previous):
-                previous(signal.SIGINT, received[0])
+        for signum in deferred:
+            signal.signal(signum, previous[signum])
+        for signum, frame in received.items():
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)
             else:  # SIG_DFL: let the default action happen
-                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signum)
+
+
+def sigint_deferred() -> Any:
+    """Hold back Ctrl-C (SIGINT) while the block runs, then deliver it (:func:`signals_deferred`)."""
+    return signals_deferred(signal.SIGINT)

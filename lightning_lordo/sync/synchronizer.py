@@ -34,6 +34,7 @@ ICML 2026 (arXiv 2602.04396); Douillard et al., "DiLoCo" (arXiv 2311.08105) for 
 from __future__ import annotations
 
 import math
+import signal
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -56,7 +57,7 @@ from lightning_lordo.sync.faults import (
     NonFiniteTraining,
     reset_moments,
     reset_optimizer_state,
-    sigint_deferred,
+    signals_deferred,
     state_tensors,
 )
 from lightning_lordo.sync.outer import Anchor, OuterStep
@@ -152,7 +153,8 @@ class Synchronizer:
         synchronous, lordo, k = self.synchronous_now, self.lordo, self.config.sync_every
         if synchronous:
             self.comm.context = f"gradient average (optimizer step {self.optimizer_steps + 1})"
-            ex.average_gradients(self.comm, self.params)
+            with signals_deferred(signal.SIGTERM):
+                ex.average_gradients(self.comm, self.params)
             if lordo is not None and self.optimizer_steps and self.optimizer_steps % k == 0:
                 basis_start = time.perf_counter()
                 moved = lordo.set_bases(self._bases({p: p.grad for p in self.params if p.grad is not None}))
@@ -269,6 +271,10 @@ class Synchronizer:
             CollectiveTimeout: a collective failed or timed out (another worker died or hangs); this worker's
                 parameters, anchor, buffers and optimizer state are then as they were before the call.
         """
+        with signals_deferred(signal.SIGTERM):  # Lightning's SIGTERM handler would issue a collective mid-round
+            return self._sync()
+
+    def _sync(self) -> SyncReport:
         start = time.perf_counter()
         self.comm.accountant.start_round()
         self.comm.context = f"sync {self.syncs_done + 1} (optimizer step {self.optimizer_steps})"
@@ -289,7 +295,7 @@ class Synchronizer:
             round_ = ex.Exchange(averaged, rounds, buffers, state, bases, reset, time.perf_counter() - basis_start)
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in averaged]))) \
             if averaged else 0.0
-        with record_function("lordo.commit"), sigint_deferred():
+        with record_function("lordo.commit"), signals_deferred(signal.SIGINT):
             movement = self._commit(round_)
         extra = {"reset_moments": float(len(reset))} if reset else {}
         if self.config.payload != "full" or self.config.payload_dtype != "float32":
@@ -342,7 +348,7 @@ class Synchronizer:
         self.comm.all_reduce_mean([flags], "fault_flags")
         host = (flags.cpu() > 0).tolist()  # no collective below: commit
         bad_ranks = [r for r in range(world) if host[n + r]]
-        with sigint_deferred():
+        with signals_deferred(signal.SIGINT):
             reset = [p for p, f in zip(self.params, host[:n]) if f]
             for p in reset:
                 reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)

@@ -1,0 +1,180 @@
+"""Preemption and dying workers, as a cluster does it: SIGTERM to the main process or to the whole process group
+while a sync waits on a late worker, Ctrl-C inside a sync with an emergency checkpoint (the real popen launcher,
+in a subprocess), and what a user reads when a worker dies between syncs or the ranks run uneven data (fork)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from strategy_helpers import TinyRegressor, loader, trainer
+from torch.utils.data import DataLoader, Subset
+
+from lightning_lordo import LoRDOStrategy
+
+SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import torch, lightning as L
+import lightning_lordo
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning_lordo import LoRDOStrategy
+from lightning_lordo.sync import synchronizer
+from strategy_helpers import TinyRegressor, loader
+
+torch.set_num_threads(1)
+marker, out = sys.argv[2], sys.argv[3]
+real_sync = synchronizer.Synchronizer._sync
+
+def late_rank1(self):  # sync 2: rank 0 waits in its first collective while rank 1 is 3 s late
+    if self.syncs_done + 1 == 2:
+        if self.comm.rank == 0:
+            open(marker, "w").write(str(os.getpid()))
+        else:
+            time.sleep(3)
+    return real_sync(self)
+
+synchronizer.Synchronizer._sync = late_rank1
+fit = L.Trainer(strategy=LoRDOStrategy(sync_every=int(sys.argv[1]), rank=4, timeout=20), accelerator="cpu",
+                devices=2, max_steps=10_000, callbacks=[OnExceptionCheckpoint(out)], logger=False,
+                enable_progress_bar=False, enable_model_summary=False)
+fit.fit(TinyRegressor(), loader(n=20_000))
+"""
+
+
+def _interrupt_in_sync(tmp_path: Path, k: int, signum: int, whole_group: bool) -> tuple[float, str]:
+    """Start the script, wait until rank 0 waits in sync 2, send ``signum``; return the seconds until the run
+    exited and its output."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(SCRIPT.format(tests=str(Path(__file__).parent))))
+    marker = tmp_path / "in_sync_2"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")}
+    run = subprocess.Popen([sys.executable, str(script), str(k), str(marker), str(tmp_path / "ckpt")], cwd=tmp_path,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert run.poll() is None and time.monotonic() < deadline, run.stdout.read() if run.stdout else ""
+        time.sleep(0.05)
+    time.sleep(0.5)  # rank 0 is now waiting in sync 2's first collective
+    sent = time.monotonic()
+    if whole_group:
+        os.killpg(run.pid, signum)
+    else:
+        os.kill(run.pid, signum)
+    try:
+        output, _ = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    return time.monotonic() - sent, output
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("k", "whole_group"), [(2, False), (1, True)], ids=["main process", "process group, K=1"])
+def test_sigterm_inside_a_sync_stops_the_run_within_seconds_with_a_checkpoint(tmp_path: Path, k: int,
+                                                                             whole_group: bool) -> None:
+    """SIGTERM is held back while a round runs (Lightning's own SIGTERM handler issues a collective, which would
+    pair with the round's), then Lightning's preemption path runs on every rank: the run stops within seconds of
+    the late worker catching up, not after the 20 s timeout, and the emergency checkpoint is complete."""
+    seconds, output = _interrupt_in_sync(tmp_path, k, signal.SIGTERM, whole_group)
+    assert seconds < 12, f"stopped after {seconds:.1f} s:\n{output[-3000:]}"
+    assert "CollectiveTimeout" not in output, output[-3000:]
+    saved = torch.load(tmp_path / "ckpt" / "on_exception.ckpt", weights_only=True)
+    assert not saved["lordo"]["partial"] and len(saved["lordo"]["ranks"]) == 2
+
+
+@pytest.mark.timeout(200)
+def test_ctrl_c_inside_a_sync_writes_the_emergency_checkpoint_without_waiting_for_the_timeout(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the process group) while rank 0 waits in a sync: the collective is abandoned, and the
+    emergency checkpoint (OnExceptionCheckpoint) is written from rank 0's state without any collective (none can
+    be trusted now), within seconds; it resumes like a checkpoint of another world size."""
+    seconds, output = _interrupt_in_sync(tmp_path, 2, signal.SIGINT, whole_group=True)
+    assert seconds < 12, f"stopped after {seconds:.1f} s:\n{output[-3000:]}"
+    saved = torch.load(tmp_path / "ckpt" / "on_exception.ckpt", weights_only=True)
+    assert saved["lordo"]["partial"] and len(saved["lordo"]["ranks"]) == 1
+    assert saved["state_dict"] and saved["optimizer_states"]
+
+
+def _strategy(k: int, timeout: float) -> LoRDOStrategy:
+    return LoRDOStrategy(sync_every=k, rank=4, start_method="fork", timeout=timeout)
+
+
+class HangsAtStep(TinyRegressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if dist.get_rank() == 1 and self.trainer.global_step == 2:
+            time.sleep(30)  # hangs between syncs (K = 8), longer than the timeout
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_hangs_between_syncs_is_reported_with_the_check_that_noticed() -> None:
+    with pytest.raises(Exception) as info:  # noqa: B017 - rank 0's error, reported by the fork launcher
+        trainer(_strategy(8, 3), max_steps=12).fit(HangsAtStep(), loader())
+    message = str(info.value)  # rank 0 fails first (after 3 s), so the launcher reports rank 0's traceback
+    assert "CollectiveTimeout" in message, message
+    assert "SIGTERM check before optimizer step 4 (between syncs)" in message, message
+    assert "timeout of 3 s" in message and "a worker died" in message and "different numbers of batches" in message
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_that_dies_between_syncs_is_named_by_the_others(tmp_path: Path) -> None:
+    """The real popen launcher (rank 1 is a process of its own): rank 1 exits between syncs; rank 0's next
+    collective (Lightning's per-batch check, through the plugin) reports it, not as raw gloo text."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch, lightning as L
+        import lightning_lordo
+        from lightning_lordo import LoRDOStrategy
+        from strategy_helpers import TinyRegressor, loader
+
+        class Dies(TinyRegressor):
+            def training_step(self, batch, batch_idx):
+                if self.global_rank == 1 and self.trainer.global_step == 2:
+                    os._exit(3)
+                return super().training_step(batch, batch_idx)
+
+        torch.set_num_threads(1)
+        L.Trainer(strategy=LoRDOStrategy(sync_every=8, rank=4, timeout=20), accelerator="cpu", devices=2,
+                  max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False).fit(Dies(), loader())
+    """))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, cwd=tmp_path,
+                          env=env)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and time.monotonic() - start < 60, output[-3000:]
+    assert "CollectiveTimeout: LoRDO Lightning's per-batch SIGTERM check before optimizer step 4" in output, \
+        output[-3000:]
+    assert "a worker died" in output and "different numbers of batches" in output, output[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_uneven_data_per_rank_is_named_as_a_likely_cause() -> None:
+    """Rank 1 gets fewer batches than rank 0: it reaches the end of fit (and its final sync) while rank 0 is still
+    training, so their collectives do not pair. The error says that the workers may not be at the same point."""
+
+    class RankData(TinyRegressor):
+        def train_dataloader(self) -> DataLoader:
+            data = loader(n=96).dataset
+            rows = range(96 if dist.get_rank() == 0 else 40)
+            return DataLoader(Subset(data, list(rows)), batch_size=8)
+
+    with pytest.raises(Exception) as info:  # noqa: B017 - the first failing worker's error, from the launcher
+        trainer(_strategy(4, 3), max_epochs=1, use_distributed_sampler=False).fit(RankData())
+    message = str(info.value)
+    assert "CollectiveTimeout" in message and "different numbers of batches" in message, message[-3000:]
