@@ -123,6 +123,55 @@ def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], stra
                          "they cannot be matched. Resume from a checkpoint written at a sync, or keep the model.")
 
 
+def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
+    """``checkpoint["lordo"]`` into ``self`` (the strategy, after setup): refuse what cannot be converted, then
+    restore the synchronizer, this rank's replica, buffers, payload state and totals; returns the notes for the
+    resume's warning (the optimizer's state comes later, in ``load_optimizer``)."""
+    saved = restored.get("layout")
+    same_world = restored["world_size"] == self.world_size and not restored.get("partial", False)
+    notes = knob_changes(saved, self) if saved is not None else []
+    if saved is not None:
+        refuse_unconvertible(saved, restored["sync"], self)
+    names_now = [self.parameter_names.get(p, "") for p in self.synchronizer.params]
+    same_params = saved is None or saved["sync_names"] == names_now
+    if same_params:
+        self.synchronizer.load_state_dict(restored["sync"])
+    else:  # at a sync (refused otherwise): the model Lightning loaded is the synchronized one
+        sync_state = {**restored["sync"], "anchor": [], "outer": {"momentum": []}}
+        self.synchronizer.load_state_dict(sync_state)
+        self.synchronizer.anchor.take()
+        notes.append("the trainable parameters changed: the anchor is the loaded model, the outer momentum "
+                     "restarts")
+    mine = restored["ranks"][self.global_rank if same_world else 0]
+    self.accountant.load_state_dict(mine["comm"])
+    self._restored_optimizer = mine.get("optimizer")  # None for rank 0: Lightning's optimizer_states
+    self._restored_names = saved["param_names"] if saved is not None else None
+    self._lordo_checkpoint = True
+    if same_world and same_params:
+        # mid-round each rank's own parameters; else the model Lightning loaded is already the synchronized one
+        source = mine.get("params", self.synchronizer.anchor.tensors)  # no anchor in the synchronous phase
+        for p, value in zip(self.synchronizer.params, source, strict=bool(source)):
+            p.data.copy_(value)
+        for b, value in zip(self.synchronizer.buffers, mine.get("buffers", []), strict="buffers" in mine):
+            b.copy_(value)
+        payload_changed = saved is not None and any(
+            saved["sync_knobs"].get(k) != getattr(self.sync_config, k) for k in ("payload", "payload_dtype"))
+        if payload_changed:
+            notes.append("the payload changed: its sync-level error feedback restarts")
+        elif "payload" in mine:
+            self.synchronizer.load_payload_state_dict(mine["payload"])
+    elif not same_world:
+        self.synchronizer.steps_since_sync = 0  # the round restarts from the synchronized model
+        self._reset_on_load = True
+        written = ("written after a failed or interrupted collective (rank 0's state only)" if restored.get(
+            "partial") else f"written by {restored['world_size']} workers, resumed by {self.world_size}")
+        notes.append(f"{written}: resumed from the "
+                     "synchronized model; reset: each worker's progress since the last sync, the error-feedback "
+                     "buffers and the payload's sync-level error feedback; every worker starts from rank 0's "
+                     "optimizer moments and communication totals")
+    return notes
+
+
 def load_optimizer(optimizer: Optimizer, saved: dict[str, Any], saved_names: Optional[Sequence[str]],
                    names: dict[Tensor, str]) -> list[str]:
     """Load ``saved`` (an optimizer state dict, LoRDO's or torch Adam/AdamW's) into ``optimizer`` whatever its

@@ -14,18 +14,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lordo._tensors import nbytes
-from lightning_lordo.comm.communicator import CollectiveTimeout, CommAccountant, Communicator, translate
+from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.config import (
     OPTIMIZER_DEFAULTS,
     SyncConfig,
@@ -37,6 +35,7 @@ from lightning_lordo.config import (
 from lightning_lordo.lightning import resume
 from lightning_lordo.lightning.callbacks import CommunicationMonitor
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
+from lightning_lordo.lightning.collectives import GuardedCollectives
 from lightning_lordo.lightning.convert import (
     DEFAULT_FULL_RANK_PARAMS,
     compile_patterns,
@@ -51,7 +50,7 @@ from lightning_lordo.sync.synchronizer import Synchronizer, SyncReport
 # Keys of torch.optim.Adam/AdamW param groups that LoRDO does not take (checked or dropped on conversion).
 
 
-class LoRDOStrategy(DDPStrategy):
+class LoRDOStrategy(GuardedCollectives, DDPStrategy):
     """Local LoRDO steps with a low-rank synchronization every ``sync_every`` optimizer steps.
 
     Args:
@@ -271,82 +270,6 @@ class LoRDOStrategy(DDPStrategy):
                 "before trainer.fit, or save a checkpoint and resume to include them."
             )
 
-    # ------------------------------------------------------------------ Lightning's own collectives
-    def _lightning_collective(self, what: str, run: Any) -> Any:
-        """Run one of Lightning's collectives (``run``) with its failure named: what was running and the likely
-        causes, instead of the backend's raw text; after an earlier failure, refuse at once (the process group
-        cannot be trusted any more)."""
-        communicator = self.communicator
-        if communicator is not None and communicator.failure is not None:
-            raise CollectiveTimeout(f"LoRDO: {what} was not attempted because an earlier collective failed: "
-                                    f"{communicator.failure}")
-        try:
-            return run()
-        except RuntimeError as err:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
-            failure = translate(err, what, self.sync_config.timeout)
-            if communicator is not None:
-                communicator.failure = str(failure)
-            raise failure from err
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if self.communicator is not None and self.communicator.failure is not None:
-            return  # nobody can be waited for (e.g. the emergency checkpoint after an interrupted sync)
-        self._lightning_collective(f"Lightning's barrier ({name or 'unnamed'})", lambda: super(
-            LoRDOStrategy, self).barrier(name))
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self._lightning_collective("Lightning's broadcast (e.g. of a checkpoint path)",
-                                          lambda: super(LoRDOStrategy, self).broadcast(obj, src))
-
-    @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        return self._lightning_collective("Lightning's reduce (a metric logged with sync_dist=True)",
-                                          lambda: super(LoRDOStrategy, self).reduce(tensor, group, reduce_op))
-
-    @override
-    def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
-        return self._lightning_collective("Lightning's all_gather", lambda: super(LoRDOStrategy, self).all_gather(
-            tensor, group, sync_grads))
-
-    def _sigterm_check(self, finished: bool = False) -> None:
-        """Lightning's check for SIGTERM before every training batch, replaced: one all-reduce of each rank's flags
-        through the plugin's communicator (counted, bounded by the timeout). A SIGTERM to any rank stops every rank
-        at the same batch; a rank that ran out of batches while others have more (``finished``, from the end of
-        training) makes all of them stop with an error saying so; a failure (a worker that died or hangs between
-        syncs) is raised as :class:`CollectiveTimeout` naming this check, instead of swallowed by Lightning."""
-        assert self.communicator is not None and self.synchronizer is not None and self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        steps = self.synchronizer.optimizer_steps
-        flags = torch.tensor([float(self._sigterm_pending), float(finished)], device=self.root_device)
-        where = "at the end of training" if finished else f"before optimizer step {steps + 1} (between syncs)"
-        self.communicator.context = f"Lightning's per-batch SIGTERM check {where}"
-        self.communicator.all_reduce_mean([flags], "lightning_sigterm_check", in_round=False)
-        sigterm, done = flags.tolist()
-        if 0 < done < 1:  # the same decision on every rank
-            mine = "finished" if finished else f"was about to take optimizer step {steps + 1}"
-            theirs = "others were still training" if finished else "another rank had finished"
-            raise CollectiveTimeout(
-                f"LoRDO: the workers ran different numbers of batches: this rank {mine} while {theirs} (it took "
-                f"{steps} steps). Give every rank the same number of batches: a DistributedSampler with drop_last, "
-                "or data of equal length per rank.")
-        if sigterm > 0:  # on every rank at once; Lightning's own checks follow its flag, set only here
-            trainer._signal_connector.received_sigterm = True
-            raise SIGTERMException()
-
-    def _sigterm_notifier(self, signum: int, frame: Any) -> None:
-        """Lightning's SIGTERM handler, replaced: it notes the signal (and, in the main process, passes it on to the
-        processes it launched, as Lightning does) but issues no collective and does not set Lightning's own flag.
-        Lightning's handler broadcasts from inside the signal handler, which pairs with whatever collective the ranks
-        are in (it hangs them when the signal reaches a rank twice: from the process group and from the launcher),
-        and its loops leave at the end of a batch as soon as the local flag is set, each rank at another batch. The
-        per-batch check carries the flag to every rank and sets Lightning's on all of them at the same batch."""
-        rank_zero_info(f"LoRDO: received SIGTERM ({signum}); every rank stops before its next batch.")
-        if not self._sigterm_pending and self.launcher is not None:
-            self.launcher.kill(signum)
-        self._sigterm_pending = True
-
     @override
     def on_train_end(self) -> None:
         """The final synchronization: training ends with one model, identical on all ranks (after checking that
@@ -426,53 +349,10 @@ class LoRDOStrategy(DDPStrategy):
         return checkpoint
 
     def _apply_restored_state(self) -> None:
-        """The checkpoint's LoRDO state, after setup (the synchronizer exists): refuse what cannot be converted, then
-        restore the synchronizer, this rank's replica, buffers, payload state and totals (see ``resume.py``)."""
+        """The checkpoint's LoRDO state, after setup (the synchronizer exists): see ``resume.apply_restored``."""
         assert self._restored is not None and self.synchronizer is not None
         restored, self._restored = self._restored, None
-        saved = restored.get("layout")
-        same_world = restored["world_size"] == self.world_size and not restored.get("partial", False)
-        notes = resume.knob_changes(saved, self) if saved is not None else []
-        if saved is not None:
-            resume.refuse_unconvertible(saved, restored["sync"], self)
-        names_now = [self.parameter_names.get(p, "") for p in self.synchronizer.params]
-        same_params = saved is None or saved["sync_names"] == names_now
-        if same_params:
-            self.synchronizer.load_state_dict(restored["sync"])
-        else:  # at a sync (refused otherwise): the model Lightning loaded is the synchronized one
-            sync_state = {**restored["sync"], "anchor": [], "outer": {"momentum": []}}
-            self.synchronizer.load_state_dict(sync_state)
-            self.synchronizer.anchor.take()
-            notes.append("the trainable parameters changed: the anchor is the loaded model, the outer momentum "
-                         "restarts")
-        mine = restored["ranks"][self.global_rank if same_world else 0]
-        self.accountant.load_state_dict(mine["comm"])
-        self._restored_optimizer = mine.get("optimizer")  # None for rank 0: Lightning's optimizer_states
-        self._restored_names = saved["param_names"] if saved is not None else None
-        self._lordo_checkpoint = True
-        if same_world and same_params:
-            # mid-round each rank's own parameters; else the model Lightning loaded is already the synchronized one
-            source = mine.get("params", self.synchronizer.anchor.tensors)  # no anchor in the synchronous phase
-            for p, value in zip(self.synchronizer.params, source, strict=bool(source)):
-                p.data.copy_(value)
-            for b, value in zip(self.synchronizer.buffers, mine.get("buffers", []), strict="buffers" in mine):
-                b.copy_(value)
-            payload_changed = saved is not None and any(
-                saved["sync_knobs"].get(k) != getattr(self.sync_config, k) for k in ("payload", "payload_dtype"))
-            if payload_changed:
-                notes.append("the payload changed: its sync-level error feedback restarts")
-            elif "payload" in mine:
-                self.synchronizer.load_payload_state_dict(mine["payload"])
-        elif not same_world:
-            self.synchronizer.steps_since_sync = 0  # the round restarts from the synchronized model
-            self._reset_on_load = True
-            written = ("written after a failed or interrupted collective (rank 0's state only)" if restored.get(
-                "partial") else f"written by {restored['world_size']} workers, resumed by {self.world_size}")
-            notes.append(f"{written}: resumed from the "
-                         "synchronized model; reset: each worker's progress since the last sync, the error-feedback "
-                         "buffers and the payload's sync-level error feedback; every worker starts from rank 0's "
-                         "optimizer moments and communication totals")
-        self._resume_notes = notes
+        self._resume_notes = resume.apply_restored(self, restored)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

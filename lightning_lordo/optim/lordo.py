@@ -145,6 +145,10 @@ class LoRDO(Optimizer):
         """All parameters that take the low-rank step, in param-group order."""
         return [p for g in self.param_groups for p in g["params"] if self.lowrank_rank(p, g)]
 
+    def lowrank_ranks(self) -> dict[Tensor, int]:
+        """``{param: rank}`` for the parameters that take the low-rank step, in param-group order."""
+        return {p: r for p, _, r in self._lowrank_entries()}
+
     def describe(self, names: Optional[Mapping[Tensor, str]] = None) -> list[dict[str, Any]]:
         """Which parameter takes which step, and why: one row per parameter (print it, or log it)."""
         return report.describe(self, names)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_lordo._tensors import all_finite
+from lightning_lordo._tensors import all_finite, mix_seed, seeded_normal
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.comm.quantization import QuantizedAverager, quantized_mean
@@ -173,3 +173,19 @@ def average_gradients(comm: Communicator, params: Sequence[Tensor]) -> None:
     for p, g, flag in zip(params, grads, flags.tolist()):
         if p.grad is None and flag > 0:
             p.grad = g
+
+
+def average_first_gradients(comm: Communicator, grads: dict[Tensor, Tensor], seed: int) -> dict[Tensor, Tensor]:
+    """The first bases come from the averaged first gradient (SPEC §4, purpose ``initial_gradients``); a
+    non-finite one (NaN/Inf on some worker) is replaced by a seeded random matrix, identical on all workers."""
+    averaged = {p: g.detach().float().clone() for p, g in grads.items()}
+    comm.all_reduce_mean(list(averaged.values()), "initial_gradients")
+    bad = [i for i, g in enumerate(averaged.values()) if not all_finite([g])]
+    for i, p in enumerate(averaged):
+        if i in bad:
+            averaged[p] = seeded_normal(averaged[p].shape, mix_seed(seed, i, offset=104_729), averaged[p].device)
+    if bad and comm.rank == 0:
+        warnings.warn(f"LoRDO initial basis: the averaged first gradient of {len(bad)} weight matrices is not finite "
+                      "(NaN/Inf on some worker); their first bases are seeded random ones instead.", RuntimeWarning,
+                      stacklevel=3)
+    return averaged

@@ -11,21 +11,18 @@ Every ``sync_every`` local steps all workers call :meth:`Synchronizer.sync` toge
    the averaged optimizer state written, the new bases installed with the moments rotated into them, buffers,
    payload state, parameters and anchor.
 
-Averaging the first moment before the rotation gives exactly what averaging after it would (the rotation is
-linear); for the second moment it does not (the rotation mixes in ``u * u``), a difference the benchmark measures.
+Averaging the first moment before the rotation equals averaging it after (the rotation is linear); for the
+second moment it does not (the rotation mixes in ``u * u``): measured, within the seeds' spread (CHANGELOG).
 
 Before any round, the synchronous phase (``warmup_steps``, or ``synchronous=True``: low-rank DDP) averages the
 gradients every step (:meth:`before_optimizer_step`) and refreshes the bases every ``sync_every`` steps from the
 averaged gradient; at the end of the warm-up the replicas are identical, the anchor is taken and the switch knobs
 apply.
 
-Non-finite values (NaN/Inf on any worker) discard the round on every worker, and poisoned optimizer state is
-reset identically everywhere (:mod:`lightning_lordo.sync.faults`).
-
-Failure semantics: every collective is bounded by the communicator's timeout; a worker that dies or hangs makes
-the others raise :class:`~lightning_lordo.comm.communicator.CollectiveTimeout` naming the sync and the timeout.
-As all collectives come before the commit, an exception or ``KeyboardInterrupt`` inside a sync leaves the worker
-exactly as it was before it (bytes already sent stay counted). Nothing here touches the disk.
+Non-finite values discard the round on every worker (:mod:`lightning_lordo.sync.faults`). Every collective is
+bounded by the communicator's timeout: a worker that dies or hangs makes the others raise
+:class:`~lightning_lordo.comm.communicator.CollectiveTimeout` naming the sync; as every collective comes before
+the commit, the worker is then exactly as it was before the sync (bytes already sent stay counted).
 
 Reference: Jovanović et al., "LoRDO: Distributed Low-Rank Optimization with Infrequent Communication",
 ICML 2026 (arXiv 2602.04396); Douillard et al., "DiLoCo" (arXiv 2311.08105) for the outer step.
@@ -46,7 +43,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_lordo._tensors import all_finite, mix_seed, nbytes, seeded_normal
+from lightning_lordo._tensors import all_finite, nbytes
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.comm.quantization import QuantizedAverager
@@ -122,9 +119,9 @@ class Synchronizer:
             if lordo is None:
                 raise ValueError("payload='lowrank' needs the LoRDO optimizer (strategy 'lordo' or 'lordo_local'); "
                                  "with 'diloco' use payload='full' (payload_dtype may still be bfloat16 or int8).")
-            ranks = {id(p): lordo.lowrank_rank(p, g) for g in lordo.param_groups for p in g["params"]}
-            self._lowrank_positions = [i for i, p in enumerate(self.params) if ranks.get(id(p), 0)]
-            self.lowrank_payload = LowRankPayload([ranks[id(self.params[i])] for i in self._lowrank_positions],
+            ranks = lordo.lowrank_ranks()
+            self._lowrank_positions = [i for i, p in enumerate(self.params) if p in ranks]
+            self.lowrank_payload = LowRankPayload([ranks[self.params[i]] for i in self._lowrank_positions],
                                                   seed=config.seed, payload_dtype=config.payload_dtype)
         self.averager = QuantizedAverager(config.payload_dtype)
         if lordo is not None and config.initial_basis == "random":
@@ -199,24 +196,8 @@ class Synchronizer:
         if averaged or self.config.basis_scope == "local":
             lordo.set_bases(lordo.compute_bases(missing, generation=self.optimizer_steps))
         else:
-            lordo.set_bases(self._bases(self.average_first_gradients(missing)))
-
-    def average_first_gradients(self, grads: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
-        """The first bases come from the averaged first gradient (SPEC §4); a non-finite one (NaN/Inf on some
-        worker) is replaced by a seeded random matrix, identical on all workers."""
-        averaged = {p: g.detach().float().clone() for p, g in grads.items()}
-        self.comm.context = "initial basis"
-        self.comm.all_reduce_mean(list(averaged.values()), "initial_gradients")
-        bad = [i for i, g in enumerate(averaged.values()) if not all_finite([g])]
-        for i, p in enumerate(averaged):
-            if i in bad:
-                averaged[p] = seeded_normal(averaged[p].shape, mix_seed(self.config.seed, i, offset=104_729),
-                                            averaged[p].device)
-        if bad and self.comm.rank == 0:
-            warnings.warn(f"LoRDO initial basis: the averaged first gradient of {len(bad)} weight matrices is not "
-                          "finite (NaN/Inf on some worker); their first bases are seeded random ones instead.",
-                          RuntimeWarning, stacklevel=2)
-        return averaged
+            self.comm.context = "initial basis"
+            lordo.set_bases(self._bases(ex.average_first_gradients(self.comm, missing, self.config.seed)))
 
     def _bases(self, sources: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
         """New bases from ``sources`` identical on every worker: computed everywhere from identical inputs, or with
@@ -231,8 +212,8 @@ class Synchronizer:
             computed = lordo.compute_bases(sources, generation=self.optimizer_steps)
             bases = {p: q.contiguous() for p, q in computed.items()}
         else:  # only rank 0 computes; the others receive
-            bases = {p: torch.empty(min(p.shape), lordo.lowrank_rank(p, _group_of(lordo, p)), device=p.device)
-                     for p in lowrank}
+            ranks = lordo.lowrank_ranks()
+            bases = {p: torch.empty(min(p.shape), ranks[p], device=p.device) for p in lowrank}
         self.comm.broadcast(list(bases.values()), "bases")
         return bases
 
@@ -415,7 +396,3 @@ class Synchronizer:
 
 def _mean_movement(moved: dict[Tensor, Tensor]) -> Optional[float]:
     return float(torch.stack(list(moved.values())).mean()) if moved else None
-
-
-def _group_of(optimizer: Optimizer, p: Tensor) -> dict[str, Any]:
-    return next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))

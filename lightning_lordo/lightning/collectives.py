@@ -1,0 +1,103 @@
+"""Lightning's own collectives, guarded: the strategy's ``barrier``, ``broadcast``, ``reduce`` and ``all_gather``
+name what failed and why instead of the backend's raw text, and Lightning's check for SIGTERM before every batch
+and its SIGTERM handler are replaced by versions without a collective inside a signal handler (a mixin of
+:class:`~lightning_lordo.LoRDOStrategy`, before ``DDPStrategy`` in its bases)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_lordo.comm.communicator import CollectiveTimeout, translate
+
+
+class GuardedCollectives:
+    """Needs ``communicator``, ``synchronizer``, ``sync_config``, ``lightning_module``, ``launcher`` and
+    ``root_device`` from the strategy it is mixed into."""
+
+    _sigterm_pending = False  # a SIGTERM arrived; the next per-batch check tells every rank
+    communicator: Any
+    synchronizer: Any
+    sync_config: Any
+    lightning_module: Any
+    launcher: Any
+    root_device: Any
+
+    def _lightning_collective(self, what: str, run: Any) -> Any:
+        """Run one of Lightning's collectives (``run``) with its failure named: what was running and the likely
+        causes, instead of the backend's raw text; after an earlier failure, refuse at once (the process group
+        cannot be trusted any more)."""
+        communicator = self.communicator
+        if communicator is not None and communicator.failure is not None:
+            raise CollectiveTimeout(f"LoRDO: {what} was not attempted because an earlier collective failed: "
+                                    f"{communicator.failure}")
+        try:
+            return run()
+        except RuntimeError as err:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
+            failure = translate(err, what, self.sync_config.timeout)
+            if communicator is not None:
+                communicator.failure = str(failure)
+            raise failure from err
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self.communicator is not None and self.communicator.failure is not None:
+            return  # nobody can be waited for (e.g. the emergency checkpoint after an interrupted sync)
+        self._lightning_collective(f"Lightning's barrier ({name or 'unnamed'})",
+                                   lambda: super(GuardedCollectives, self).barrier(name))
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._lightning_collective("Lightning's broadcast (e.g. of a checkpoint path)",
+                                          lambda: super(GuardedCollectives, self).broadcast(obj, src))
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        return self._lightning_collective("Lightning's reduce (a metric logged with sync_dist=True)",
+                                          lambda: super(GuardedCollectives, self).reduce(tensor, group, reduce_op))
+
+    @override
+    def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+        return self._lightning_collective("Lightning's all_gather", lambda: super(GuardedCollectives, self).all_gather(
+            tensor, group, sync_grads))
+
+    def _sigterm_check(self, finished: bool = False) -> None:
+        """Lightning's check for SIGTERM before every training batch, replaced: one all-reduce of each rank's flags
+        through the plugin's communicator (counted, bounded by the timeout). A SIGTERM to any rank stops every rank
+        at the same batch; a rank that ran out of batches while others have more (``finished``, from the end of
+        training) makes all of them stop with an error saying so; a failure (a worker that died or hangs between
+        syncs) is raised as :class:`CollectiveTimeout` naming this check, instead of swallowed by Lightning."""
+        assert self.communicator is not None and self.synchronizer is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        steps = self.synchronizer.optimizer_steps
+        flags = torch.tensor([float(self._sigterm_pending), float(finished)], device=self.root_device)
+        where = "at the end of training" if finished else f"before optimizer step {steps + 1} (between syncs)"
+        self.communicator.context = f"Lightning's per-batch SIGTERM check {where}"
+        self.communicator.all_reduce_mean([flags], "lightning_sigterm_check", in_round=False)
+        sigterm, done = flags.tolist()
+        if 0 < done < 1:  # the same decision on every rank
+            mine = "finished" if finished else f"was about to take optimizer step {steps + 1}"
+            theirs = "others were still training" if finished else "another rank had finished"
+            raise CollectiveTimeout(
+                f"LoRDO: the workers ran different numbers of batches: this rank {mine} while {theirs} (it took "
+                f"{steps} steps). Give every rank the same number of batches: a DistributedSampler with drop_last, "
+                "or data of equal length per rank.")
+        if sigterm > 0:  # on every rank at once; Lightning's own checks follow its flag, set only here
+            trainer._signal_connector.received_sigterm = True
+            raise SIGTERMException()
+
+    def _sigterm_notifier(self, signum: int, frame: Any) -> None:
+        """Lightning's SIGTERM handler, replaced: it notes the signal (and, in the main process, passes it on to the
+        processes it launched, as Lightning does) but issues no collective and does not set Lightning's own flag.
+        Lightning's handler broadcasts from inside the signal handler, which pairs with whatever collective the ranks
+        are in (it hangs them when the signal reaches a rank twice: from the process group and from the launcher),
+        and its loops leave at the end of a batch as soon as the local flag is set, each rank at another batch. The
+        per-batch check carries the flag to every rank and sets Lightning's on all of them at the same batch."""
+        rank_zero_info(f"LoRDO: received SIGTERM ({signum}); every rank stops before its next batch.")
+        if not self._sigterm_pending and self.launcher is not None:
+            self.launcher.kill(signum)
+        self._sigterm_pending = True
