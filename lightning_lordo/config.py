@@ -324,15 +324,6 @@ _LOCAL_ROUND_KNOBS = ("outer_optimizer", "outer_lr", "outer_momentum", "basis_sc
                       "average_fullrank_moments", "average_error_feedback")
 
 
-def split_knobs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Split keyword arguments into (optimizer knobs, sync knobs, the rest)."""
-    sync_names = set(SyncConfig.__dataclass_fields__)
-    opt = {k: v for k, v in kwargs.items() if k in OPTIMIZER_DEFAULTS}
-    sync = {k: v for k, v in kwargs.items() if k in sync_names}
-    rest = {k: v for k, v in kwargs.items() if k not in opt and k not in sync}
-    return opt, sync, rest
-
-
 def resolve_rank(rank: Union[int, float], smaller_side: int) -> int:
     """The integer rank a matrix with ``smaller_side`` gets for a configured ``rank`` (0 means full-rank)."""
     if isinstance(rank, float):

@@ -11,8 +11,10 @@ ranks and free to produce; it lags the local replicas by the steps since the las
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
-from typing import Any, Optional
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
@@ -30,7 +32,6 @@ from lightning_lordo.config import (
     check_choice,
     check_knob_combinations,
     check_optimizer_knobs,
-    split_knobs,
 )
 from lightning_lordo.lightning import resume
 from lightning_lordo.lightning.callbacks import CommunicationMonitor
@@ -50,52 +51,137 @@ from lightning_lordo.sync.synchronizer import Synchronizer, SyncReport
 # Keys of torch.optim.Adam/AdamW param groups that LoRDO does not take (checked or dropped on conversion).
 
 
+#: The optimizer knobs the strategy takes (lr, betas, eps and weight_decay come from the user's optimizer).
+OPTIMIZER_KNOB_NAMES = tuple(k for k in OPTIMIZER_DEFAULTS if k not in ("lr", "betas", "eps", "weight_decay"))
+DEFAULT_TIMEOUT = SyncConfig().timeout.total_seconds()
+
+
+def _differs(value: Any, default: Any) -> bool:
+    """Whether a knob was set to something other than its default (``True`` is not ``1``, ``16.0`` not ``16``)."""
+    return type(value) is not type(default) or value != default
+
+
 class LoRDOStrategy(GuardedCollectives, DDPStrategy):
     """Local LoRDO steps with a low-rank synchronization every ``sync_every`` optimizer steps.
 
+    Every knob is a named argument (LightningCLI and YAML configs set them by name). The optimizer knobs are the
+    defaults of :class:`~lightning_lordo.LoRDO` for the user's converted Adam/AdamW; the synchronization knobs
+    are :class:`~lightning_lordo.SyncConfig`'s. A knob left at its default that the others make meaningless is
+    fine; one set to another value is refused (nothing is silently ignored).
+
     Args:
         sync_every: K, optimizer steps between synchronizations.
-        lowrank: convert the user's Adam/AdamW into :class:`~lightning_lordo.LoRDO` (``True``), or keep the
-            user's optimizer, whatever it is, and only synchronize (``False``: DiLoCo).
+        lowrank: convert the user's Adam/AdamW into LoRDO (``True``), or keep the user's optimizer, whatever it is,
+            and only synchronize (``False``: DiLoCo).
         full_rank_params: regular expressions on parameter names that run AdamW (embeddings always do).
         monitor: add a :class:`~lightning_lordo.CommunicationMonitor` unless the Trainer already has one.
-        start_method: how processes are launched (``"popen"``, ``"spawn"``, ``"fork"``), as in DDP.
-        **knobs: optimizer knobs of :class:`~lightning_lordo.LoRDO` (``rank``, ``omega``, ``mu``,
-            ``normalizer``, ``projection``, ``transition``, ``error_feedback``, ...) used as defaults when the
-            user's Adam/AdamW is converted, and synchronization knobs of
-            :class:`~lightning_lordo.config.SyncConfig` (``outer_optimizer``, ``average_moments``,
-            ``basis_scope``, ``initial_basis``, ``timeout``, ...). Remaining DDP arguments (``accelerator``,
-            ``cluster_environment``, ``process_group_backend``, ...) are passed to ``DDPStrategy``.
+        start_method: how processes are launched: ``popen``, ``spawn``, ``fork`` or ``forkserver``, as in DDP.
+        rank: rank r per matrix: an int >= 1, or a float in (0, 1] (a fraction of each matrix's smaller side).
+        omega: weight of the low-rank term; 1 - omega weights the full-rank normalized term.
+        update: ``lordo``, ``subspace_qh`` (the QH mix inside the subspace, no full-rank term) or
+            ``unnormalized_lowrank`` (ablation).
+        mu: scale of the full-rank term, or ``auto`` (both terms the same RMS every step).
+        normalizer: full-rank normalizer: ``col_rms``, ``factored``, ``scalar``, ``lifted`` or ``mean_denom``.
+        lifted_floor: for ``lifted``: the floor of S as a fraction of sqrt(mean(v_hat)).
+        full_rank_input: ``gradient``, or ``accumulated`` (gradient + error feedback).
+        projection: new bases by ``power`` iteration (warm-started), ``randomized`` SVD or exact ``svd``.
+        power_iters: power steps of ``power`` and ``randomized``.
+        oversample: extra columns of the randomized range finder.
+        transition: moments on a basis change: ``rotate`` (LDAdam), ``reset`` or ``keep`` (ablation).
+        variance_clamp: clamp the variance v_hat - u_hat^2 at 0 before rotating.
+        error_feedback: keep what the projection drops in a full-size buffer per matrix.
+        ef_dtype: dtype of that buffer: ``float32`` or ``bfloat16``.
+        ef_decay: the buffer's decay per step, in (0, 1].
+        outer_optimizer: ``average`` or ``nesterov`` (DiLoCo's outer SGD).
+        outer_lr: learning rate of the Nesterov outer step.
+        outer_momentum: momentum of the Nesterov outer step.
+        average_moments: average the low-rank moments at each sync.
+        basis_scope: ``global`` (bases from the averaged pseudo-gradient) or ``local`` (each worker's own).
+        initial_basis: first bases from the averaged first ``gradient``, or seeded ``random`` ones.
+        payload: what travels for the pseudo-gradients: ``full`` or ``lowrank`` (PowerSGD-style).
+        payload_dtype: ``float32``, ``bfloat16`` or ``int8`` (with error feedback).
+        broadcast_bases: compute the bases on rank 0 only and broadcast them.
+        timeout: timeout of every collective, in seconds (1 s to one year) or a timedelta.
+        seed: seed of random bases and randomized projections.
+        average_fullrank_moments: also average the full-rank optimizer state at each sync.
+        average_error_feedback: also average the error-feedback buffers at each sync.
+        warmup_steps: the first N optimizer steps synchronous (low-rank DDP), local steps after.
+        synchronous: every step synchronous (the ``lowrank_ddp`` preset).
+        switch_betas: at the end of the warm-up, the optimizer's new betas (``null``: keep them).
+        switch_reset_moments: at the end of the warm-up, zero the optimizer's moments.
+        switch_lr_scale: at the end of the warm-up, multiply the learning rate.
+        anchor_device: where the anchor lives: ``param`` (the parameters' device) or ``cpu`` (pinned on a GPU).
+        max_skipped_syncs: consecutive non-finite rounds after which the run stops.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend:
+            as in Lightning's ``DDPStrategy`` (the checkpoint IO defaults to an atomic one).
     """
 
     strategy_name = "lordo"
 
     def __init__(
         self,
-        sync_every: int = 16,
+        sync_every: int = SyncConfig.sync_every,
         *,
         lowrank: bool = True,
         full_rank_params: Sequence[str] = DEFAULT_FULL_RANK_PARAMS,
         monitor: bool = True,
-        start_method: str = "popen",
-        **knobs: Any,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        rank: Union[int, float] = OPTIMIZER_DEFAULTS["rank"],
+        omega: float = OPTIMIZER_DEFAULTS["omega"],
+        update: Literal["lordo", "subspace_qh", "unnormalized_lowrank"] = OPTIMIZER_DEFAULTS["update"],
+        mu: Union[float, Literal["auto"]] = OPTIMIZER_DEFAULTS["mu"],
+        normalizer: Literal["col_rms", "factored", "scalar", "lifted", "mean_denom"] = OPTIMIZER_DEFAULTS["normalizer"],
+        lifted_floor: float = OPTIMIZER_DEFAULTS["lifted_floor"],
+        full_rank_input: Literal["gradient", "accumulated"] = OPTIMIZER_DEFAULTS["full_rank_input"],
+        projection: Literal["power", "randomized", "svd"] = OPTIMIZER_DEFAULTS["projection"],
+        power_iters: int = OPTIMIZER_DEFAULTS["power_iters"],
+        oversample: int = OPTIMIZER_DEFAULTS["oversample"],
+        transition: Literal["rotate", "reset", "keep"] = OPTIMIZER_DEFAULTS["transition"],
+        variance_clamp: bool = OPTIMIZER_DEFAULTS["variance_clamp"],
+        error_feedback: bool = OPTIMIZER_DEFAULTS["error_feedback"],
+        ef_dtype: Literal["float32", "bfloat16"] = OPTIMIZER_DEFAULTS["ef_dtype"],
+        ef_decay: float = OPTIMIZER_DEFAULTS["ef_decay"],
+        outer_optimizer: Literal["average", "nesterov"] = SyncConfig.outer_optimizer,
+        outer_lr: float = SyncConfig.outer_lr,
+        outer_momentum: float = SyncConfig.outer_momentum,
+        average_moments: bool = SyncConfig.average_moments,
+        basis_scope: Literal["global", "local"] = SyncConfig.basis_scope,
+        initial_basis: Literal["gradient", "random"] = SyncConfig.initial_basis,
+        payload: Literal["full", "lowrank"] = SyncConfig.payload,
+        payload_dtype: Literal["float32", "bfloat16", "int8"] = SyncConfig.payload_dtype,
+        broadcast_bases: bool = SyncConfig.broadcast_bases,
+        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT,
+        seed: int = SyncConfig.seed,
+        average_fullrank_moments: bool = SyncConfig.average_fullrank_moments,
+        average_error_feedback: bool = SyncConfig.average_error_feedback,
+        warmup_steps: int = SyncConfig.warmup_steps,
+        synchronous: bool = SyncConfig.synchronous,
+        switch_betas: Optional[tuple[float, float]] = SyncConfig.switch_betas,
+        switch_reset_moments: bool = SyncConfig.switch_reset_moments,
+        switch_lr_scale: float = SyncConfig.switch_lr_scale,
+        anchor_device: Literal["param", "cpu"] = SyncConfig.anchor_device,
+        max_skipped_syncs: int = SyncConfig.max_skipped_syncs,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[Any]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        process_group_backend: Optional[str] = None,
+        **unknown: Any,
     ) -> None:
-        optimizer_knobs, sync_knobs, ddp_kwargs = split_knobs(knobs)
-        ddp_allowed = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
-                       "precision_plugin", "process_group_backend"}
-        unknown = set(ddp_kwargs) - ddp_allowed
-        if unknown:
-            raise TypeError(
-                f"LoRDOStrategy got unknown arguments {sorted(unknown)}. Optimizer knobs: "
-                f"{sorted(OPTIMIZER_DEFAULTS)}; sync knobs: {sorted(SyncConfig.__dataclass_fields__)}; "
-                f"DDP arguments: {sorted(ddp_allowed)}."
-            )
-        from_user = sorted(set(optimizer_knobs) & {"lr", "betas", "eps", "weight_decay"})
+        given = dict(locals())
+        from_user = sorted(set(unknown) & {"lr", "betas", "eps", "weight_decay"})
         if from_user:
-            raise ValueError(
-                f"LoRDOStrategy got {from_user}: these come from the optimizer your configure_optimizers returns "
-                "(and your LR schedulers keep driving lr). Set them there."
-            )
+            raise ValueError(f"LoRDOStrategy got {from_user}: these come from the optimizer your configure_optimizers "
+                             "returns (and your LR schedulers keep driving lr). Set them there.")
+        if unknown:
+            known = [k for k in given if k not in ("self", "unknown", "__class__")]
+            hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+            raise TypeError(f"LoRDOStrategy got unknown arguments {sorted(unknown)}"
+                            f"{''.join(f' ({k}: did you mean {v[0]!r}?)' for k, v in hints.items() if v)}. The "
+                            f"arguments are: {', '.join(known)}.")
+        optimizer_knobs = {k: given[k] for k in OPTIMIZER_KNOB_NAMES if _differs(given[k], OPTIMIZER_DEFAULTS[k])}
+        sync_knobs = {k: given[k] for k in SyncConfig.__dataclass_fields__ if k != "sync_every"}
         check_optimizer_knobs(optimizer_knobs, in_group=False)
         check_knob_combinations(optimizer_knobs, {**OPTIMIZER_DEFAULTS, **optimizer_knobs})
         self.sync_config = SyncConfig(sync_every=sync_every, **sync_knobs)
@@ -111,8 +197,10 @@ class LoRDOStrategy(GuardedCollectives, DDPStrategy):
         self.optimizer_knobs = optimizer_knobs
         self.lowrank = lowrank
         self.monitor = monitor
-        ddp_kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())  # a failed save keeps the previous file
-        super().__init__(timeout=self.sync_config.timeout, start_method=start_method, **ddp_kwargs)
+        super().__init__(timeout=self.sync_config.timeout, start_method=start_method, accelerator=accelerator,
+                         parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend)
         self.accountant = CommAccountant()
         self.communicator: Optional[Communicator] = None
         self.synchronizer: Optional[Synchronizer] = None
