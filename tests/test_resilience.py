@@ -99,3 +99,41 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_no_partial_file(
     assert files == ["last.ckpt", "step=4.ckpt"], files  # nothing partial, no temporary file left
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 4 and saved["lordo"]["sync"]["optimizer_steps"] == 4
+
+
+class FinalModel(L.Callback):
+    """At the end of fit: the model (synchronized, identical on both ranks) and its buffers, for rank 0 to compare
+    with the checkpoints Lightning wrote at the end."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        flat = torch.cat([v.reshape(-1).float() for v in state.values()])
+        assert torch.equal(*gather(flat)), "one model and one set of buffers on every rank"
+        if trainer.global_rank == 0:
+            torch.save(state, self.path)
+
+
+@pytest.mark.parametrize("end", ["max_steps", "max_epochs"])
+def test_the_checkpoints_written_at_the_end_of_fit_hold_the_final_synchronized_model(tmp_path: Path,
+                                                                                      end: str) -> None:
+    """K = 16 and a run of 40 optimizer steps (or one epoch of 40 batches): the final sync runs at the last step,
+    before Lightning's end-of-fit checkpoints, so ``last.ckpt`` and the step-40 file hold the model ``fit`` ends
+    with, parameters and buffers (BatchNorm statistics averaged), not the step-32 one."""
+    from test_resume import BatchNormRegressor
+
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{step}", save_last=True, save_top_k=-1,
+                                  **({"every_n_train_steps": 20} if end == "max_steps" else {}))
+    length = {"max_steps": 40} if end == "max_steps" else {"max_epochs": 1, "max_steps": -1}
+    trainer(lordo(sync_every=16), callbacks=[checkpoints, FinalModel(tmp_path / "final.pt")],
+            enable_checkpointing=True, **length).fit(BatchNormRegressor(), loader(n=1280 if end == "max_steps"
+                                                                                  else 640))
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for name in ("last.ckpt", "step=40.ckpt"):
+        saved = torch.load(tmp_path / name, weights_only=True)
+        assert saved["global_step"] == 40
+        for key, value in final.items():
+            assert torch.equal(saved["state_dict"][key], value), f"{name}: {key}"
+        assert saved["lordo"]["sync"]["steps_since_sync"] == 0

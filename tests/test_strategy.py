@@ -30,8 +30,9 @@ class ReplicaChecker(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         sync = trainer.strategy.synchronizer
-        assert sync.syncs_done == sync.optimizer_steps // self.k
-        assert sync.steps_since_sync == sync.optimizer_steps % self.k
+        last = trainer.strategy.final_sync_done  # the final sync runs at the last step itself
+        assert sync.syncs_done == (math.ceil if last else math.floor)(sync.optimizer_steps / self.k)
+        assert sync.steps_since_sync == (0 if last else sync.optimizer_steps % self.k)
         copies = gather(flat_params(module))
         if sync.steps_since_sync == 0:
             assert torch.equal(copies[0], copies[1]), f"replicas differ right after sync {sync.syncs_done}"

@@ -108,13 +108,20 @@ class Record(L.Callback):
     def __init__(self, out: dict[str, Any]) -> None:
         self.out = out
 
-    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:  # before the final sync
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         strategy = trainer.strategy
-        self.out[f"rank{trainer.global_rank}"] = {
-            "params": [p.detach().clone() for p in module.parameters()],
-            "optimizer": strategy.optimizers[0].state_dict(),
-            "anchor": [a.clone() for a in strategy.synchronizer.anchor.tensors],
-        }
+        finish = strategy._finish_training
+
+        def record_then_finish() -> None:  # the state before the final sync (run at the last step)
+            if not strategy.final_sync_done:
+                self.out[f"rank{trainer.global_rank}"] = {
+                    "params": [p.detach().clone() for p in module.parameters()],
+                    "optimizer": strategy.optimizers[0].state_dict(),
+                    "anchor": [a.clone() for a in strategy.synchronizer.anchor.tensors],
+                }
+            finish()
+
+        strategy._finish_training = record_then_finish
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.out[f"rank{trainer.global_rank}"]["final"] = [p.detach().clone() for p in module.parameters()]

@@ -33,7 +33,6 @@ from lightning_lordo.config import (
     check_knob_combinations,
     check_optimizer_knobs,
 )
-from lightning_lordo.lightning import resume
 from lightning_lordo.lightning.callbacks import CommunicationMonitor
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
@@ -45,6 +44,7 @@ from lightning_lordo.lightning.convert import (
     repoint_schedulers,
 )
 from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimizer
+from lightning_lordo.lightning.saving import SynchronizedState
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync.synchronizer import Synchronizer, SyncReport
 
@@ -61,7 +61,7 @@ def _differs(value: Any, default: Any) -> bool:
     return type(value) is not type(default) or value != default
 
 
-class LoRDOStrategy(GuardedCollectives, DDPStrategy):
+class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     """Local LoRDO steps with a low-rank synchronization every ``sync_every`` optimizer steps.
 
     Every knob is a named argument (LightningCLI and YAML configs set them by name). The optimizer knobs are the
@@ -213,6 +213,7 @@ class LoRDOStrategy(GuardedCollectives, DDPStrategy):
         self._restored_names: Optional[list[str]] = None
         self._resume_notes: list[str] = []
         self._sigterm_pending = False  # a SIGTERM arrived; the next per-batch check tells every rank
+        self._finished = False  # the final synchronization of this fit ran
         self._lordo_checkpoint = False
         self._reset_on_load = False
 
@@ -337,13 +338,47 @@ class LoRDOStrategy(GuardedCollectives, DDPStrategy):
                 scale_base_lrs(config.scheduler)
 
     def after_optimizer_step(self) -> None:
-        """Called by the LightningOptimizer after each optimizer step."""
+        """Called by the LightningOptimizer after each optimizer step. At the last one of ``fit`` it runs the final
+        synchronization right away, so the checkpoints Lightning writes at the end of ``fit`` hold the final
+        synchronized model and buffers."""
         assert self.synchronizer is not None
-        if self.synchronizer.steps_since_sync + 1 >= self.sync_config.sync_every:
+        last = self._is_last_step()
+        if self.synchronizer.steps_since_sync + 1 >= self.sync_config.sync_every or last:
             self._check_synchronized_set()
         report = self.synchronizer.on_optimizer_step()
         if report is not None:
             self.sync_reports.append(report)
+        if last:
+            self._finish_training()
+
+    @property
+    def final_sync_done(self) -> bool:
+        """Whether this fit's final synchronization ran (at its last optimizer step, or at the end of training)."""
+        return self._finished
+
+    def _is_last_step(self) -> bool:
+        """Whether the optimizer step just taken is ``fit``'s last (``max_steps``, or the last batch of the last
+        epoch); Lightning counts the step in ``global_step`` only after it returns."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return False
+        if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps:
+            return True
+        last_epoch = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs > 0
+        return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+
+    def _finish_training(self) -> None:
+        """Once per fit: check that every rank ended (one that still has batches is at its per-batch check, which
+        this pairs with), then the final synchronization: training ends with one model, identical on all ranks."""
+        if self._finished or self.synchronizer is None:
+            return
+        self._finished = True
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.world_size > 1 and trainer is not None and self.communicator is not None \
+                and self.communicator.failure is None and not trainer.received_sigterm:
+            self._sigterm_check(finished=True)
+        if self.synchronizer.steps_since_sync > 0:
+            self.sync_reports.append(self.synchronizer.sync())
 
     def _check_synchronized_set(self) -> None:
         """Refuse parameters that became trainable after setup (e.g. unfrozen by a callback): they would train
@@ -359,15 +394,14 @@ class LoRDOStrategy(GuardedCollectives, DDPStrategy):
             )
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._finished = False
+
+    @override
     def on_train_end(self) -> None:
-        """The final synchronization: training ends with one model, identical on all ranks (after checking that
-        every rank ended: one that still has batches is at its per-batch check, which this pairs with)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.world_size > 1 and trainer is not None and self.communicator is not None \
-                and self.communicator.failure is None and not trainer.received_sigterm:
-            self._sigterm_check(finished=True)
-        if self.synchronizer is not None and self.synchronizer.steps_since_sync > 0:
-            self.sync_reports.append(self.synchronizer.sync())
+        """The final synchronization, if the last step did not run it (a fit that ended otherwise)."""
+        self._finish_training()
         super().on_train_end()
 
     @property
@@ -375,84 +409,3 @@ class LoRDOStrategy(GuardedCollectives, DDPStrategy):
         """Bytes DDP's gradient all-reduce would have passed for the optimizer steps taken so far."""
         steps = self.synchronizer.optimizer_steps if self.synchronizer is not None else 0
         return self._ddp_bytes_per_step * steps
-
-    # ------------------------------------------------------------------ one model for evaluation and checkpoints
-    def _mid_round(self) -> bool:
-        return self.synchronizer is not None and self.synchronizer.steps_since_sync > 0
-
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._mid_round():
-            assert self.synchronizer is not None
-            self.synchronizer.anchor.swap_in()  # validate the synchronized model: identical on all ranks
-            self._swapped_for_eval = True
-
-    @override
-    def on_validation_end(self) -> None:
-        if self._swapped_for_eval:
-            assert self.synchronizer is not None
-            self.synchronizer.anchor.swap_out()
-            self._swapped_for_eval = False
-        super().on_validation_end()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        if self._mid_round() and not self._swapped_for_eval:
-            assert self.synchronizer is not None
-            anchor = {id(p): a for p, a in zip(self.synchronizer.params, self.synchronizer.anchor.tensors)}
-            module = self.lightning_module
-            assert module is not None
-            for name, p in module.named_parameters(remove_duplicate=False):  # tied weights: every name
-                if id(p) in anchor and name in state:
-                    state[name] = anchor[id(p)].detach().clone()
-        return state
-
-    # ------------------------------------------------------------------ checkpoint state (see checkpoint.py)
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Every rank gathers its local state to rank 0, which writes one file (a collective: all ranks call it)."""
-        if self.synchronizer is not None and "optimizer_states" in checkpoint:  # not for save_weights_only
-            swapped = self._swapped_for_eval
-            if swapped:  # saved from within validation: put the local replica back while gathering it
-                self.synchronizer.anchor.swap_out()
-            # after a failed or interrupted collective (an emergency save) no rank can be waited for: rank 0 writes
-            # what it has, and a resume starts every rank from it
-            healthy = self.communicator is None or self.communicator.failure is None
-            checkpoint["lordo"] = resume.gather_state(self, collective=healthy)
-            if swapped:
-                self.synchronizer.anchor.swap_in()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        # applied after setup, when the synchronizer exists; validate/test/predict only need the model
-        self._restored = checkpoint.get("lordo") if fitting else None
-        self._restored_optimizer, self._lordo_checkpoint = None, False
-        return checkpoint
-
-    def _apply_restored_state(self) -> None:
-        """The checkpoint's LoRDO state, after setup (the synchronizer exists): see ``resume.apply_restored``."""
-        assert self._restored is not None and self.synchronizer is not None
-        restored, self._restored = self._restored, None
-        self._resume_notes = resume.apply_restored(self, restored)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        optimizer = self.optimizers[0]
-        saved = self._restored_optimizer if self._restored_optimizer is not None else checkpoint["optimizer_states"][0]
-        notes = list(self._resume_notes)
-        if not self._lordo_checkpoint and isinstance(optimizer, LoRDO):
-            notes.append("a checkpoint of another strategy (no LoRDO state): the full-rank parameters keep their Adam "
-                         "moments, the low-rank matrices' moments restart in their new subspace")
-        notes += resume.load_optimizer(optimizer, saved, self._restored_names, self.parameter_names)
-        if self._reset_on_load:
-            resume.reset_error_feedback(optimizer)
-        resume.warn(notes, self.global_rank)
-        self._restored_optimizer, self._restored_names, self._resume_notes = None, None, []
-        self._lordo_checkpoint = self._reset_on_load = False

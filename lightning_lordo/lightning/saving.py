@@ -1,0 +1,106 @@
+"""The strategy's model views and checkpoint state: evaluation and checkpoints see the synchronized model (the
+anchor) in the middle of a round, and a checkpoint carries every rank's LoRDO state (see ``resume.py``).
+
+A mixin of :class:`~lightning_lordo.lightning.strategy.LoRDOStrategy`, apart so that the strategy's file holds
+the training lifecycle and this one what is saved and restored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_lordo.lightning import resume
+from lightning_lordo.optim.lordo import LoRDO
+
+
+class SynchronizedState:
+    """Hooks of Lightning's ``Strategy`` for validation and checkpoints; the strategy provides ``synchronizer``,
+    ``communicator``, ``parameter_names`` and the restore fields its ``__init__`` sets."""
+
+    synchronizer: Any
+    communicator: Any
+    _swapped_for_eval: bool
+
+    # ------------------------------------------------------------------ one model for evaluation and checkpoints
+    def _mid_round(self) -> bool:
+        return self.synchronizer is not None and self.synchronizer.steps_since_sync > 0
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._mid_round():
+            assert self.synchronizer is not None
+            self.synchronizer.anchor.swap_in()  # validate the synchronized model: identical on all ranks
+            self._swapped_for_eval = True
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._swapped_for_eval:
+            assert self.synchronizer is not None
+            self.synchronizer.anchor.swap_out()
+            self._swapped_for_eval = False
+        super().on_validation_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self._mid_round() and not self._swapped_for_eval:
+            assert self.synchronizer is not None
+            anchor = {id(p): a for p, a in zip(self.synchronizer.params, self.synchronizer.anchor.tensors)}
+            module = self.lightning_module
+            assert module is not None
+            for name, p in module.named_parameters(remove_duplicate=False):  # tied weights: every name
+                if id(p) in anchor and name in state:
+                    state[name] = anchor[id(p)].detach().clone()
+        return state
+
+    # ------------------------------------------------------------------ checkpoint state (see checkpoint.py)
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Every rank gathers its local state to rank 0, which writes one file (a collective: all ranks call it)."""
+        if self.synchronizer is not None and "optimizer_states" in checkpoint:  # not for save_weights_only
+            swapped = self._swapped_for_eval
+            if swapped:  # saved from within validation: put the local replica back while gathering it
+                self.synchronizer.anchor.swap_out()
+            # after a failed or interrupted collective (an emergency save) no rank can be waited for: rank 0 writes
+            # what it has, and a resume starts every rank from it
+            healthy = self.communicator is None or self.communicator.failure is None
+            checkpoint["lordo"] = resume.gather_state(self, collective=healthy)
+            if swapped:
+                self.synchronizer.anchor.swap_in()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        # applied after setup, when the synchronizer exists; validate/test/predict only need the model
+        self._restored = checkpoint.get("lordo") if fitting else None
+        self._restored_optimizer, self._lordo_checkpoint = None, False
+        return checkpoint
+
+    def _apply_restored_state(self) -> None:
+        """The checkpoint's LoRDO state, after setup (the synchronizer exists): see ``resume.apply_restored``."""
+        assert self._restored is not None and self.synchronizer is not None
+        restored, self._restored = self._restored, None
+        self._resume_notes = resume.apply_restored(self, restored)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        optimizer = self.optimizers[0]
+        saved = self._restored_optimizer if self._restored_optimizer is not None else checkpoint["optimizer_states"][0]
+        notes = list(self._resume_notes)
+        if not self._lordo_checkpoint and isinstance(optimizer, LoRDO):
+            notes.append("a checkpoint of another strategy (no LoRDO state): the full-rank parameters keep their Adam "
+                         "moments, the low-rank matrices' moments restart in their new subspace")
+        notes += resume.load_optimizer(optimizer, saved, self._restored_names, self.parameter_names)
+        if self._reset_on_load:
+            resume.reset_error_feedback(optimizer)
+        resume.warn(notes, self.global_rank)
+        self._restored_optimizer, self._restored_names, self._resume_notes = None, None, []
+        self._lordo_checkpoint = self._reset_on_load = False
