@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
 from lightning_lordo.lightning.checkpoint import gather_to_rank_zero, to_cpu
-from lightning_lordo.optim.conversion import expand_lowrank_state
+from lightning_lordo.optim.conversion import adamw_entry
 from lightning_lordo.optim.lordo import LoRDO
 
 #: The knobs LoRDO keeps in its param groups (lr, betas, eps, weight_decay come from the user's optimizer and are
@@ -194,10 +194,9 @@ def load_optimizer(optimizer: Optimizer, saved: dict[str, Any], saved_names: Opt
         entry = by_name.get(name, ({}, {}))[0]
         if not entry:
             continue
-        if not lordo_now and "basis" in entry:  # LoRDO's low-rank state into torch's AdamW
-            entry, expanded = expand_lowrank_state(entry, p), expanded + 1
-        elif not lordo_now:
-            entry = {k: v for k, v in entry.items() if k in ("step", "exp_avg", "exp_avg_sq")}
+        if not lordo_now:  # LoRDO's state into torch's AdamW
+            entry, was_lowrank = adamw_entry(entry, p)
+            expanded += was_lowrank
         state[i] = entry
     if expanded:
         notes.append(f"the moments of {expanded} low-rank matrices were expanded through their bases into AdamW "

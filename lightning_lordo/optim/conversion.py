@@ -62,6 +62,14 @@ def _conform_lowrank(optimizer: Optimizer, p: Tensor, group: dict[str, Any], sta
     return changes
 
 
+def adamw_entry(state: Mapping[str, Any], p: Tensor) -> tuple[dict[str, Any], bool]:
+    """torch Adam/AdamW's state for ``p`` from a LoRDO (or torch) state entry, and whether it was expanded from a
+    low-rank one; what torch's AdamW has no use for (error feedback, factored statistics) is dropped."""
+    if "basis" in state:
+        return expand_lowrank_state(state, p), True
+    return {k: v for k, v in state.items() if k in ("step", "exp_avg", "exp_avg_sq")}, False
+
+
 def expand_lowrank_state(state: Mapping[str, Tensor], p: Tensor) -> dict[str, Tensor]:
     """AdamW state for ``p`` from its low-rank state: the first moment ``Q u`` (exactly the momentum, restricted to
     the subspace), the second ``(Q o Q) v`` floored at the mean of ``v`` (a per-coordinate estimate; the floor keeps

@@ -1,0 +1,134 @@
+"""A LoRDO checkpoint resumed without the LoRDO strategy (``strategy="ddp"``, one device): converted by the
+``ConvertLoRDOCheckpoint`` callback or by the command line, the low-rank moments expanded through their bases
+(checked against a float64 reference), what was reset said in one warning."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from strategy_helpers import TinyRegressor, loader, lordo, trainer
+
+from lightning_lordo.lightning.export import ConvertLoRDOCheckpoint
+
+
+@pytest.fixture(scope="module")
+def mid_round(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 workers, K = 4, error feedback and a Nesterov outer step; the checkpoint at step 6 is mid-round."""
+    directory = tmp_path_factory.mktemp("lordo")
+    checkpoints = ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=6, save_top_k=-1)
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=4, error_feedback=True, outer_optimizer="nesterov"), callbacks=[checkpoints],
+            max_steps=8, enable_checkpointing=True).fit(TinyRegressor(), loader())
+    return directory / "step=6.ckpt"
+
+
+def expected_adamw_state(checkpoint: dict[str, Any]) -> dict[int, dict[str, torch.Tensor]]:
+    """float64 reference: m = Q u and v = max((Q o Q) v_r, mean(v_r)), in the parameter's orientation."""
+    names = checkpoint["lordo"]["layout"]["param_names"]
+    out = {}
+    for index, entry in checkpoint["optimizer_states"][0]["state"].items():
+        p = checkpoint["state_dict"][names[index]]
+        if "basis" not in entry:
+            out[index] = {k: entry[k] for k in ("step", "exp_avg", "exp_avg_sq")}
+            continue
+        q, u, v = (entry[k].double() for k in ("basis", "exp_avg", "exp_avg_sq"))
+        first, second = q @ u, torch.maximum(q.square() @ v, v.mean())
+        tall = p.shape[0] > p.shape[1]
+        out[index] = {"step": entry["step"], "exp_avg": first.T if tall else first,
+                      "exp_avg_sq": second.T if tall else second}
+    return out
+
+
+def assert_state_matches(state: dict[int, dict[str, torch.Tensor]], expected: dict[int, dict[str, torch.Tensor]]
+                         ) -> None:
+    assert state.keys() == expected.keys()
+    for index, entry in expected.items():
+        assert float(state[index]["step"]) == float(entry["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = state[index][key]
+            assert got.shape == entry[key].shape, (index, key)
+            torch.testing.assert_close(got.double(), entry[key].double(), rtol=1e-6, atol=1e-9)
+
+
+class AtStart(L.Callback):
+    """Rank 0: the optimizer's state and the model when training resumes, the warnings from setup on, and the
+    model at the end."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.out = path, {}
+
+    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        self._recorder = warnings.catch_warnings(record=True)
+        self.caught = self._recorder.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        optimizer = trainer.strategy.optimizers[0]
+        self.out.update(type=type(optimizer).__name__, state=copy.deepcopy(optimizer.state_dict()),
+                        model={k: v.clone() for k, v in module.state_dict().items()})
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._recorder.__exit__(None, None, None)
+        self.out.update(steps=trainer.global_step, warnings=[str(w.message) for w in self.caught],
+                        final=torch.cat([p.detach().reshape(-1) for p in module.parameters()]))
+        if trainer.global_rank == 0:
+            torch.save(self.out, self.path)
+
+
+def test_the_callback_converts_a_lordo_checkpoint_for_ddp_and_says_what_was_reset(mid_round: Path,
+                                                                                  tmp_path: Path) -> None:
+    checkpoint = torch.load(mid_round, weights_only=True)
+    expected = expected_adamw_state(checkpoint)
+    assert checkpoint["lordo"]["sync"]["steps_since_sync"] == 2
+    trainer("ddp_fork", callbacks=[ConvertLoRDOCheckpoint(), AtStart(tmp_path / "out.pt")], max_steps=12).fit(
+        TinyRegressor(), loader(), ckpt_path=str(mid_round))
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["type"] == "AdamW" and out["steps"] == 12 and torch.isfinite(out["final"]).all()
+    assert_state_matches(out["state"]["state"], expected)
+    group = out["state"]["param_groups"][0]
+    assert "omega" not in group and group["decoupled_weight_decay"] is True and group["weight_decay"] == 0.01
+    for key, value in checkpoint["state_dict"].items():  # DDP resumes the synchronized model
+        assert torch.equal(out["model"][key], value), key
+    messages = [m for m in out["warnings"] if "Converted a LoRDO checkpoint" in m]
+    assert len(messages) == 1, out["warnings"]
+    for text in ("for DDPStrategy", "moments of 2 low-rank matrices were expanded", "2 error-feedback buffers",
+                 "outer Nesterov momentum", "2 local steps since the last sync", "ranks 1..1"):
+        assert text in messages[0], (text, messages[0])
+
+
+def _one_device(ckpt: Path, path: Path) -> dict[str, Any]:
+    L.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, callbacks=[AtStart(path)]).fit(
+        TinyRegressor(), loader(), ckpt_path=str(ckpt))
+    return torch.load(path, weights_only=True)
+
+
+def test_the_command_line_writes_a_checkpoint_any_strategy_resumes(mid_round: Path, tmp_path: Path) -> None:
+    """Unconverted, torch's AdamW fails at its first step; converted, a one-device run without the plugin's
+    strategy resumes with the expanded moments. A checkpoint without LoRDO state is refused by name."""
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        _one_device(mid_round, tmp_path / "raw.pt")
+    target = tmp_path / "ddp.ckpt"
+    command = [sys.executable, "-m", "lightning_lordo.lightning.export", str(mid_round), str(target)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "expanded through their bases" in done.stdout and "reset:" in done.stdout
+    converted = torch.load(target, weights_only=True)
+    assert "lordo" not in converted
+    out = _one_device(target, tmp_path / "out.pt")
+    assert out["type"] == "AdamW" and out["steps"] == 10 and torch.isfinite(out["final"]).all()
+    assert_state_matches(out["state"]["state"], expected_adamw_state(torch.load(mid_round, weights_only=True)))
+    again = subprocess.run([*command[:-2], str(target), str(tmp_path / "again.ckpt")], capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 2 and "holds no LoRDO state" in again.stderr, again.stderr
+    same = subprocess.run([*command[:-1], str(mid_round)], capture_output=True, text=True, timeout=120)
+    assert same.returncode == 2 and "is the source" in same.stderr, same.stderr
