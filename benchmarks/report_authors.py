@@ -1,0 +1,171 @@
+"""Tables, targets and the loss-vs-bytes frontier of the authors' protocol (``benchmarks/authors.py``), from its
+committed results (no training): ``python benchmarks/report_authors.py``.
+
+Writes ``results/authors.md`` (used by README.md) and ``results/authors_frontier.png``. Only what ran is reported:
+a method without a result, or with fewer seeds than asked, says so. A record repeated by a resumed run counts once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import authors
+from harness import ROOT, load
+
+NAMES = {"ddp": "DDP (AdamW)", "ddp_qh": "DDP, authors' QH + beta switch", "lowrank_ddp": "low-rank DDP (authors')",
+         "lordo_local": "LoRDO-Local (authors')", "lordo_noqhm": "LoRDO-Global w/o QHM",
+         "lordo_defaults": "LoRDO, today's defaults", "lordo_authors": "LoRDO, authors' choices",
+         "diloco": "DiLoCo", "powersgd4": "DDP + PowerSGD r4", "powersgd16": "DDP + PowerSGD r16",
+         "fp16": "DDP + fp16 hook"}
+
+
+def unique(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (name, spec): a resumed stage may have written a run twice (same spec, same figures)."""
+    seen, out = set(), []
+    for r in records:
+        key = (r["name"], repr(sorted(r["spec"].items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def main_runs(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each method's runs at its best LR (every seed), in the protocol's main shape (no ablation or claim)."""
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    base = authors.warmup_lr()
+    for name in authors.METHODS:
+        try:
+            lr = base * authors.best_scale(name)
+        except SystemExit:
+            continue
+        reference = authors.continuation(name, "", lr)
+        for r in records:
+            spec = r["spec"]
+            if r["name"] == name and math.isclose(spec["lr"], lr) and spec["steps"] == reference.steps \
+                    and spec["rank"] == reference.rank and spec["batch_size"] == reference.batch_size:
+                out[name].append(r)
+    return out
+
+
+def _mean(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.fmean(values):.4f} +- {statistics.stdev(values):.4f}"
+
+
+def report(path: Path) -> str:
+    authors.RESULTS = path
+    records = unique([r for r in load(path) if "spec" in r])
+    headers = [r["header"] for r in load(path) if "header" in r]
+    lines = ["## The authors' protocol (tinyshakespeare, 0.84 M-parameter byte GPT, M = 4, K = 32, rank 16)", "",
+             f"Made by `python benchmarks/authors.py --data ../shared/data/tinyshakespeare.txt` at commits "
+             f"{', '.join(sorted({h['commit'][:7] for h in headers}))}; torch {headers[-1]['torch']}, lightning "
+             f"{headers[-1]['lightning']}, {headers[-1]['machine']}. Tables: `python benchmarks/report_authors.py`.",
+             ""]
+    wall = defaultdict(float)
+    for r in records:
+        wall[r["stage"]] += r["wall_seconds"]
+    lines += ["Time per stage (sum of run wall times): " + ", ".join(f"{s} {wall[s] / 3600:.1f} h"
+                                                                    for s in authors.STAGES if s in wall), ""]
+    lines += ["### LR sweep (seed 0, final validation loss; LR = scale x the warm-up LR)", "",
+              "| method | " + " | ".join(f"x{s:g}" for s in (0.25, 0.5, 1, 2, 4)) + " |", "|---" * 6 + "|"]
+    for name in authors.SWEPT:
+        losses = authors.scale_losses(name)
+        best = min(losses, key=losses.get) if losses else None
+        cells = [("**" if s == best else "") + f"{losses[s]:.4f}" + ("**" if s == best else "") if s in losses
+                 else "" for s in (0.25, 0.5, 1, 2, 4)]
+        lines.append(f"| {NAMES[name]} | " + " | ".join(cells) + " |")
+    runs = main_runs(records)
+    lines += ["", "### Main table (each method at its best LR; bytes per worker, training traffic only)", "",
+              "| method | seeds | val loss | val ppl | ppl vs low-rank DDP | MB sent | fewer bytes than DDP |",
+              "|---|---|---|---|---|---|---|"]
+    ppl = {n: statistics.fmean(math.exp(r["final_val_loss"]) for r in rs) for n, rs in runs.items()}
+    sent = {n: statistics.fmean(r["bytes_sent"] for r in rs) for n, rs in runs.items()}
+    for name in authors.METHODS:
+        if name not in runs:
+            lines.append(f"| {NAMES[name]} | 0 | not run | | | | |")
+            continue
+        rs = runs[name]
+        versus = f"{100 * (ppl[name] / ppl['lowrank_ddp'] - 1):+.1f} %" if "lowrank_ddp" in ppl else ""
+        fewer = f"{sent['ddp'] / sent[name]:.1f}x" if "ddp" in sent and sent[name] else ""
+        lines.append(f"| {NAMES[name]} | {len(rs)} | {_mean([r['final_val_loss'] for r in rs])} | {ppl[name]:.3f} "
+                     f"| {versus} | {sent[name] / 1e6:,.0f} | {fewer} |")
+    lines += ["", "### Targets", ""] + targets(runs, ppl, sent)
+    return "\n".join(lines) + "\n"
+
+
+def targets(runs: dict[str, list[dict[str, Any]]], ppl: dict[str, float], sent: dict[str, float]) -> list[str]:
+    out = []
+    for name in ("lordo_defaults", "lordo_authors"):
+        if name not in ppl or "lowrank_ddp" not in ppl:
+            out.append(f"- {NAMES[name]}: not measured against low-rank DDP yet.")
+            continue
+        gap = 100 * (ppl[name] / ppl["lowrank_ddp"] - 1)
+        seeds = min(len(runs[name]), len(runs["lowrank_ddp"]))
+        out.append(f"- {NAMES[name]} within 1 % perplexity of low-rank DDP: {gap:+.2f} % "
+                   f"({'holds' if gap <= 1 else 'missed'}; {seeds} seed(s)); bytes "
+                   f"{sent['lowrank_ddp'] / sent[name]:.1f}x fewer than low-rank DDP (target 10x: "
+                   f"{'holds' if sent['lowrank_ddp'] >= 10 * sent[name] else 'missed'}), "
+                   f"{sent['ddp'] / sent[name]:.1f}x fewer than DDP (target 20x: "
+                   f"{'holds' if sent['ddp'] >= 20 * sent[name] else 'missed'}).")
+        for peer in ("diloco", "powersgd4", "powersgd16"):
+            if peer in ppl:
+                fewer = sent[peer] / sent[name]
+                better = ppl[name] <= ppl[peer]
+                out.append(f"  - vs {NAMES[peer]}: ppl {ppl[name]:.3f} vs {ppl[peer]:.3f}, bytes {fewer:.2f}x "
+                           f"{'fewer' if fewer >= 1 else 'more'}: "
+                           + ("no worse at fewer bytes (holds)" if better and fewer >= 1 else
+                              "worse at more bytes (missed)" if not better and fewer < 1 else
+                              "a trade-off (not at equal bytes: see the frontier)"))
+    if "lordo_noqhm" in runs:
+        moves = [r.get("subspace_movement_mean") for r in runs["lordo_noqhm"]]
+        with_qhm = ppl.get("lordo_authors", math.nan)
+        out.append(f"- Stagnation without QHM: ppl {ppl['lordo_noqhm']:.3f} vs {with_qhm:.3f} with it; mean subspace "
+                   f"movement {moves} vs "
+                   f"{[r.get('subspace_movement_mean') for r in runs.get('lordo_authors', [])]}.")
+    return out
+
+
+def frontier(path: Path, figure: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    authors.RESULTS = path
+    runs = main_runs(unique([r for r in load(path) if "spec" in r]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rs in runs.items():
+        x = statistics.fmean(r["bytes_sent"] for r in rs) / 1e6
+        y = statistics.fmean(r["final_val_loss"] for r in rs)
+        ax.scatter(x, y)
+        ax.annotate(NAMES[name], (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("MB sent per worker (log)")
+    ax.set_ylabel("final validation loss")
+    ax.set_title("Authors' protocol: loss vs bytes (lower left is better)")
+    fig.tight_layout()
+    fig.savefig(figure, dpi=120)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default=str(ROOT / "results" / "authors.jsonl"))
+    args = parser.parse_args(argv)
+    path = Path(args.results)
+    text = report(path)
+    (path.parent / "authors.md").write_text(text)
+    frontier(path, path.parent / "authors_frontier.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
