@@ -1,13 +1,16 @@
 """lightning-lordo: communication-efficient distributed training for PyTorch Lightning (LoRDO).
 
-``import lightning_lordo`` registers the strategy names with Lightning (``"lordo"``, ``"lordo_local"``,
-``"diloco"``, each also with ``_spawn`` and ``_fork`` launchers), then ``Trainer(strategy="lordo")``.
+``import lightning_lordo`` registers the strategy names with Lightning's Trainer and with Lightning Fabric
+(``"lordo"``, ``"lordo_local"``, ``"diloco"``, ``"lowrank_ddp"``, each also with ``_spawn`` and ``_fork``
+launchers), then ``Trainer(strategy="lordo")`` or ``Fabric(strategy="lordo")``.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_lordo.comm.communicator import CollectiveTimeout
 from lightning_lordo.config import SyncConfig
+from lightning_lordo.fabric import LoRDOFabricStrategy
 from lightning_lordo.lightning.callbacks import CommunicationMonitor
 from lightning_lordo.lightning.strategy import LoRDOStrategy
 from lightning_lordo.optim import LoRDO
@@ -15,7 +18,9 @@ from lightning_lordo.sync.faults import NonFiniteTraining
 
 __version__ = "0.1.0"
 
-LoRDOStrategy.register_strategies(StrategyRegistry)  # idempotent: names already present are skipped
+# idempotent: names already present are skipped (children and test re-imports import again)
+LoRDOStrategy.register_strategies(StrategyRegistry)
+LoRDOFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
-__all__ = ["CollectiveTimeout", "CommunicationMonitor", "LoRDO", "LoRDOStrategy", "NonFiniteTraining", "SyncConfig",
-           "__version__"]
+__all__ = ["CollectiveTimeout", "CommunicationMonitor", "LoRDO", "LoRDOFabricStrategy", "LoRDOStrategy",
+           "NonFiniteTraining", "SyncConfig", "__version__"]

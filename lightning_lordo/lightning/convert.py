@@ -108,6 +108,16 @@ def repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> No
     track_step_calls(new)
 
 
+def scale_base_lrs(scheduler: Any, scale: float) -> None:
+    """Multiply a scheduler's base LRs (and those of the schedulers inside it) by ``scale``: after the switch at the
+    end of the warm-up, the schedule follows the param groups' learning rates the synchronizer scaled."""
+    if scale == 1.0:
+        return
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * scale for lr in scheduler.base_lrs]
+    for inner in getattr(scheduler, "_schedulers", ()):
+        scale_base_lrs(inner, scale)
+
 def track_step_calls(optimizer: Optimizer) -> None:
     """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does, so that re-pointed
     schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``."""

@@ -11,7 +11,6 @@ ranks and free to produce; it lags the local replicas by the steps since the las
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -27,11 +26,13 @@ from typing_extensions import override
 from lightning_lordo._tensors import nbytes
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.config import (
+    LAUNCH_SUFFIXES,
     OPTIMIZER_DEFAULTS,
+    PRESETS,
+    STRATEGY_OPTIMIZER_KNOBS,
     SyncConfig,
     check_choice,
-    check_knob_combinations,
-    check_optimizer_knobs,
+    split_strategy_knobs,
 )
 from lightning_lordo.lightning.callbacks import CommunicationMonitor
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
@@ -42,23 +43,16 @@ from lightning_lordo.lightning.convert import (
     convert_optimizer,
     full_rank_params,
     repoint_schedulers,
+    scale_base_lrs,
 )
 from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimizer
 from lightning_lordo.lightning.saving import SynchronizedState
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync.synchronizer import Synchronizer, SyncReport
 
-# Keys of torch.optim.Adam/AdamW param groups that LoRDO does not take (checked or dropped on conversion).
-
-
 #: The optimizer knobs the strategy takes (lr, betas, eps and weight_decay come from the user's optimizer).
-OPTIMIZER_KNOB_NAMES = tuple(k for k in OPTIMIZER_DEFAULTS if k not in ("lr", "betas", "eps", "weight_decay"))
+OPTIMIZER_KNOB_NAMES = STRATEGY_OPTIMIZER_KNOBS
 DEFAULT_TIMEOUT = SyncConfig().timeout.total_seconds()
-
-
-def _differs(value: Any, default: Any) -> bool:
-    """Whether a knob was set to something other than its default (``True`` is not ``1``, ``16.0`` not ``16``)."""
-    return type(value) is not type(default) or value != default
 
 
 class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
@@ -170,25 +164,10 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         **unknown: Any,
     ) -> None:
         given = dict(locals())
-        from_user = sorted(set(unknown) & {"lr", "betas", "eps", "weight_decay"})
-        if from_user:
-            raise ValueError(f"LoRDOStrategy got {from_user}: these come from the optimizer your configure_optimizers "
-                             "returns (and your LR schedulers keep driving lr). Set them there.")
-        if unknown:
-            known = [k for k in given if k not in ("self", "unknown", "__class__")]
-            hints = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
-            raise TypeError(f"LoRDOStrategy got unknown arguments {sorted(unknown)}"
-                            f"{''.join(f' ({k}: did you mean {v[0]!r}?)' for k, v in hints.items() if v)}. The "
-                            f"arguments are: {', '.join(known)}.")
-        optimizer_knobs = {k: given[k] for k in OPTIMIZER_KNOB_NAMES if _differs(given[k], OPTIMIZER_DEFAULTS[k])}
-        sync_knobs = {k: given[k] for k in SyncConfig.__dataclass_fields__ if k != "sync_every"}
-        check_optimizer_knobs(optimizer_knobs, in_group=False)
-        check_knob_combinations(optimizer_knobs, {**OPTIMIZER_DEFAULTS, **optimizer_knobs})
-        self.sync_config = SyncConfig(sync_every=sync_every, **sync_knobs)
-        if self.sync_config.payload == "lowrank" and lowrank is False:
-            raise ValueError("Invalid payload='lowrank' with lowrank=False ('diloco'): the low-rank payload sends the "
-                             "low-rank matrices of the LoRDO optimizer. Use payload='full' (payload_dtype may be "
-                             "'bfloat16' or 'int8'), or a LoRDO preset.")
+        known = [k for k in given if k not in ("self", "unknown", "__class__")]
+        self.sync_config, optimizer_knobs = split_strategy_knobs(
+            "LoRDOStrategy", {**{k: given[k] for k in known}, **unknown}, known, lowrank=lowrank,
+            optimizer_source="the optimizer your configure_optimizers returns (and your LR schedulers keep driving lr)")
         for name, flag in (("lowrank", lowrank), ("monitor", monitor)):
             if not isinstance(flag, bool):
                 raise ValueError(f"Invalid {name}={flag!r}: it must be True or False.")
@@ -221,16 +200,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        presets = {
-            "lordo": ({}, "LoRDO: global basis from the averaged pseudo-gradient + full-rank QHM term"),
-            "lordo_local": ({"basis_scope": "local", "average_moments": False},
-                            "LoRDO-Local: each worker computes its own basis"),
-            "diloco": ({"lowrank": False}, "DiLoCo: the user's optimizer locally, averaged every K steps"),
-            "lowrank_ddp": ({"synchronous": True}, "low-rank DDP: gradients averaged every step, LoRDO's low-rank "
-                                                   "moments, bases from the averaged gradient every K steps"),
-        }
-        for name, (preset, description) in presets.items():
-            for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+        for name, (preset, description) in PRESETS.items():
+            for suffix, start_method in LAUNCH_SUFFIXES:
                 if name + suffix not in strategy_registry:
                     strategy_registry.register(name + suffix, cls, description=f"{description} ({start_method})",
                                                start_method=start_method, **preset)
@@ -325,17 +296,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     def _scale_schedulers(self) -> None:
         """At the switch: the LR schedulers' base LRs follow ``switch_lr_scale`` (the synchronizer scaled the
         param groups' learning rates)."""
-        scale = self.sync_config.switch_lr_scale
-
-        def scale_base_lrs(scheduler: Any) -> None:
-            if hasattr(scheduler, "base_lrs"):
-                scheduler.base_lrs = [lr * scale for lr in scheduler.base_lrs]
-            for inner in getattr(scheduler, "_schedulers", ()):
-                scale_base_lrs(inner)
-
-        if scale != 1.0:
-            for config in self.lr_scheduler_configs:
-                scale_base_lrs(config.scheduler)
+        for config in self.lr_scheduler_configs:
+            scale_base_lrs(config.scheduler, self.sync_config.switch_lr_scale)
 
     def after_optimizer_step(self) -> None:
         """Called by the LightningOptimizer after each optimizer step. At the last one of ``fit`` it runs the final

@@ -1,0 +1,124 @@
+"""``fabric.save`` / ``fabric.load`` with ``Fabric(strategy="lordo")``: checkpoints of the synchronized model.
+
+Between two synchronizations every rank holds its own model, and Fabric writes rank 0's objects only. So a save
+that includes the synchronized model or its optimizer must come at a synchronization boundary (right after a
+synchronization, i.e. a step count that is a multiple of ``sync_every``, or after ``fabric.strategy.finish()``;
+any step in the synchronous phase); elsewhere it raises, saying so. At a boundary the model and buffers are
+identical on every rank. The file then holds, besides your own keys:
+
+* your ``"model"`` and ``"optimizer"`` entries as Fabric writes them (rank 0's optimizer state: the low-rank
+  moments are averaged at each synchronization, the full-rank moments are rank 0's);
+* ``checkpoint["lordo"]``: the synchronizer's counters, the outer step's momentum and the communication totals
+  (tensors, numbers and strings: ``torch.load(weights_only=True)`` reads it).
+
+``fabric.load(path, {"model": model, "optimizer": optimizer, ...})`` restores all of it on every rank: the loaded
+model becomes the synchronized point, the counters and byte totals continue. Every rank resumes from rank 0's
+optimizer state (not bit-exact for the full-rank moments; the compressed payloads' error feedback restarts at
+zero). Loading an optimizer state that was not written by this strategy (a DDP run's AdamW state, say) into it
+raises; load the model only and let the optimizer start fresh.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from typing_extensions import override
+
+#: The checkpoint key of the strategy's own state.
+STATE_KEY = "lordo"
+
+
+class SynchronizedCheckpoints:
+    """Fabric's ``save_checkpoint`` and ``load_checkpoint`` for :class:`~lightning_lordo.fabric.LoRDOFabricStrategy`
+    (a mixin before Fabric's ``DDPStrategy``; the strategy provides ``module``, ``optimizer``, ``synchronizer``,
+    ``accountant`` and ``world_size``)."""
+
+    module: Any
+    optimizer: Any
+    synchronizer: Any
+    accountant: Any
+    world_size: int
+
+    def _ours(self, state: Any) -> tuple[bool, Optional[str]]:
+        """Whether ``state`` (a dict of unwrapped objects) holds the synchronized model, and the optimizer's key."""
+        if not isinstance(state, dict) or self.synchronizer is None:
+            return False, None
+        model = any(v is self.module for v in state.values())
+        return model, next((k for k, v in state.items() if v is self.optimizer), None)
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Any]] = None) -> None:
+        model, optimizer_key = self._ours(state)
+        if model or optimizer_key is not None:
+            synchronizer = self.synchronizer
+            if synchronizer.steps_since_sync > 0:  # the same on every rank: all raise, none waits in a barrier
+                raise RuntimeError(
+                    f"fabric.save with strategy='lordo' saves the synchronized model, but this is optimizer step "
+                    f"{synchronizer.optimizer_steps}, {synchronizer.steps_since_sync} local step(s) after the last "
+                    "synchronization, and every rank holds its own model. Save right after a synchronization (when "
+                    f"the step count is a multiple of sync_every={synchronizer.config.sync_every}), or call "
+                    "fabric.strategy.finish() on every rank first.")
+            state = {**state, STATE_KEY: self._sync_state()}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+
+    def _sync_state(self) -> dict[str, Any]:
+        synchronizer = self.synchronizer
+        return {"optimizer": type(self.optimizer).__name__, "world_size": self.world_size,
+                "optimizer_steps": synchronizer.optimizer_steps, "syncs_done": synchronizer.syncs_done,
+                "skipped_syncs": synchronizer.skipped_syncs, "consecutive_skips": synchronizer.consecutive_skips,
+                "outer": synchronizer.outer.state_dict(), "communication": self.accountant.state_dict()}
+
+    @override
+    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        base = super()  # type: ignore[misc]
+        if state is not None and not isinstance(state, dict) and state is self.module:  # fabric.load_raw(model)
+            remainder = base.load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+            self._new_synchronized_point()
+            return remainder
+        model, optimizer_key = self._ours(state)
+        if not model and optimizer_key is None:
+            return base.load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        proxy = dict(state)
+        if optimizer_key is not None:
+            proxy[optimizer_key] = None  # Fabric puts the saved state dict here; it is checked before it is loaded
+        remainder = base.load_checkpoint(path, proxy, strict=strict, weights_only=weights_only)
+        saved = remainder.pop(STATE_KEY, None)
+        for key, value in proxy.items():  # what Fabric restored in place, e.g. your step counter
+            if key != optimizer_key:
+                state[key] = value
+        if optimizer_key is not None and proxy[optimizer_key] is not None:
+            self._load_optimizer(proxy[optimizer_key], saved, optimizer_key)
+        if saved is not None:
+            self._restore_counters(saved)
+        self._new_synchronized_point()
+        return remainder
+
+    def _load_optimizer(self, optimizer_state: dict[str, Any], saved: Optional[dict[str, Any]], key: str) -> None:
+        kind = type(self.optimizer).__name__
+        if saved is None or saved["optimizer"] != kind:
+            written = f"a {saved['optimizer']} state" if saved is not None else "not written by strategy='lordo'"
+            raise ValueError(
+                f"fabric.load: the checkpoint's {key!r} is {written}, and this strategy's optimizer is {kind}: it "
+                "cannot be loaded into it. Load the model only (fabric.load(path, {'model': model})) and let the "
+                "optimizer start fresh, or resume with the strategy and optimizer that wrote the checkpoint.")
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def _restore_counters(self, saved: dict[str, Any]) -> None:
+        synchronizer = self.synchronizer
+        synchronizer.optimizer_steps = saved["optimizer_steps"]
+        synchronizer.syncs_done = saved["syncs_done"]
+        synchronizer.skipped_syncs = saved["skipped_syncs"]
+        synchronizer.consecutive_skips = saved["consecutive_skips"]
+        synchronizer.outer.load_state_dict(saved["outer"])
+        self.accountant.load_state_dict(saved["communication"])
+
+    def _new_synchronized_point(self) -> None:
+        """Every rank loaded the same model: it is the synchronized point (the anchor) from now on."""
+        synchronizer = self.synchronizer
+        if synchronizer is None:
+            return
+        synchronizer.steps_since_sync = 0
+        if not synchronizer.synchronous_now:
+            synchronizer.anchor.take()

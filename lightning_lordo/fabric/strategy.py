@@ -1,0 +1,339 @@
+"""``LoRDOFabricStrategy``: ``Fabric(strategy="lordo")`` for loops you write yourself.
+
+The same local steps and periodic synchronization as the Trainer's :class:`~lightning_lordo.LoRDOStrategy`, built
+on the same pieces (the knobs of :mod:`lightning_lordo.config`, the Adam/AdamW conversion, the
+:class:`~lightning_lordo.comm.communicator.Communicator` and the :class:`~lightning_lordo.sync.synchronizer.
+Synchronizer`). Fabric's own ``DDPStrategy`` keeps the launchers, the process group and the distributed sampler.
+
+* ``fabric.setup(model, optimizer)`` broadcasts rank 0's parameters and buffers to every rank and returns the model
+  *unwrapped*: there is no ``DistributedDataParallel``, so ``fabric.backward`` all-reduces nothing
+  (``fabric.no_backward_sync`` is accepted and has nothing to skip). The user's Adam/AdamW becomes
+  :class:`~lightning_lordo.LoRDO` (``lowrank=False``, the ``"diloco"`` preset: any optimizer, kept as it is), and
+  an LR scheduler passed as ``scheduler=`` is re-pointed to it.
+* every ``optimizer.step()`` of the optimizer ``fabric.setup`` returned goes through :meth:`optimizer_step`: the
+  synchronizer's preparation after the backward pass (the gradient average in the synchronous phase, the first
+  bases), the local step, then the step count and, every ``sync_every`` steps, the synchronization. A
+  ``fabric.clip_gradients`` before the step sees what the step will use, as in the Trainer.
+* the final synchronization is **the user's call**: ``fabric.strategy.finish()`` on every rank after the loop.
+  Fabric has no end-of-training hook (it never calls ``Strategy.teardown``), so nothing runs it for you.
+* :meth:`communication_summary` returns the byte figures of the Trainer's ``CommunicationMonitor``.
+
+Only the plugin's collectives are counted; ``fabric.all_reduce``/``fabric.barrier`` calls of your own loop are not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_lordo._tensors import nbytes
+from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.config import (
+    LAUNCH_SUFFIXES,
+    PRESETS,
+    STRATEGY_OPTIMIZER_KNOBS,
+    SyncConfig,
+    check_choice,
+    split_strategy_knobs,
+)
+from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
+from lightning_lordo.lightning.convert import (
+    DEFAULT_FULL_RANK_PARAMS,
+    compile_patterns,
+    convert_optimizer,
+    full_rank_params,
+    repoint_schedulers,
+    scale_base_lrs,
+)
+from lightning_lordo.optim.lordo import LoRDO
+from lightning_lordo.sync.synchronizer import Synchronizer, SyncReport
+
+#: Every knob of :class:`~lightning_lordo.LoRDOStrategy` this strategy takes through ``**knobs``.
+KNOB_NAMES = (*STRATEGY_OPTIMIZER_KNOBS, *(k for k in SyncConfig.__dataclass_fields__ if k not in ("sync_every",
+                                                                                                  "timeout")))
+DEFAULT_TIMEOUT = SyncConfig().timeout.total_seconds()
+
+
+class _NothingToSkip(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: the backward pass never all-reduces here, so there is nothing to skip."""
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return nullcontext()
+
+
+class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
+    """Local steps with a low-rank synchronization every ``sync_every`` optimizer steps, for Lightning Fabric.
+
+    Args:
+        sync_every: K, optimizer steps between synchronizations.
+        lowrank: convert the Adam/AdamW given to ``fabric.setup`` into LoRDO (``True``), or keep the user's
+            optimizer, whatever it is, and only synchronize (``False``: DiLoCo).
+        full_rank_params: regular expressions on parameter names that run AdamW (embeddings always do).
+        start_method: ``popen`` (re-runs your script per rank), ``spawn``, ``fork`` or ``forkserver``.
+        timeout: timeout of every collective, in seconds (1 s to one year) or a timedelta.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend: as in
+            Fabric's ``DDPStrategy``.
+        **knobs: any other knob of :class:`~lightning_lordo.LoRDOStrategy`, by the same name and with the same
+            meaning and checks (``rank``, ``omega``, ``payload``, ``outer_optimizer``, ``warmup_steps``, ...).
+    """
+
+    strategy_name = "lordo"
+
+    def __init__(
+        self,
+        sync_every: int = SyncConfig.sync_every,
+        *,
+        lowrank: bool = True,
+        full_rank_params: Sequence[str] = DEFAULT_FULL_RANK_PARAMS,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision: Optional[Any] = None,
+        process_group_backend: Optional[str] = None,
+        **knobs: Any,
+    ) -> None:
+        accepted = ["sync_every", "lowrank", "full_rank_params", "start_method", "timeout", *KNOB_NAMES]
+        self.sync_config, self.optimizer_knobs = split_strategy_knobs(
+            "LoRDOFabricStrategy", {"sync_every": sync_every, "timeout": timeout, **knobs}, accepted, lowrank=lowrank,
+            optimizer_source="the optimizer you pass to fabric.setup (and your LR scheduler keeps driving lr)")
+        if not isinstance(lowrank, bool):
+            raise ValueError(f"Invalid lowrank={lowrank!r}: it must be True or False.")
+        check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
+        self._full_rank_patterns = compile_patterns(full_rank_params)
+        self.lowrank = lowrank
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
+                         process_group_backend=process_group_backend, timeout=self.sync_config.timeout,
+                         start_method=start_method)
+        self._backward_sync_control = _NothingToSkip()
+        self.accountant = CommAccountant()
+        self.communicator: Optional[Communicator] = None
+        self.synchronizer: Optional[Synchronizer] = None
+        self.sync_reports: list[SyncReport] = []
+        self.module: Optional[nn.Module] = None  # the model whose optimizer is synchronized
+        self.optimizer: Optional[Optimizer] = None  # LoRDO (or, with lowrank=False, the user's optimizer)
+        self.scheduler: Optional[Any] = None
+        self.parameter_names: dict[Tensor, str] = {}
+        self._last_module: Optional[nn.Module] = None
+        self._ddp_bytes_per_step = 0
+        self._prepared = False  # the synchronizer's preparation ran for the coming step (e.g. before clipping)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, (preset, description) in PRESETS.items():
+            for suffix, start_method in LAUNCH_SUFFIXES:
+                if name + suffix not in strategy_registry:
+                    strategy_registry.register(name + suffix, cls, description=f"{description} ({start_method})",
+                                               start_method=start_method, **preset)
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the process group, with the collectives' timeout
+        self.communicator = Communicator(self.accountant, self.sync_config.timeout)
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """No DistributedDataParallel: every rank starts from rank 0's parameters and buffers, then runs free."""
+        assert self.communicator is not None, "setup_environment runs first (fabric.launch())"
+        self.communicator.context = "setup"
+        state = list(module.parameters()) + list(module.buffers())
+        self.communicator.broadcast([t.data for t in state], "setup_broadcast")
+        self._last_module = module
+        return module
+
+    @override
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
+                                    scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
+        if len(optimizers) != 1:
+            names = ", ".join(type(o).__name__ for o in optimizers)
+            raise ValueError(
+                f"Fabric(strategy='lordo') synchronizes one optimizer, but fabric.setup got {len(optimizers)} "
+                f"({names}). Put every parameter into one optimizer (param groups may each set their own lr, "
+                "weight_decay and rank), or use strategy='ddp'.")
+        module = self.setup_module(module)
+        return module, [self._attach(module, optimizers[0], scheduler)], scheduler
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """``fabric.setup_optimizers`` after ``fabric.setup_module``: the optimizer of the model set up last."""
+        if self._last_module is None:
+            raise RuntimeError("Fabric(strategy='lordo') synchronizes the optimizer with its model: set the model up "
+                               "first (model = fabric.setup_module(model), then fabric.setup_optimizers(optimizer)), "
+                               "or both at once with fabric.setup(model, optimizer).")
+        return self._attach(self._last_module, optimizer, None)
+
+    def _attach(self, module: nn.Module, user_optimizer: Optimizer, scheduler: Optional[Any]) -> Optimizer:
+        """The optimizer LoRDO steps (converted) and the synchronizer over the module's trainable parameters."""
+        if self.synchronizer is not None:
+            raise ValueError("Fabric(strategy='lordo') synchronizes one model with one optimizer, and one is set up "
+                             "already. Put every parameter into that optimizer (one model, several param groups), "
+                             "or use strategy='ddp'.")
+        if getattr(self.precision, "scaler", None) is not None:
+            raise RuntimeError("Fabric(strategy='lordo') does not support precision='16-mixed': its gradient scaler "
+                               "skips optimizer steps on the ranks whose own gradients overflow, so the workers' step "
+                               "counts would diverge. Use precision='bf16-mixed' (no scaler) or '32-true'.")
+        assert self.communicator is not None
+        self.parameter_names = {p: n for n, p in module.named_parameters()}
+        optimizer = user_optimizer
+        if self.lowrank:
+            if not isinstance(optimizer, LoRDO) and type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+                raise TypeError(
+                    f"Fabric(strategy='lordo') converts torch.optim.Adam or AdamW into LoRDO, but fabric.setup got "
+                    f"{type(optimizer).__name__}. Pass Adam/AdamW (or lightning_lordo.LoRDO), or use "
+                    "strategy='diloco' (full-rank local steps with any optimizer, averaged every K steps).")
+            optimizer = convert_optimizer(user_optimizer, full_rank_params(module, self._full_rank_patterns),
+                                          self.optimizer_knobs, self.sync_config.seed, self.parameter_names)
+            if optimizer is not user_optimizer:
+                configs = [SimpleNamespace(scheduler=scheduler)] if scheduler is not None else []
+                repoint_schedulers(configs, user_optimizer, optimizer)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self._ddp_bytes_per_step = nbytes(trainable)
+        self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
+                                         self.communicator)
+        self.synchronizer.switch_callbacks.append(self._scale_scheduler)
+        self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        return optimizer
+
+    def _scale_scheduler(self) -> None:
+        if self.scheduler is not None:
+            scale_base_lrs(self.scheduler, self.sync_config.switch_lr_scale)
+
+    def parameter_plan(self) -> list[dict[str, Any]]:
+        """Which parameter takes the low-rank step and which takes AdamW, with names and reasons."""
+        return self.optimizer.describe(self.parameter_names) if isinstance(self.optimizer, LoRDO) else []
+
+    # ------------------------------------------------------------------ the step
+    def _prepare(self) -> None:
+        """Once per optimizer step, after the backward pass: the gradient average (synchronous phase), first bases."""
+        assert self.synchronizer is not None
+        if not self._prepared:
+            self.synchronizer.before_optimizer_step()
+            self._prepared = True
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The local step of the synchronized optimizer, then the step count and every ``sync_every`` steps the
+        synchronization (every rank takes part). Other optimizers step as in DDP."""
+        if self.synchronizer is None or optimizer is not self.optimizer:
+            return super().optimizer_step(optimizer, **kwargs)
+        closure = kwargs.get("closure")
+        if closure is not None:  # the closure runs the backward pass inside step()
+
+            def backward_then_prepare() -> Any:
+                output = closure()
+                self._prepare()
+                return output
+
+            kwargs["closure"] = backward_then_prepare
+        else:
+            self._prepare()
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._prepared = False
+        synchronizer = self.synchronizer
+        if not synchronizer.synchronous_now and synchronizer.steps_since_sync + 1 >= self.sync_config.sync_every:
+            self._check_synchronized_set()
+        report = synchronizer.on_optimizer_step()
+        if report is not None:
+            self.sync_reports.append(report)
+        return output
+
+    @override
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        if optimizer is self.optimizer:
+            self._prepare()  # clip what the step will use (the averaged gradient in the synchronous phase)
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        if optimizer is self.optimizer:
+            self._prepare()
+        return super().clip_gradients_value(module, optimizer, clip_val)
+
+    def _check_synchronized_set(self) -> None:
+        """Refuse parameters that became trainable after ``fabric.setup``: they would never be averaged."""
+        assert self.synchronizer is not None and self.module is not None
+        known = {id(p) for p in self.synchronizer.params}
+        new = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in known]
+        if new:
+            raise RuntimeError(
+                f"LoRDO synchronizes the parameters that were trainable at fabric.setup, but {new[:5]} became "
+                "trainable later; they would drift apart on every rank. Unfreeze them before fabric.setup.")
+
+    # ------------------------------------------------------------------ the end, and the figures
+    def finish(self) -> Optional[SyncReport]:
+        """The final synchronization: call it on every rank after the training loop (Fabric has no hook that would).
+
+        First every rank's optimizer step count is compared (one small counted all-reduce): ranks that took
+        different numbers of steps raise here, together, instead of pairing mismatched collectives. Then, if any
+        local step was taken since the last synchronization, one more round runs. Afterwards every rank holds the
+        same model. Training may go on after it (it is a synchronization like the others).
+
+        Returns:
+            The round's report, or ``None`` when the ranks were already synchronized.
+        """
+        synchronizer = self._require_setup("finish()")
+        assert self.communicator is not None
+        steps = float(synchronizer.optimizer_steps)
+        counts = torch.tensor([steps, steps * steps], dtype=torch.float64, device=self.root_device)
+        self.communicator.context = "finish(): the step-count check"
+        self.communicator.all_reduce_mean([counts], "step_count_check", in_round=False)
+        mean, mean_square = counts.tolist()
+        if mean_square - mean * mean > 0.25:  # the same decision on every rank
+            raise RuntimeError(
+                f"LoRDO finish(): the ranks took different numbers of optimizer steps (this rank {int(steps)}, the "
+                f"mean {mean:g}). Every rank must call optimizer.step() equally often: give every rank the same "
+                "number of batches (fabric.setup_dataloaders adds a DistributedSampler; use drop_last=True).")
+        if synchronizer.steps_since_sync == 0:
+            return None
+        report = synchronizer.sync()
+        self.sync_reports.append(report)
+        return report
+
+    @property
+    def ddp_equivalent_bytes(self) -> int:
+        """Bytes DDP's gradient all-reduce would have passed for the optimizer steps so far (0 on one process:
+        DDP sends nothing there)."""
+        steps = self.synchronizer.optimizer_steps if self.synchronizer is not None else 0
+        return self._ddp_bytes_per_step * steps if self.world_size > 1 else 0
+
+    def communication_summary(self) -> dict[str, Any]:
+        """This rank's traffic so far: ``bytes_sent_total`` (every collective of the plugin, setup included),
+        ``bytes_by_purpose``, ``ddp_equivalent_bytes``, ``bytes_saving_vs_ddp`` (their ratio, ``None`` when
+        nothing was sent), ``syncs``, ``skipped_syncs``, ``optimizer_steps``, ``steps_since_sync`` and
+        ``world_size``. The same figures as the Trainer's ``CommunicationMonitor``."""
+        total, ddp = self.accountant.total_bytes, self.ddp_equivalent_bytes
+        synchronizer = self.synchronizer
+        return {
+            "bytes_sent_total": total,
+            "bytes_by_purpose": dict(sorted(self.accountant.totals.items())),
+            "ddp_equivalent_bytes": ddp,
+            "bytes_saving_vs_ddp": ddp / total if total else None,
+            "syncs": synchronizer.syncs_done if synchronizer is not None else 0,
+            "skipped_syncs": synchronizer.skipped_syncs if synchronizer is not None else 0,
+            "optimizer_steps": synchronizer.optimizer_steps if synchronizer is not None else 0,
+            "steps_since_sync": synchronizer.steps_since_sync if synchronizer is not None else 0,
+            "world_size": self.world_size,
+        }
+
+    def _require_setup(self, what: str) -> Synchronizer:
+        if self.synchronizer is None:
+            raise RuntimeError(f"LoRDO {what} needs a model and optimizer set up first: "
+                               "model, optimizer = fabric.setup(model, optimizer).")
+        return self.synchronizer

@@ -1,0 +1,334 @@
+"""``Fabric(strategy="lordo")``: two processes launched by fork (asserts inside the workers), one-process plumbing
+in this process, the Trainer strategy on the same data, and the example script as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from lightning_lordo import LoRDO, LoRDOFabricStrategy
+from lightning_lordo.config import LAUNCH_SUFFIXES, PRESETS
+from tests.strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, regression_data, trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+K = 4
+
+
+@pytest.fixture(autouse=True)
+def _keep_environment():
+    """Fabric's launcher writes MASTER_PORT, LOCAL_RANK, WORLD_SIZE into this process's environment."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def fabric_for(devices: int = 2, **knobs: Any) -> Fabric:
+    """Fork for two workers; one device runs in this process (no launcher process)."""
+    knobs.setdefault("rank", 4)
+    strategy = LoRDOFabricStrategy(sync_every=knobs.pop("sync_every", K), start_method="fork" if devices > 1
+                                   else "popen", timeout=30, **knobs)
+    return Fabric(accelerator="cpu", devices=devices, strategy=strategy)
+
+
+def regression_model(seed: int = 0) -> nn.Module:
+    """The network of the Trainer tests' ``TinyRegressor``, built the same way (same seed, same parameters)."""
+    torch.manual_seed(seed)
+    return TinyRegressor().net
+
+
+def run_steps(fabric: Fabric, model: Any, optimizer: Any, batches: Any, after: Callable[[int], None] = lambda s: None,
+              clip: bool = False) -> list[float]:
+    losses = []
+    for step, (x, y) in enumerate(batches, start=1):
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        if clip:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        after(step)
+    return losses
+
+
+def ranks_identical(t: torch.Tensor) -> bool:
+    copies = gather(t)
+    return all(torch.equal(copies[0], c) for c in copies[1:])
+
+
+# ---------------------------------------------------------------------------------------------------- two processes
+@pytest.mark.timeout(120)
+def test_two_processes_convert_adam_sync_every_k_and_end_identical() -> None:
+    fabric = fabric_for()
+    model = regression_model()
+
+    def work(fabric: Fabric) -> None:
+        data = fabric.setup_dataloaders(loader(n=512))
+        net, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+        strategy: LoRDOFabricStrategy = fabric.strategy  # type: ignore[assignment]
+        assert type(optimizer.optimizer) is LoRDO and isinstance(optimizer, LoRDO)
+        assert not isinstance(net._forward_module, DistributedDataParallel), "no DDP wrapper"
+        params = [p for p in model.parameters() if p.requires_grad]
+        first_batch = next(iter(data))
+        eval_loss = lambda: nn.functional.mse_loss(model(first_batch[0]), first_batch[1]).item()  # noqa: E731
+        start = eval_loss()
+        with fabric.no_backward_sync(net):  # accepted: there is nothing to skip
+            fabric.backward(nn.functional.mse_loss(net(first_batch[0] + fabric.global_rank), first_batch[1]))
+        assert not ranks_identical(params[0].grad), "backward must not all-reduce the gradients"
+        optimizer.zero_grad()
+
+        def check(step: int) -> None:
+            assert strategy.synchronizer.steps_since_sync == step % K
+            identical = ranks_identical(flat_params(model))
+            assert identical == (step % K == 0), f"step {step}: replicas identical={identical}"
+
+        steps = 30  # 7 rounds of K=4, then 2 local steps for finish()
+        run_steps(fabric, net, optimizer, (b for _, b in zip(range(steps), data)), after=check)
+        assert [r.step for r in strategy.sync_reports] == list(range(K, steps + 1, K))
+        assert strategy.finish().step == steps and strategy.finish() is None  # a second call: nothing left
+        assert ranks_identical(flat_params(model))
+        assert eval_loss() < 0.5 * start, (start, eval_loss())
+        summary = strategy.communication_summary()
+        pseudo = sum(p.numel() * 4 for p in params)  # float32, the full payload: every number of every parameter
+        assert all(r.bytes_by_purpose["pseudo_gradients"] == pseudo for r in strategy.sync_reports)
+        assert summary["syncs"] == len(strategy.sync_reports) == 8 and summary["optimizer_steps"] == steps
+        assert summary["ddp_equivalent_bytes"] == steps * pseudo
+        assert summary["bytes_by_purpose"]["pseudo_gradients"] == 8 * pseudo
+        assert 0 < summary["bytes_sent_total"] < summary["ddp_equivalent_bytes"]
+        assert summary["bytes_saving_vs_ddp"] == summary["ddp_equivalent_bytes"] / summary["bytes_sent_total"] > 1.5
+        assert summary["bytes_sent_total"] == strategy.accountant.total_bytes == sum(summary["bytes_by_purpose"]
+                                                                                     .values())
+
+    fabric.launch(work)
+
+
+@pytest.mark.timeout(120)
+def test_synchronous_phase_averages_once_per_step_before_clipping() -> None:
+    fabric = fabric_for(synchronous=True)  # the "lowrank_ddp" preset
+    model = regression_model()
+
+    def work(fabric: Fabric) -> None:
+        data = fabric.setup_dataloaders(loader())
+        net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        strategy: LoRDOFabricStrategy = fabric.strategy  # type: ignore[assignment]
+        per_step: list[int] = []
+
+        def check(step: int) -> None:  # gradients averaged every step: the replicas never differ
+            assert ranks_identical(flat_params(model)), f"step {step}"
+            per_step.append(strategy.communication_summary()["bytes_by_purpose"]["gradients"])
+
+        run_steps(fabric, net, optimizer, (b for _, b in zip(range(6), data)), after=check, clip=True)
+        grads = sum(p.numel() * 4 for p in model.parameters())
+        assert grads <= per_step[0] < 2 * grads, "clipping then stepping averages the gradients once"
+        assert per_step == [per_step[0] * s for s in range(1, 7)]
+        assert strategy.finish() is None  # nothing local to synchronize
+
+    fabric.launch(work)
+
+
+def _train_and_save(fabric: Fabric, model: nn.Module, path: Path, result: Path) -> None:
+    data = list(zip(range(12), fabric.setup_dataloaders(loader())))
+    net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    run_steps(fabric, net, optimizer, (b for _, b in data[:9]))
+    with pytest.raises(RuntimeError, match=r"optimizer step 9, 1 local step.*fabric.strategy.finish\(\)"):
+        fabric.save(path, {"model": net, "optimizer": optimizer})
+    fabric.strategy.finish()  # a synchronization at step 9: now it can be saved
+    fabric.save(path, {"model": net, "optimizer": optimizer, "step": 9})
+    run_steps(fabric, net, optimizer, (b for _, b in data[9:]))
+    fabric.strategy.finish()
+    if fabric.global_rank == 0:
+        torch.save({"params": flat_params(model), "summary": fabric.strategy.communication_summary()}, result)
+
+
+def _load_and_continue(fabric: Fabric, model: nn.Module, path: Path) -> dict[str, Any]:
+    data = list(zip(range(12), fabric.setup_dataloaders(loader())))
+    net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state: dict[str, Any] = {"model": net, "optimizer": optimizer, "step": 0}
+    fabric.load(path, state)
+    strategy: LoRDOFabricStrategy = fabric.strategy  # type: ignore[assignment]
+    assert state["step"] == 9 and strategy.synchronizer.optimizer_steps == 9 and strategy.synchronizer.syncs_done == 3
+    assert ranks_identical(flat_params(model))
+    run_steps(fabric, net, optimizer, (b for _, b in data[9:]))
+    strategy.finish()
+    return {"params": flat_params(model).tolist(), "summary": strategy.communication_summary()}  # no tensors:
+    # tensors in the return value travel as shared memory the exiting worker takes with it
+
+
+@pytest.mark.timeout(120)
+def test_save_at_a_boundary_and_load_resume_the_same_run(tmp_path: Path) -> None:
+    """With every optimizer state averaged at each sync, the resumed run is bit-identical to the uninterrupted one."""
+    path, result = tmp_path / "fabric.ckpt", tmp_path / "uninterrupted.pt"
+    fabric_for(average_fullrank_moments=True).launch(_train_and_save, regression_model(0), path, result)
+    assert "lordo" in torch.load(path, weights_only=True)
+    resumed = fabric_for(average_fullrank_moments=True).launch(_load_and_continue, regression_model(1), path)
+    uninterrupted = torch.load(result, weights_only=False)
+    assert resumed["params"] == uninterrupted["params"].tolist()
+    for key in ("syncs", "optimizer_steps", "ddp_equivalent_bytes"):
+        assert resumed["summary"][key] == uninterrupted["summary"][key], key
+    assert resumed["summary"]["bytes_by_purpose"]["pseudo_gradients"] == \
+        uninterrupted["summary"]["bytes_by_purpose"]["pseudo_gradients"]
+
+
+# ---------------------------------------------------------------------------------------------------- the Trainer
+class _WriteResults(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            s = trainer.strategy
+            torch.save({"params": flat_params(pl_module), "totals": dict(s.accountant.totals),
+                        "reports": [(r.step, r.bytes_by_purpose) for r in s.sync_reports]}, self.path)
+
+
+@pytest.mark.timeout(180)
+def test_same_syncs_bytes_and_model_as_the_trainer_strategy(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = TinyRegressor()  # AdamW(lr=1e-2, weight_decay=0.01), as below
+    trainer(lordo(sync_every=K), callbacks=[_WriteResults(tmp_path / "trainer.pt")], max_steps=10).fit(
+        module, loader())
+    expected = torch.load(tmp_path / "trainer.pt", weights_only=False)
+
+    def work(fabric: Fabric) -> dict[str, Any]:
+        model = regression_model(0)
+        net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+        # the Trainer's distributed sampler always shuffles training data (seed 0); Fabric's follows the loader
+        data = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=8, shuffle=True))
+        run_steps(fabric, net, optimizer, (b for _, b in zip(range(10), data)))
+        fabric.strategy.finish()
+        s = fabric.strategy
+        return {"params": flat_params(model).tolist(), "totals": dict(s.accountant.totals),
+                "reports": [(r.step, r.bytes_by_purpose) for r in s.sync_reports]}
+
+    got = fabric_for().launch(work)
+    assert got["reports"] == expected["reports"]  # syncs at steps 4, 8 and 10, the same bytes for each purpose
+    ours = {k: v for k, v in got["totals"].items() if k != "step_count_check"}  # finish()'s check
+    theirs = {k: v for k, v in expected["totals"].items() if k != "lightning_sigterm_check"}  # Lightning's per batch
+    assert ours == theirs
+    assert got["params"] == expected["params"].tolist()  # bit for bit
+
+
+# ---------------------------------------------------------------------------------------------------- one process
+def test_names_are_registered_with_fabric() -> None:
+    for name, (preset, _) in PRESETS.items():
+        for suffix, start_method in LAUNCH_SUFFIXES:
+            entry = STRATEGY_REGISTRY[name + suffix]
+            assert entry["strategy"] is LoRDOFabricStrategy
+            assert entry["init_params"] == {"start_method": start_method, **preset}
+    assert Fabric(strategy="diloco", accelerator="cpu", devices=1).strategy.lowrank is False
+    assert Fabric(strategy="lowrank_ddp", accelerator="cpu", devices=1).strategy.sync_config.synchronous is True
+    local = Fabric(strategy="lordo_local_fork", accelerator="cpu", devices=1).strategy.sync_config
+    assert local.basis_scope == "local" and local.average_moments is False
+
+
+def _launched(**knobs: Any) -> Fabric:
+    fabric = fabric_for(devices=1, **knobs)
+    fabric.launch()
+    return fabric
+
+
+def test_bad_input_gets_errors_naming_the_value_and_the_fix() -> None:
+    with pytest.raises(TypeError, match=r"unknown arguments \['rnak'\] \(rnak: did you mean 'rank'\?\)"):
+        LoRDOFabricStrategy(rnak=4)
+    with pytest.raises(ValueError, match=r"\['lr'\]: these come from the optimizer you pass to fabric.setup"):
+        LoRDOFabricStrategy(lr=1e-3)
+    with pytest.raises(ValueError, match=r"Invalid payload='lowrank' with lowrank=False"):
+        LoRDOFabricStrategy(lowrank=False, payload="lowrank")
+    with pytest.raises(ValueError, match=r"Invalid sync_every=0"):
+        LoRDOFabricStrategy(sync_every=0)
+    fabric, model = _launched(), regression_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"one optimizer, but fabric.setup got 2 \(AdamW, SGD\).*one optimizer"):
+        fabric.setup(model, torch.optim.AdamW(model.parameters()), sgd)
+    fabric = _launched()
+    with pytest.raises(TypeError, match=r"converts torch.optim.Adam or AdamW.*got SGD.*strategy='diloco'"):
+        fabric.setup(model, sgd)
+    fabric = _launched()
+    with pytest.raises(RuntimeError, match=r"set the model up first.*fabric.setup_module\(model\)"):
+        fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+
+
+def test_diloco_keeps_any_optimizer_and_setup_module_then_setup_optimizers_works() -> None:
+    fabric, model = _launched(lowrank=False), regression_model()
+    net = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert type(optimizer.optimizer) is torch.optim.SGD
+    with pytest.raises(ValueError, match=r"one model with one optimizer, and one is set up already"):
+        fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    run_steps(fabric, net, optimizer, (b for _, b in zip(range(2 * K), loader())))
+    summary = fabric.strategy.communication_summary()
+    assert summary["syncs"] == 2 and summary["bytes_sent_total"] == 0  # one process: nothing travels
+    assert summary["ddp_equivalent_bytes"] == 0 and summary["bytes_saving_vs_ddp"] is None  # nor with DDP
+
+
+def test_closure_step_and_scheduler_keep_driving_the_converted_optimizer() -> None:
+    fabric, model = _launched(), regression_model()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 0.5**step)
+    net, optimizer, scheduler = fabric.setup(model, adamw, scheduler=schedule)
+    assert scheduler.optimizer is optimizer.optimizer and isinstance(scheduler.optimizer, LoRDO)
+    x, y = next(iter(loader()))
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(net(x), y)
+        fabric.backward(loss)
+        return loss
+
+    lrs = []
+    for _ in range(K):
+        assert isinstance(optimizer.step(closure), torch.Tensor)
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx([1e-2 * 0.5**s for s in range(1, K + 1)])
+    assert fabric.strategy.synchronizer.optimizer_steps == K and fabric.strategy.synchronizer.syncs_done == 1
+
+
+def test_loading_an_optimizer_state_not_written_by_lordo_is_refused(tmp_path: Path) -> None:
+    model = regression_model()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    nn.functional.mse_loss(model(torch.randn(4, 12)), torch.randn(4, 3)).backward()
+    adamw.step()
+    torch.save({"model": model.state_dict(), "optimizer": adamw.state_dict()}, tmp_path / "ddp.ckpt")
+    fabric = _launched()
+    net, optimizer = fabric.setup(regression_model(1), torch.optim.AdamW(regression_model(1).parameters()))
+    with pytest.raises(ValueError, match=r"'optimizer' is not written by strategy='lordo'.*Load the model only"):
+        fabric.load(tmp_path / "ddp.ckpt", {"model": net, "optimizer": optimizer})
+    fabric.load(tmp_path / "ddp.ckpt", {"model": net}, strict=False)  # the model alone: it becomes the anchor
+    assert torch.equal(flat_params(net), flat_params(model))
+    assert all(torch.equal(a, p) for a, p in zip(fabric.strategy.synchronizer.anchor.tensors, net.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------------- the example
+@pytest.mark.timeout(240)
+def test_example_script_trains_with_two_processes(tmp_path: Path) -> None:
+    """Fabric's default launcher re-runs the command line for rank 1: only ever as a subprocess."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for key in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "examples/fabric_lordo.py", "--steps", "64", "--checkpoint",
+                          str(tmp_path / "final.ckpt")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["world_size"] == 2 and result["optimizer_steps"] == 64 and result["syncs"] == 4
+    assert result["last_loss"] < result["first_loss"] - 0.5
+    assert 0 < result["bytes_sent_total"] < result["ddp_equivalent_bytes"] / 4
+    saved = torch.load(tmp_path / "final.ckpt", weights_only=True)
+    assert saved["step"] == 64 and saved["lordo"]["optimizer"] == "LoRDO"
+
