@@ -5,11 +5,17 @@ logs, under ``lordo/`` (per worker; Lightning's loggers write from rank 0):
 
 * ``bytes_sent_sync``, ``bytes_sent_total``: bytes passed to collectives (all purposes, Lightning's own
   per-batch SIGTERM broadcast included); ``ddp_equivalent_bytes``: what DDP's gradient all-reduce would
-  have passed for the same optimizer steps; ``bytes_saving_vs_ddp``: their ratio (DDP / LoRDO);
-* ``sync_seconds``, ``basis_seconds``, ``subspace_movement``, ``pseudo_gradient_norm``, ``skipped_syncs``;
+  have passed for the same optimizer steps (0 on one device: DDP sends nothing there); ``bytes_saving_vs_ddp``:
+  their ratio (DDP / LoRDO), 1.0 while neither has sent anything (one device), never NaN;
+* ``sync_seconds``, ``basis_seconds``, ``subspace_movement``, ``pseudo_gradient_norm`` (not for a discarded,
+  non-finite round), ``skipped_syncs``;
 * from the optimizer: ``term_ratio`` (SPEC §6), ``error_feedback_norm``;
 * memory (SPEC §8, three separate lines): ``optimizer_state_bytes`` vs ``adamw_state_bytes``,
   ``error_feedback_bytes``, ``sync_buffer_bytes``.
+
+The figures are logged at Lightning's own step (the ``step`` of ``self.log``'s rows): in the row Lightning writes
+for that batch when it writes one (``log_every_n_steps``), in a row of their own at that step otherwise. With a
+progress bar, ``lordo/saving_vs_ddp`` (the current ``bytes_saving_vs_ddp``) is shown in it.
 
 Cumulative totals live in the strategy and are saved in checkpoints. At the end of ``fit`` rank 0 prints
 a rich table of the same figures.
@@ -17,8 +23,10 @@ a rich table of the same figures.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from rich.console import Console
 from rich.table import Table
@@ -32,33 +40,106 @@ class CommunicationMonitor(Callback):
     Args:
         prefix: prefix of every logged name.
         summary: print a rich table on rank 0 at the end of ``fit``.
+        progress_bar: show ``<prefix>saving_vs_ddp`` (bytes DDP would have sent per byte sent) in the progress bar:
+            ``None`` when the Trainer has one, ``True`` or ``False``.
     """
 
-    def __init__(self, prefix: str = "lordo/", summary: bool = True) -> None:
+    def __init__(self, prefix: str = "lordo/", summary: bool = True, progress_bar: Optional[bool] = None) -> None:
+        if not isinstance(prefix, str):
+            raise ValueError(f"Invalid prefix={prefix!r}: it must be a string, e.g. 'lordo/'.")
+        if not isinstance(summary, bool):
+            raise ValueError(f"Invalid summary={summary!r}: it must be True or False.")
+        if progress_bar is not None and not isinstance(progress_bar, bool):
+            raise ValueError(f"Invalid progress_bar={progress_bar!r}: it must be True, False or None (on when the "
+                             "Trainer has a progress bar).")
         self.prefix = prefix
         self.summary = summary
+        self.progress_bar = progress_bar
         self._logged = 0
+        self._show_progress = False
+        self._added_by_strategy = False
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._logged = len(_lordo_strategy(trainer).sync_reports)
+        has_bar = trainer.progress_bar_callback is not None
+        self._show_progress = has_bar if self.progress_bar is None else self.progress_bar
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        _forget_logged(trainer, self.prefix, keep=self.prefix + "saving_vs_ddp")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        self._log_new_reports(trainer)
+        strategy = _lordo_strategy(trainer)
+        new = strategy.sync_reports[self._logged :]
+        self._logged = len(strategy.sync_reports)
+        joins_row = bool(trainer.loggers) and _lightning_writes_this_batch(trainer)
+        for i, report in enumerate(new):
+            metrics = {self.prefix + k: v for k, v in figures(strategy, report).items()}
+            if joins_row and i == len(new) - 1:  # into Lightning's own row for this batch, exactly (float64)
+                for name, value in metrics.items():
+                    pl_module.log(name, torch.tensor(float(value), dtype=torch.float64), on_step=True,
+                                  on_epoch=False, logger=True, batch_size=1)
+            else:
+                _write(trainer, metrics, _lightning_step(trainer))
+        if self._show_progress:
+            pl_module.log(self.prefix + "saving_vs_ddp", figures(strategy, totals_only=True)["bytes_saving_vs_ddp"],
+                          on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._log_new_reports(trainer)  # the final synchronization happens after the last batch
+        # a final synchronization after the last batch (a fit that ended otherwise than at its last step): at the
+        # last batch's step, where Lightning writes its epoch-end metrics too
+        strategy = _lordo_strategy(trainer)
+        for report in strategy.sync_reports[self._logged :]:
+            _write(trainer, {self.prefix + k: v for k, v in figures(strategy, report).items()},
+                   max(_lightning_step(trainer) - 1, 0))
+        self._logged = len(strategy.sync_reports)
         for logger in trainer.loggers:
             logger.save()
         if self.summary and trainer.is_global_zero:
             Console().print(summary_table(trainer.strategy))
 
-    def _log_new_reports(self, trainer: Trainer) -> None:
-        strategy = _lordo_strategy(trainer)
-        for report in strategy.sync_reports[self._logged :]:
-            metrics = {self.prefix + k: v for k, v in figures(strategy, report).items()}
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=report.step)
-        self._logged = len(strategy.sync_reports)
+
+def add_monitor(trainer: Trainer, progress_bar: Optional[bool]) -> None:
+    """The strategy's monitor (``monitor=True``), unless the Trainer already has a monitor of the user's."""
+    theirs = [c for c in trainer.callbacks if isinstance(c, CommunicationMonitor) and not c._added_by_strategy]
+    if theirs and progress_bar is not None:
+        raise ValueError(
+            f"Invalid monitor_progress_bar={progress_bar!r}: it configures the CommunicationMonitor the strategy adds, "
+            f"but this Trainer has its own. Pass CommunicationMonitor(progress_bar={progress_bar!r}) to the Trainer "
+            "instead and leave monitor_progress_bar unset."
+        )
+    if not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
+        monitor = CommunicationMonitor(progress_bar=progress_bar)
+        monitor._added_by_strategy = True
+        trainer.callbacks.append(monitor)
+
+
+def _lightning_step(trainer: Trainer) -> int:
+    """The step Lightning's logger connector gives the rows of ``self.log`` during training (it counts the batches
+    that took an optimizer step, and is saved in checkpoints)."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def _lightning_writes_this_batch(trainer: Trainer) -> bool:
+    """Whether Lightning writes its step metrics to the loggers after this batch (``log_every_n_steps``)."""
+    connector = trainer._logger_connector
+    return bool(connector.should_update_logs or trainer.fast_dev_run)
+
+
+def _write(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+    """A row of its own at Lightning's ``step`` (with the ``epoch`` column Lightning's rows have)."""
+    for logger in trainer.loggers:
+        logger.log_metrics({**metrics, "epoch": trainer.current_epoch}, step=step)
+
+
+def _forget_logged(trainer: Trainer, prefix: str, keep: str) -> None:
+    """Lightning keeps writing a value logged with ``self.log(on_step=True)`` into every later row until it is
+    logged again; a synchronization's figures belong to its own row only, so they are dropped after it."""
+    results = getattr(trainer, "_results", None)
+    for result in (results or {}).values():
+        meta = getattr(result, "meta", None)
+        if meta is not None and meta.fx == "on_train_batch_end" and meta.name.startswith(prefix) \
+                and meta.name != keep and not getattr(result, "has_reset", True):
+            result.reset()
 
 
 def _lordo_strategy(trainer: Trainer) -> Any:
@@ -71,23 +152,38 @@ def _lordo_strategy(trainer: Trainer) -> Any:
     return trainer.strategy
 
 
-def figures(strategy: Any, report: Optional[SyncReport] = None) -> dict[str, float]:
-    """The monitor's figures for ``strategy`` after ``report`` (or the current totals without one)."""
+def ddp_bytes(strategy: Any) -> int:
+    """What DDP's gradient all-reduce would have passed per worker: nothing on one device (DDP sends nothing)."""
+    return strategy.ddp_equivalent_bytes if strategy.world_size > 1 else 0
+
+
+def saving_ratio(ddp: float, sent: float) -> float:
+    """DDP's bytes per byte sent; 1.0 while neither has sent anything (one device), finite always."""
+    return 1.0 if ddp == 0 and sent == 0 else ddp / max(sent, 1)
+
+
+def figures(strategy: Any, report: Optional[SyncReport] = None, totals_only: bool = False) -> dict[str, float]:
+    """The monitor's figures for ``strategy`` after ``report`` (or the current totals without one; only the byte
+    totals with ``totals_only``)."""
     total = strategy.accountant.total_bytes
-    ddp = strategy.ddp_equivalent_bytes
+    ddp = ddp_bytes(strategy)
     out: dict[str, float] = {
         "bytes_sent_total": total,
         "ddp_equivalent_bytes": ddp,
-        "bytes_saving_vs_ddp": ddp / total if total else float("nan"),
-        "skipped_syncs": strategy.synchronizer.skipped_syncs,
+        "bytes_saving_vs_ddp": saving_ratio(ddp, total),
     }
+    if totals_only:
+        return out
+    out["skipped_syncs"] = strategy.synchronizer.skipped_syncs
     if report is not None:
         out.update({
             "bytes_sent_sync": report.bytes_sent,
             "sync_seconds": report.seconds,
             "basis_seconds": report.basis_seconds,
-            "pseudo_gradient_norm": report.pseudo_gradient_norm,
         })
+        norm = report.pseudo_gradient_norm  # None for a synchronous step, NaN for a discarded round
+        if norm is not None and math.isfinite(norm):
+            out["pseudo_gradient_norm"] = norm
         if report.subspace_movement is not None:
             out["subspace_movement"] = report.subspace_movement
         out.update(report.extra)  # e.g. sync_error_feedback_norm (compressed payloads), reset counts
@@ -95,7 +191,7 @@ def figures(strategy: Any, report: Optional[SyncReport] = None) -> dict[str, flo
     if hasattr(optimizer, "diagnostics"):
         out.update(optimizer.diagnostics())
     out.update(memory_figures(strategy))
-    return out
+    return {k: v for k, v in out.items() if v is not None}  # a figure this round does not have is left out
 
 
 def memory_figures(strategy: Any) -> dict[str, float]:
@@ -123,8 +219,12 @@ def summary_table(strategy: Any) -> Table:
         table.add_row(f"  bytes sent: {purpose}", _human(nbytes))
     figs = figures(strategy)
     table.add_row("bytes sent, total", _human(figs["bytes_sent_total"]))
-    table.add_row("DDP would have sent", _human(figs["ddp_equivalent_bytes"]))
-    table.add_row("saving vs DDP", f"{figs['bytes_saving_vs_ddp']:.1f}x")
+    if strategy.world_size > 1:
+        table.add_row("DDP would have sent", _human(figs["ddp_equivalent_bytes"]))
+        table.add_row("saving vs DDP", f"{figs['bytes_saving_vs_ddp']:.1f}x")
+    else:
+        table.add_row("DDP would have sent", "nothing (one device)")
+        table.add_row("saving vs DDP", "none (one device)")
     if reports:
         table.add_row("mean sync time", f"{sum(r.seconds for r in reports) / len(reports) * 1e3:.1f} ms")
         table.add_row("  of which bases", f"{sum(r.basis_seconds for r in reports) / len(reports) * 1e3:.1f} ms")

@@ -5,6 +5,7 @@ so they keep driving the learning rate."""
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import warnings
 import weakref
@@ -118,6 +119,7 @@ def scale_base_lrs(scheduler: Any, scale: float) -> None:
     for inner in getattr(scheduler, "_schedulers", ()):
         scale_base_lrs(inner, scale)
 
+
 def track_step_calls(optimizer: Optimizer) -> None:
     """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does, so that re-pointed
     schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``."""
@@ -132,3 +134,48 @@ def track_step_calls(optimizer: Optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def several_optimizers_message(module: Any) -> str:
+    """What to do when ``configure_optimizers`` returns more than one optimizer, or ``training_step`` takes
+    ``optimizer_idx`` (Lightning refuses both under automatic optimization and suggests manual optimization,
+    which the strategy refuses in turn)."""
+    try:  # only on this error path: which optimizers were returned (configure_optimizers is called once more)
+        found = _optimizers_in(module.configure_optimizers())
+    except Exception:  # noqa: BLE001 (the message still says what to do)
+        found = []
+    names = ", ".join(type(o).__name__ for o in found)
+    returned = f"{len(found)} optimizer{'s' if len(found) != 1 else ''} ({names})" if found else "several optimizers"
+    if "optimizer_idx" in _hook_parameters(module, "training_step"):
+        problem = (f"training_step takes `optimizer_idx` (Lightning 1.x's way of stepping several optimizers; "
+                   f"configure_optimizers returned {returned})")
+        drop = ", and remove `optimizer_idx` from training_step"
+    else:
+        problem, drop = f"configure_optimizers returned {returned}", ""
+    return (
+        f"LoRDOStrategy steps one optimizer under automatic optimization (not multiple optimizers), but {problem}. "
+        "Lightning's suggestion, manual optimization, does not work with LoRDO either: it synchronizes after each "
+        "optimizer step Lightning makes. Return one Adam/AdamW with a parameter group per part of the model, each "
+        "with its own lr, betas and weight_decay, e.g. torch.optim.AdamW([{'params': self.encoder.parameters(), "
+        "'lr': 1e-3}, {'params': self.head.parameters(), 'lr': 1e-4, 'betas': (0.9, 0.95)}]) (one LR scheduler "
+        f"drives every group; LambdaLR takes one function per group){drop}. To keep several optimizers (e.g. a "
+        "GAN's), use strategy='ddp'."
+    )
+
+
+def _optimizers_in(value: Any) -> list[Optimizer]:
+    """The optimizers in what ``configure_optimizers`` returned (an optimizer, lists, tuples or dicts of them)."""
+    if isinstance(value, Optimizer):
+        return [value]
+    if isinstance(value, dict):
+        return _optimizers_in(value.get("optimizer"))
+    if isinstance(value, (list, tuple)):
+        return [o for item in value for o in _optimizers_in(item)]
+    return []
+
+
+def _hook_parameters(module: Any, name: str) -> list[str]:
+    try:
+        return list(inspect.signature(getattr(module, name)).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return []

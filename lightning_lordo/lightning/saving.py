@@ -23,6 +23,7 @@ class SynchronizedState:
     synchronizer: Any
     communicator: Any
     _swapped_for_eval: bool
+    _plugin_warnings: Any  # a PluginWarnings (user_warnings.py): warnings once, on rank 0, at the user's line
 
     # ------------------------------------------------------------------ one model for evaluation and checkpoints
     def _mid_round(self) -> bool:
@@ -101,6 +102,7 @@ class SynchronizedState:
         notes += resume.load_optimizer(optimizer, saved, self._restored_names, self.parameter_names)
         if self._reset_on_load:
             resume.reset_error_feedback(optimizer)
-        resume.warn(notes, self.global_rank)
+        with self._plugin_warnings:  # at the user's trainer.fit(ckpt_path=...) line
+            resume.warn(notes, self.global_rank)
         self._restored_optimizer, self._restored_names, self._resume_notes = None, None, []
         self._lordo_checkpoint = self._reset_on_load = False

@@ -34,7 +34,7 @@ from lightning_lordo.config import (
     check_choice,
     split_strategy_knobs,
 )
-from lightning_lordo.lightning.callbacks import CommunicationMonitor
+from lightning_lordo.lightning.callbacks import add_monitor
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
 from lightning_lordo.lightning.convert import (
@@ -44,9 +44,11 @@ from lightning_lordo.lightning.convert import (
     full_rank_params,
     repoint_schedulers,
     scale_base_lrs,
+    several_optimizers_message,
 )
 from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimizer
 from lightning_lordo.lightning.saving import SynchronizedState
+from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync.synchronizer import Synchronizer, SyncReport
 
@@ -69,6 +71,9 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
             and only synchronize (``False``: DiLoCo).
         full_rank_params: regular expressions on parameter names that run AdamW (embeddings always do).
         monitor: add a :class:`~lightning_lordo.CommunicationMonitor` unless the Trainer already has one.
+        monitor_progress_bar: whether that monitor shows ``lordo/saving_vs_ddp`` in the progress bar: ``null`` (on
+            when the Trainer has a progress bar), ``true`` or ``false``. For a monitor of your own, pass
+            ``progress_bar`` to it instead.
         start_method: how processes are launched: ``popen``, ``spawn``, ``fork`` or ``forkserver``, as in DDP.
         rank: rank r per matrix: an int >= 1, or a float in (0, 1] (a fraction of each matrix's smaller side).
         omega: weight of the low-rank term; 1 - omega weights the full-rank normalized term.
@@ -119,6 +124,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         lowrank: bool = True,
         full_rank_params: Sequence[str] = DEFAULT_FULL_RANK_PARAMS,
         monitor: bool = True,
+        monitor_progress_bar: Optional[bool] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         rank: Union[int, float] = OPTIMIZER_DEFAULTS["rank"],
         omega: float = OPTIMIZER_DEFAULTS["omega"],
@@ -171,11 +177,15 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         for name, flag in (("lowrank", lowrank), ("monitor", monitor)):
             if not isinstance(flag, bool):
                 raise ValueError(f"Invalid {name}={flag!r}: it must be True or False.")
+        if monitor_progress_bar is not None and (not isinstance(monitor_progress_bar, bool) or not monitor):
+            raise ValueError(f"Invalid monitor_progress_bar={monitor_progress_bar!r} with monitor={monitor!r}: it must "
+                             "be None, True or False, and it configures the monitor the strategy adds (monitor=True).")
         check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
         self._full_rank_patterns = compile_patterns(full_rank_params)
         self.optimizer_knobs = optimizer_knobs
         self.lowrank = lowrank
         self.monitor = monitor
+        self.monitor_progress_bar = monitor_progress_bar
         super().__init__(timeout=self.sync_config.timeout, start_method=start_method, accelerator=accelerator,
                          parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
@@ -195,6 +205,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         self._finished = False  # the final synchronization of this fit ran
         self._lordo_checkpoint = False
         self._reset_on_load = False
+        self._plugin_warnings = PluginWarnings(lambda: self.global_rank)  # once, on rank 0, at the user's line
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -226,8 +237,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
                 "precision='bf16-mixed' (no scaler) or '32-true'."
             )
 
-        if self.monitor and not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
-            trainer.callbacks.append(CommunicationMonitor())
+        if self.monitor:
+            add_monitor(trainer, self.monitor_progress_bar)
         epoch_loop = trainer.fit_loop.epoch_loop
         if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # lightning >= 2.5.2 runs it before every batch
             epoch_loop._broadcast_sigterm_tensor = self._sigterm_check
@@ -252,10 +263,17 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
-        # One optimizer: Lightning already refuses several under automatic optimization, and configure_ddp
-        # refuses manual optimization.
-        super().setup_optimizers(trainer)
+        with self._plugin_warnings:
+            self._setup_optimizers(trainer)
+
+    def _setup_optimizers(self, trainer: Trainer) -> None:
         module = self.lightning_module
+        try:  # one optimizer: Lightning refuses several under automatic optimization (configure_ddp refuses manual)
+            super().setup_optimizers(trainer)
+        except RuntimeError as err:
+            if "multiple optimizers" not in str(err):
+                raise
+            raise RuntimeError(several_optimizers_message(module)) from err
         assert module is not None and self.communicator is not None
         self.parameter_names = {p: n for n, p in module.named_parameters()}
         user_optimizer = self.optimizers[0]
@@ -291,7 +309,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     def before_optimizer_step(self) -> None:
         """Called by the LightningOptimizer after the backward pass of each optimizer step."""
         assert self.synchronizer is not None
-        self.synchronizer.before_optimizer_step()
+        with self._plugin_warnings:
+            self.synchronizer.before_optimizer_step()
 
     def _scale_schedulers(self) -> None:
         """At the switch: the LR schedulers' base LRs follow ``switch_lr_scale`` (the synchronizer scaled the
@@ -303,6 +322,10 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         """Called by the LightningOptimizer after each optimizer step. At the last one of ``fit`` it runs the final
         synchronization right away, so the checkpoints Lightning writes at the end of ``fit`` hold the final
         synchronized model and buffers."""
+        with self._plugin_warnings:
+            self._after_optimizer_step()
+
+    def _after_optimizer_step(self) -> None:
         assert self.synchronizer is not None
         last = self._is_last_step()
         if self.synchronizer.steps_since_sync + 1 >= self.sync_config.sync_every or last:
@@ -363,11 +386,13 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     @override
     def on_train_end(self) -> None:
         """The final synchronization, if the last step did not run it (a fit that ended otherwise)."""
-        self._finish_training()
+        with self._plugin_warnings:
+            self._finish_training()
         super().on_train_end()
 
     @property
     def ddp_equivalent_bytes(self) -> int:
-        """Bytes DDP's gradient all-reduce would have passed for the optimizer steps taken so far."""
+        """Bytes DDP's gradient all-reduce would pass per worker for the optimizer steps taken so far, with more than
+        one device (the monitor's ``lordo/ddp_equivalent_bytes`` and the summary count 0 on one device)."""
         steps = self.synchronizer.optimizer_steps if self.synchronizer is not None else 0
         return self._ddp_bytes_per_step * steps
