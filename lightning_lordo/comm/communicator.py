@@ -2,8 +2,10 @@
 
 Every byte the plugin puts on the wire goes through :class:`Communicator`, which counts the tensors it
 passes to ``torch.distributed`` (numel x itemsize, per worker) under a *purpose* (``pseudo_gradients``,
-``moments``, ``bases``, ``buffers``, ``setup_broadcast``, ...). With one process nothing travels, so
-nothing is sent and nothing is counted.
+``moments``, ``bases``, ``buffers``, ``setup_broadcast``, ...). Beside these *payload* bytes it counts *wire*
+bytes, what the worker puts on the network by each collective's algorithm (ring all-reduce ``2 (M-1)/M`` times the
+tensor, all-gather ``M - 1`` times the worker's chunk, ...: :mod:`lightning_lordo.comm.wire`). With one process
+nothing travels, so nothing is sent and nothing is counted.
 
 Failure semantics of :class:`Communicator` (checked on gloo, torch 2.13, see ``tests/test_faults.py``):
 
@@ -41,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_lordo.comm.wire import wire_bytes
+
 _MESSAGE_BYTES = 128 * 1024 * 1024  # at most this many bytes per collective call (buckets and chunks)
 # the name changed in torch 2.x; all_gather_into_tensor warns (deprecated) in recent versions
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -49,38 +53,71 @@ _POLL_MAX_S = 0.01  # device collectives: the longest sleep between two is_compl
 
 
 class CommAccountant:
-    """Bytes sent by this worker, by purpose: the current round and the running totals."""
+    """Bytes sent by this worker, by purpose: the current round and the running totals, twice.
+
+    ``totals`` / ``round``: *payload* bytes, the tensors this worker hands to collectives (numel x itemsize).
+    ``wire_totals`` / ``wire_round``: *wire* bytes, what it puts on the network by each collective's algorithm
+    (:mod:`lightning_lordo.comm.wire`). ``last_round_wire``: the wire bytes of the round :meth:`end_round` ended.
+    ``wire_complete``: ``False`` after loading a state dict saved before wire bytes were kept (its wire totals then
+    count from the resume only).
+    """
 
     def __init__(self) -> None:
         self.totals: dict[str, int] = defaultdict(int)
         self.round: dict[str, int] = defaultdict(int)
+        self.wire_totals: dict[str, int] = defaultdict(int)
+        self.wire_round: dict[str, int] = defaultdict(int)
+        self.last_round_wire: dict[str, int] = {}
+        self.wire_complete = True
 
-    def add(self, purpose: str, nbytes: int, in_round: bool = True) -> None:
-        """Count ``nbytes`` under ``purpose``; ``in_round=False`` for traffic that belongs to no round (Lightning's
-        own per-batch broadcast): it then counts in the totals only."""
+    def add(self, purpose: str, nbytes: int, in_round: bool = True, wire: Optional[int] = None) -> None:
+        """Count ``nbytes`` payload bytes and ``wire`` wire bytes (``None``: as many as ``nbytes``, a point-to-point
+        send) under ``purpose``; ``in_round=False`` for traffic that belongs to no round (Lightning's own per-batch
+        broadcast): it then counts in the totals only."""
         self.totals[purpose] += nbytes
         if in_round:
             self.round[purpose] += nbytes
+        self.add_wire(purpose, nbytes if wire is None else wire, in_round)
+
+    def add_wire(self, purpose: str, wire: int, in_round: bool = True) -> None:
+        """Count ``wire`` wire bytes only (a broadcast's receiver: it hands nothing over, but forwards)."""
+        self.wire_totals[purpose] += wire
+        if in_round:
+            self.wire_round[purpose] += wire
 
     def start_round(self) -> None:
         """Start counting a new round (bytes sent between rounds stay in the totals only)."""
         self.round = defaultdict(int)
+        self.wire_round = defaultdict(int)
 
     def end_round(self) -> dict[str, int]:
-        """Return the bytes of the round that just ended, by purpose, and start a new round."""
+        """Return the payload bytes of the round that just ended, by purpose (its wire bytes are then in
+        ``last_round_wire``), and start a new round."""
         finished = dict(self.round)
-        self.round = defaultdict(int)
+        self.last_round_wire = dict(self.wire_round)
+        self.start_round()
         return finished
 
     @property
     def total_bytes(self) -> int:
+        """Payload bytes, all purposes."""
         return sum(self.totals.values())
 
+    @property
+    def total_wire_bytes(self) -> int:
+        """Wire bytes, all purposes (the figure for ``lordo/wire_bytes_total``)."""
+        return sum(self.wire_totals.values())
+
     def state_dict(self) -> dict[str, Any]:
-        return {"totals": dict(self.totals)}
+        return {"totals": dict(self.totals), "wire_totals": dict(self.wire_totals),
+                "wire_complete": self.wire_complete}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; one saved before wire bytes were kept (``totals`` only) loads with wire
+        totals from zero and ``wire_complete = False``."""
         self.totals = defaultdict(int, state["totals"])
+        self.wire_totals = defaultdict(int, state.get("wire_totals", {}))
+        self.wire_complete = "wire_totals" in state and bool(state.get("wire_complete", True))
 
 
 class CollectiveTimeout(RuntimeError):
@@ -96,7 +133,8 @@ class _WaitTimedOut(Exception):
 
 
 class Communicator:
-    """``all_reduce`` (mean) and ``broadcast`` over a process group, counted and bounded by a timeout.
+    """``all_reduce`` (mean, sum), ``all_gather``, ``all_to_all`` and ``broadcast`` over a process group, counted
+    (payload and wire bytes) and bounded by a timeout.
 
     Args:
         accountant: where the bytes are counted.
@@ -142,7 +180,8 @@ class Communicator:
             flat = torch.cat([t.reshape(-1) for t in bucket])
             issue = partial(dist.all_reduce, flat, group=self.group, async_op=True)
             self._run(issue, purpose, "all_reduce", flat.device)
-            self.accountant.add(purpose, flat.numel() * flat.element_size(), in_round=in_round)
+            nbytes = flat.numel() * flat.element_size()
+            self.accountant.add(purpose, nbytes, in_round, wire_bytes("all_reduce", nbytes, self.world_size))
             flat.div_(self.world_size)
             offset = 0
             for t in bucket:
@@ -158,7 +197,8 @@ class Communicator:
             piece = flat[start:stop]
             self._run(partial(dist.all_reduce, piece, group=self.group, async_op=True), purpose, "all_reduce",
                       piece.device)
-            self.accountant.add(purpose, piece.numel() * piece.element_size())
+            nbytes = piece.numel() * piece.element_size()
+            self.accountant.add(purpose, nbytes, wire=wire_bytes("all_reduce", nbytes, self.world_size))
         return flat.numel() * flat.element_size()
 
     def all_gather(self, flat: Tensor, purpose: str) -> tuple[Tensor, int]:
@@ -174,9 +214,39 @@ class Communicator:
             received = torch.empty(world * piece.numel(), dtype=flat.dtype, device=flat.device)
             issue = partial(_all_gather_single, received, piece, group=self.group, async_op=True)
             self._run(issue, purpose, "all_gather", piece.device)
-            self.accountant.add(purpose, piece.numel() * piece.element_size())
+            nbytes = piece.numel() * piece.element_size()
+            self.accountant.add(purpose, nbytes, wire=wire_bytes("all_gather", nbytes, world))
             out[:, start:stop] = received.view(world, -1)
         return out, flat.numel() * flat.element_size()
+
+    def all_to_all(self, chunks: Tensor, purpose: str) -> tuple[Tensor, int]:
+        """Exchange rows: ``chunks`` is ``world x numel`` (row ``j`` is for rank ``j``, same shape on all workers);
+        returns ``world x numel`` whose row ``k`` is rank ``k``'s row for this worker (this worker's own row is
+        copied locally, never handed to the collective). Counted: the ``world - 1`` foreign rows, ``numel x
+        itemsize`` each (the wire bytes too: each is sent once). Returns the exchanged tensor and the bytes
+        counted (0 alone)."""
+        world, me = self.world_size, self.rank
+        if chunks.dim() != 2 or chunks.shape[0] != world:
+            raise ValueError(f"Communicator.all_to_all: chunks has shape {tuple(chunks.shape)}; pass a world_size x "
+                             f"numel tensor ({world} rows, one per rank).")
+        out = torch.empty_like(chunks)
+        out[me] = chunks[me]
+        if world == 1:
+            return out, 0
+        others = [j for j in range(world) if j != me]
+        step = max(1, _MESSAGE_BYTES // max(1, (world - 1) * chunks.element_size()))
+        for start in range(0, chunks.shape[1], step):
+            stop = min(start + step, chunks.shape[1])
+            piece = chunks[others, start:stop].contiguous().reshape(-1)
+            received = torch.empty_like(piece)
+            splits = [0 if j == me else stop - start for j in range(world)]
+            issue = partial(dist.all_to_all_single, received, piece, output_split_sizes=splits,
+                            input_split_sizes=splits, group=self.group, async_op=True)
+            self._run(issue, purpose, "all_to_all", piece.device)
+            nbytes = piece.numel() * piece.element_size()
+            self.accountant.add(purpose, nbytes, wire=wire_bytes("all_to_all", nbytes, world))
+            out[others, start:stop] = received.view(world - 1, -1)
+        return out, (world - 1) * chunks.shape[1] * chunks.element_size()
 
     def broadcast(self, tensors: Sequence[Tensor], purpose: str, src: int = 0, in_round: bool = True) -> None:
         """Overwrite ``tensors`` with rank ``src``'s values. Counted on the sender only (it is what it sends);
@@ -189,8 +259,12 @@ class Communicator:
             self._run(issue, purpose, "broadcast", buffer.device)
             if buffer is not t:
                 t.copy_(buffer)
+            nbytes = t.numel() * t.element_size()
+            wire = wire_bytes("broadcast", nbytes, self.world_size)
             if self.rank == src:
-                self.accountant.add(purpose, t.numel() * t.element_size(), in_round=in_round)
+                self.accountant.add(purpose, nbytes, in_round, wire)
+            else:
+                self.accountant.add_wire(purpose, wire, in_round)
 
     def _run(self, issue: Callable[[], Any], purpose: str, op: str, device: torch.device) -> None:
         """Issue one collective (``issue`` returns its work handle) and wait for it, at most ``timeout``."""

@@ -14,7 +14,8 @@ transposed), with a warm-started right factor ``R`` (``b x r``) and a per-worker
     B_m = Q^T D_m                                  collective #2 (flattened, all matrices): B = mean_m B_m
     applied update Q B;  e_m <- D_m - Q B_m;  R <- orth(B^T)
 
-The collectives are all-reduces (all-gathers for ``int8``, or with ``reduction="all_gather"``). Traffic
+The collectives are all-reduces (for ``int8`` all-gathers up to 2 workers and reduce-scatters above, see
+:mod:`lightning_lordo.comm.reduce_scatter`; or as ``reduction`` says). Traffic
 ``r (a + b)`` numbers per matrix instead of ``a b``, each message priced as in the traffic model of
 :mod:`lightning_lordo.comm.quantization` for its ``payload_dtype``. ``Q`` is the new basis computed from the averaged
 pseudo-gradient (one warm-started subspace iteration), to be installed in the optimizer. With ``r = a`` the applied
@@ -25,7 +26,8 @@ have one: ``R`` changes every round, so last round's P error is not in this roun
 
 Error feedback identity (as in :mod:`lightning_lordo.comm.quantization`, with ``s_m = Q B_m`` what worker m effectively
 sent): after T rounds, the sum of the true averages of D minus the sum of the applied updates is ``mean_m e_m``,
-exactly for float32 and all-gathers, so nothing is dropped for good.
+exactly for float32, all-gathers and the int8 reduce-scatter (whose ``B_m`` carries the owner's requantization
+residual, times M), so nothing is dropped for good.
 
 Transactions. ``reduce`` never changes the payload's state: it returns a round (the averages, the bases, the new
 state pending), and ``commit(round)`` installs the new state once the caller's whole synchronization succeeded. A
@@ -50,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -66,6 +68,7 @@ from lightning_lordo._tensors import (
     total_norm,
 )
 from lightning_lordo.comm.quantization import check_latest_round, quantized_mean, resolve_reduction
+from lightning_lordo.comm.reduce_scatter import reduce_scatter_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -106,7 +109,7 @@ class LowRankPayload:
         seed: seed of the initial right factors (use the same on every worker).
         payload_dtype: dtype of the P and B messages: ``"float32"``, ``"bfloat16"`` or ``"int8"`` (per-row scales;
             a row is one of the r columns of P, or one of the r rows of B).
-        reduction: ``"auto"``, ``"all_reduce"`` or ``"all_gather"`` (:func:`resolve_reduction`).
+        reduction: ``"auto"``, ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"`` (:func:`resolve_reduction`).
         error_feedback: keep the sync-level error feedback ``e`` (SPEC §5). Without it, what a round does not
             transmit is dropped for good (saves an ``a x b`` float32 buffer per matrix).
     """
@@ -222,10 +225,17 @@ class LowRankPayload:
         }
 
     @staticmethod
-    def traffic_bytes(shapes: Sequence[Sequence[int]], ranks: Sequence[int], payload_dtype: str = "float32") -> int:
-        """Bytes this worker passes to the collectives in one (finite) round: ``r (a + b)`` numbers per matrix,
-        plus ``2 r`` float32 scales for ``int8``."""
-        resolve_reduction(payload_dtype, "auto")
+    def traffic_bytes(shapes: Sequence[Sequence[int]], ranks: Sequence[int], payload_dtype: str = "float32",
+                      world_size: Optional[int] = None, reduction: str = "auto") -> int:
+        """Bytes this worker passes to the collectives in one (finite) round among ``world_size`` workers (``None``:
+        two or fewer): ``r (a + b)`` numbers per matrix, plus ``2 r`` float32 scales for ``int8`` by all-gather; for
+        the int8 reduce-scatter, :func:`~lightning_lordo.comm.reduce_scatter.reduce_scatter_bytes` of the P message
+        (``sum r a``) and of the B message (``sum r b``), ``a <= b``."""
+        how = resolve_reduction(payload_dtype, reduction, world_size)
+        if how == "reduce_scatter":
+            p_numel = sum(r * min(shape) for shape, r in zip(shapes, ranks))
+            b_numel = sum(r * max(shape) for shape, r in zip(shapes, ranks))
+            return sum(sum(reduce_scatter_bytes(n, world_size or 1).values()) for n in (p_numel, b_numel))
         total = 0
         for shape, r in zip(shapes, ranks):
             numbers = r * (shape[0] + shape[1])

@@ -1,10 +1,11 @@
 r"""Reduced-precision averaging across workers (the payload dtypes of SPEC §5), with per-worker error feedback.
 
 Pure tensor code and collectives, no Lightning. Every collective goes through a communicator passed in (a
-:class:`~lightning_lordo.comm.communicator.Communicator`: its ``all_reduce_mean``, ``all_reduce_sum`` and
-``all_gather``), so it is counted (numel x itemsize of what this worker passes, per purpose) and bounded by the
-communicator's timeout. With one process nothing travels and nothing is counted, but the numerics are the same as
-with many (a payload is quantized whatever the world size).
+:class:`~lightning_lordo.comm.communicator.Communicator`: its ``all_reduce_mean``, ``all_reduce_sum``,
+``all_gather`` and ``all_to_all``), so it is counted (numel x itemsize of what this worker passes, per purpose,
+and the wire bytes of the collective's algorithm) and bounded by the communicator's timeout. With one process
+nothing travels and nothing is counted, but the numerics are the same as with many (a payload is quantized
+whatever the world size; ``"auto"`` int8 alone is the all-gather's single rounding).
 
 Two pieces (the ``lowrank`` payload, :mod:`lightning_lordo.comm.lowrank`, sends its messages with the first):
 
@@ -15,7 +16,9 @@ Two pieces (the ``lowrank`` payload, :mod:`lightning_lordo.comm.lowrank`, sends 
   payload and for the full-rank parameters): ``x = t + e``; send ``quantize(x)``; ``e <- x - dequantize(...)``.
 
 Error feedback identity. Write ``s_m`` for what worker m effectively sent (its dequantized message). If the
-reduction averages the ``s_m`` exactly (float32 all-reduce, or any all-gather), the applied update is
+reduction averages the ``s_m`` exactly (float32 all-reduce, any all-gather, or the int8 reduce-scatter, whose
+``s_m`` carries the owner's requantization residual: proof in :mod:`lightning_lordo.comm.reduce_scatter`), the
+applied update is
 ``mean_m s_m = mean_m (D_m + e_m^old - e_m^new)``, so after T rounds::
 
     sum_t (true average of D) - sum_t (applied) = mean_m e_m      (the current error feedback, exactly)
@@ -41,13 +44,17 @@ Traffic model (bytes counted = bytes of the tensors this worker passes to the co
     bfloat16 all-reduce       2 n                         2 (M-1)/M * 2 n                     1
     bfloat16 all-gather       2 n                         (M-1) * 2 n   (sent and received)   1
     int8 all-gather           n + 4 rows                  (M-1) * (n + 4 rows)                1
+    int8 reduce-scatter       ~ n (1 + 4/256)             ~ 2 (M-1)/M * n (1 + 4/256)         2
     lowrank                   r (a + b) per matrix x the above                                2
 
 An all-gather's volume grows with M: summing int8 across workers would overflow, so every worker receives every
-other worker's message. Against a float32 all-reduce (``8 (M-1)/M`` bytes per number on the wire), int8 wins for
-``M < 8`` (about; ``(1 + 4/cols) < 8/M``) and a bfloat16 all-gather for ``M < 4``; at M = 2 a bfloat16 all-gather
-costs the same as a bfloat16 all-reduce. ``accounting.ring_allreduce_seconds`` underestimates an all-gather by
-``M / 2``; each round reports its bytes by collective kind (``traffic``) so a caller can apply the right model.
+other worker's message. Against a float32 all-reduce (``8 (M-1)/M`` bytes per number on the wire), the int8
+all-gather wins for ``M < 8`` (about; ``(1 + 4/cols) < 8/M``) and a bfloat16 all-gather for ``M < 4``; at M = 2 a
+bfloat16 all-gather costs the same as a bfloat16 all-reduce. The int8 reduce-scatter
+(:mod:`lightning_lordo.comm.reduce_scatter`: each worker sums one chunk, requantizes it, and the int8 chunks are
+all-gathered) costs about a quarter of the float32 all-reduce at every M, and is ``"auto"``'s int8 reduction for
+M > 2. The communicator counts both figures (payload and wire, :mod:`lightning_lordo.comm.wire`); each round also
+reports its payload bytes by collective kind (``traffic``).
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ from lightning_lordo._tensors import all_finite, math_dtype, total_norm
 from lightning_lordo._tensors import nbytes as tensor_bytes
 from lightning_lordo.config import PAYLOAD_DTYPES
 
-REDUCTIONS = ("auto", "all_reduce", "all_gather")
+REDUCTIONS = ("auto", "all_reduce", "all_gather", "reduce_scatter")
 INT8_LEVELS = 127  # symmetric: q in [-127, 127]
 
 
@@ -139,17 +146,26 @@ class QuantizedMean:
     traffic: dict[str, int] = field(default_factory=dict)
 
 
-def resolve_reduction(payload_dtype: str, reduction: str) -> str:
-    """The collective a ``payload_dtype`` uses: ``auto`` is an all-reduce for float32 and bfloat16 and an
-    all-gather for int8 (an int8 sum overflows, so ``int8`` with ``all_reduce`` is refused)."""
+def resolve_reduction(payload_dtype: str, reduction: str, world_size: Optional[int] = None) -> str:
+    """The collective a ``payload_dtype`` uses among ``world_size`` workers (``None``: not known yet, e.g. when
+    validating arguments at construction). ``auto`` is an all-reduce for float32 and bfloat16; for int8 the
+    all-gather up to 2 workers and the reduce-scatter (:mod:`lightning_lordo.comm.reduce_scatter`, bytes per worker
+    flat in M) above. An int8 sum overflows, so ``int8`` with ``all_reduce`` is refused; ``reduce_scatter`` is the
+    int8 reduction only (it requantizes the averaged chunks to int8)."""
     _check_dtype(payload_dtype)
     if reduction not in REDUCTIONS:
         raise ValueError(f"Invalid reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}.")
     if reduction == "auto":
-        return "all_gather" if payload_dtype == "int8" else "all_reduce"
+        if payload_dtype != "int8":
+            return "all_reduce"
+        return "reduce_scatter" if world_size is not None and world_size > 2 else "all_gather"
     if payload_dtype == "int8" and reduction == "all_reduce":
         raise ValueError("Invalid reduction='all_reduce' with payload_dtype='int8': an int8 sum across workers "
-                         "overflows. Use reduction='all_gather' (or 'auto').")
+                         "overflows. Use reduction='reduce_scatter', 'all_gather' or 'auto'.")
+    if payload_dtype != "int8" and reduction == "reduce_scatter":
+        raise ValueError(f"Invalid reduction='reduce_scatter' with payload_dtype={payload_dtype!r}: the "
+                         "reduce-scatter is the int8 reduction. Use payload_dtype='int8', or reduction='all_reduce' "
+                         "(or 'auto') for float32 and bfloat16.")
     return reduction
 
 
@@ -165,18 +181,23 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
     * any all-gather (``bfloat16``, ``int8``: per-row float32 scales and int8 values in one byte buffer;
       ``float32``): every worker dequantizes every worker's message and sums them in float32 in rank order, so
       ``means`` is exactly (up to float32 summation) ``mean_k sent_k`` and bitwise identical on all ranks.
+    * ``int8`` reduce-scatter (per-block scales; :mod:`lightning_lordo.comm.reduce_scatter`): an all-to-all of
+      chunks, each summed in float32 by its owner and requantized, then an all-gather of the int8 chunks; ``means``
+      is bitwise identical on all ranks and ``mean_k sent_k`` (the owner's requantization residual is in its
+      ``sent``, times M), so error feedback built on ``sent`` loses nothing.
 
     Args:
         comm: the communicator (counted, timeout-bounded collectives).
         tensors: the local tensors (any floating dtype; used as float32).
         purpose: the accounting purpose (e.g. ``"pseudo_gradients"``).
         payload_dtype: ``"float32"``, ``"bfloat16"`` or ``"int8"``.
-        reduction: ``"auto"``, ``"all_reduce"`` or ``"all_gather"`` (:func:`resolve_reduction`).
+        reduction: ``"auto"``, ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"`` (:func:`resolve_reduction`,
+            resolved with the communicator's world size).
 
     Raises:
         CollectiveTimeout: from the communicator, when a collective fails or times out.
     """
-    how = resolve_reduction(payload_dtype, reduction)
+    how = resolve_reduction(payload_dtype, reduction, comm.world_size)
     full = payload_dtype == "float32" and how == "all_reduce"  # no compression: float64 stays float64
     xs = [t.detach().to(math_dtype(t.dtype) if full else torch.float32) for t in tensors]
     shapes = [x.shape for x in xs]
@@ -189,6 +210,12 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
         traffic = {"all_reduce": tensor_bytes(xs)} if world > 1 else {}
         return QuantizedMean(means, xs, traffic)
 
+    if how == "reduce_scatter":
+        from lightning_lordo.comm.reduce_scatter import int8_reduce_scatter_mean  # imports this module
+
+        means_flat, sent_flat, traffic = int8_reduce_scatter_mean(comm, torch.cat([x.reshape(-1) for x in xs]),
+                                                                  purpose)
+        return QuantizedMean(_split(means_flat, shapes), _split(sent_flat, shapes), traffic)
     if payload_dtype == "int8":
         packed = [quantize_int8(x) for x in xs]
         sent = [dequantize_int8(q, s, shape) for (q, s), shape in zip(packed, shapes)]
@@ -273,7 +300,7 @@ class QuantizedAverager:
 
     Args:
         payload_dtype: ``"float32"``, ``"bfloat16"`` or ``"int8"``.
-        reduction: ``"auto"``, ``"all_reduce"`` or ``"all_gather"`` (:func:`resolve_reduction`).
+        reduction: ``"auto"``, ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"`` (:func:`resolve_reduction`).
     """
 
     def __init__(self, payload_dtype: str = "float32", reduction: str = "auto") -> None:
