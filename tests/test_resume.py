@@ -14,18 +14,40 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from strategy_helpers import TinyRegressor, assert_identical, lordo, regression_data, trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-STEPS_PER_EPOCH = 3  # 3 batches per epoch: checkpoints at epoch ends fall at steps 3, 6, 9, 12
-K = 4  # so step 6 is mid-round (2 steps after a sync) and step 12 is exactly at a sync
+K = 4  # step 6 is mid-round (2 steps after a sync) and step 12 is exactly at a sync
+# The resume tests' data: 80 samples, 40 a rank, batches of 8, so epochs end at steps 5, 10 and 15, and the checkpoints
+# (every 3 steps: 3, 6, 9, 12) all fall mid-epoch. A resume must continue at the batch where the run stopped.
+CHECKPOINT_EVERY = 3
+MAX_STEPS = 14
+
+
+class ShuffledData(L.LightningDataModule):
+    """Each rank's half of 80 samples, in a new order every epoch, through torchdata's ``StatefulDataLoader`` with its
+    ``StatefulDistributedSampler``: Lightning saves the loader's position in every checkpoint and restores it, and the
+    sampler draws the epoch's order when the first batch is read (after Lightning's ``set_epoch``), so a run resumed
+    mid-epoch reads the batches the uninterrupted run read.
+
+    What does not resume exactly mid-epoch, with any strategy (DDP too, Lightning 2.6.6): a plain ``DataLoader``
+    re-reads the epoch from its start; a ``StatefulDataLoader`` with torch's ``DistributedSampler`` continues at the
+    right batch but in the first epoch's order (the loader is restored, and fast-forwarded, before ``set_epoch``);
+    and ``StatefulDataLoader(shuffle=True)`` left to Lightning's sampler wrapper draws another order.
+    """
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        data = regression_data(n=80)
+        return StatefulDataLoader(data, batch_size=8, sampler=StatefulDistributedSampler(data, shuffle=True, seed=0))
+
+
+STEPS_PER_EPOCH = 3  # RankBatch: 3 batches per epoch
 
 
 class RankBatch(Dataset):
-    """Each rank sees one fixed batch of its own (the ranks' batches differ), whatever the step or epoch.
-
-    Lightning re-iterates a non-stateful dataloader from the start when it resumes, and a checkpoint written at an
-    epoch's end resumes with the next epochs' shuffling shifted by one, whatever the strategy: the data after a
-    resume is not the data the uninterrupted run saw at that step. Fixed batches keep that Lightning behaviour out
-    of a test of what this plugin restores. (Used with ``use_distributed_sampler=False``.)
+    """Each rank sees one fixed batch of its own (the ranks' batches differ), whatever the step or epoch: data with
+    no position, for the tests of conversions and changed settings (which are not bit-exact continuations).
+    (Used with ``use_distributed_sampler=False``.)
     """
 
     def __init__(self) -> None:
@@ -57,10 +79,15 @@ class BatchNormRegressor(TinyRegressor):
 
 
 class Snapshot(L.Callback):
-    """Each rank saves its local state before the final sync, and its totals after it."""
+    """Each rank saves its local state before the final sync, its totals after it, and the inputs of every batch
+    it trained on, by the optimizer step the batch made."""
 
     def __init__(self, directory: Path, tag: str) -> None:
         self.directory, self.tag = directory, tag
+        self.batches: dict[int, torch.Tensor] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batches[trainer.global_step + 1] = batch[0].clone()
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:  # before the final sync
         strategy = trainer.strategy
@@ -76,17 +103,42 @@ class Snapshot(L.Callback):
                     "totals": dict(trainer.strategy.accountant.totals),
                     "ddp_equivalent": trainer.strategy.ddp_equivalent_bytes},
                    self.directory / f"{self.tag}_final_rank{trainer.global_rank}.pt")
+        torch.save(self.batches, self.directory / f"{self.tag}_batches_rank{trainer.global_rank}.pt")
 
 
 def _fit(tmp_path: Path, tag: str, ckpt: Any = None, checkpoints: bool = False, **knobs: Any) -> None:
+    """MAX_STEPS steps (or the rest of them, from ``ckpt``); ``checkpoints`` every 3 steps, the full run's in
+    ``ckpt/``, a resumed run's in ``ckpt_<tag>/`` (it writes those the full run wrote after its start, as an
+    interrupted run would)."""
     callbacks: list[L.Callback] = [Snapshot(tmp_path, tag)]
     if checkpoints:
-        callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_epochs=1,
+        directory = tmp_path / ("ckpt" if ckpt is None else f"ckpt_{tag}")
+        callbacks.append(ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=CHECKPOINT_EVERY,
                                          save_top_k=-1))
     torch.manual_seed(0)
     module = BatchNormRegressor(scheduler=True)
-    trainer(lordo(sync_every=K, **knobs), callbacks=callbacks, max_steps=14, **FIXED_DATA,
-            enable_checkpointing=checkpoints).fit(module, epoch_loader(), ckpt_path=ckpt)
+    trainer(lordo(sync_every=K, **knobs), callbacks=callbacks, max_steps=MAX_STEPS, max_epochs=-1,
+            enable_checkpointing=checkpoints).fit(module, datamodule=ShuffledData(), ckpt_path=ckpt)
+
+
+def _position(checkpoint: Path) -> tuple[int, int]:
+    """(epoch, batches read in it) of the data loader state Lightning saved in ``checkpoint``."""
+    saved = torch.load(checkpoint, weights_only=True)
+    return saved["epoch"], saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["_num_yielded"]
+
+
+def _assert_resumed_exactly(tmp_path: Path, tag: str, first_step: int) -> None:
+    """The resumed run read the batches the full run read from ``first_step`` on, and ended in its exact state."""
+    for rank in (0, 1):
+        full = torch.load(tmp_path / f"full_batches_rank{rank}.pt", weights_only=True)
+        resumed = torch.load(tmp_path / f"{tag}_batches_rank{rank}.pt", weights_only=True)
+        assert sorted(resumed) == list(range(first_step, MAX_STEPS + 1)), f"{tag}/rank{rank}: steps {sorted(resumed)}"
+        for step, batch in resumed.items():
+            assert torch.equal(batch, full[step]), f"{tag}/rank{rank}: step {step} read another batch (data position)"
+        for kind in ("local", "final"):
+            expected = torch.load(tmp_path / f"full_{kind}_rank{rank}.pt", weights_only=True)
+            got = torch.load(tmp_path / f"{tag}_{kind}_rank{rank}.pt", weights_only=True)
+            assert_identical(got, expected, f"{tag}/{kind}/rank{rank}")
 
 
 @pytest.mark.parametrize("knobs", [{}, {"error_feedback": True, "outer_optimizer": "nesterov",
@@ -99,13 +151,10 @@ def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: 
     saved_mid = torch.load(mid_round, weights_only=True)["lordo"]
     assert saved_mid["sync"]["steps_since_sync"] == 2 and "params" in saved_mid["ranks"][1]
     assert torch.load(at_sync, weights_only=True)["lordo"]["sync"]["steps_since_sync"] == 0
-    for tag, ckpt in (("mid", mid_round), ("sync", at_sync)):
-        _fit(tmp_path, tag, ckpt=str(ckpt), **knobs)
-        for rank in (0, 1):
-            for kind in ("local", "final"):
-                expected = torch.load(tmp_path / f"full_{kind}_rank{rank}.pt", weights_only=True)
-                resumed = torch.load(tmp_path / f"{tag}_{kind}_rank{rank}.pt", weights_only=True)
-                assert_identical(resumed, expected, f"{tag}/{kind}/rank{rank}")
+    assert _position(mid_round) == (1, 1) and _position(at_sync) == (2, 2)  # both mid-epoch
+    for tag, ckpt, step in (("mid", mid_round, 6), ("sync", at_sync, 12)):
+        _fit(tmp_path, tag, ckpt=str(ckpt), checkpoints=True, **knobs)
+        _assert_resumed_exactly(tmp_path, tag, first_step=step + 1)
 
 
 def test_mid_round_checkpoint_differs_per_rank_and_holds_the_synchronized_model(tmp_path: Path) -> None:
@@ -125,10 +174,10 @@ def test_mid_round_checkpoint_differs_per_rank_and_holds_the_synchronized_model(
 def test_resume_with_another_world_size_warns_once_and_continues(tmp_path: Path) -> None:
     _fit(tmp_path, "full", checkpoints=True, error_feedback=True)
     fit = trainer(lordo(sync_every=K, start_method="popen", error_feedback=True), devices=1, max_steps=14,
-                  **FIXED_DATA)
+                  max_epochs=-1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit.fit(BatchNormRegressor(scheduler=True), epoch_loader(),
+        fit.fit(BatchNormRegressor(scheduler=True), datamodule=ShuffledData(),
                 ckpt_path=str(tmp_path / "ckpt" / "step=6.ckpt"))
     messages = [str(w.message) for w in caught if "written by 2 workers" in str(w.message)]
     assert len(messages) == 1 and "error-feedback" in messages[0]
@@ -176,10 +225,7 @@ def test_resume_in_the_warmup_and_after_the_switch_is_bit_identical(tmp_path: Pa
     saved = torch.load(after, weights_only=True)
     assert saved["lordo"]["sync"]["steps_since_sync"] == 2 and "params" in saved["lordo"]["ranks"][1]
     assert tuple(saved["optimizer_states"][0]["param_groups"][0]["betas"]) == (0.95, 0.99)
-    for tag, ckpt in (("warmup", in_warmup), ("local", after)):
-        _fit(tmp_path, tag, ckpt=str(ckpt), **WARMUP)
-        for rank in (0, 1):
-            for kind in ("local", "final"):
-                expected = torch.load(tmp_path / f"full_{kind}_rank{rank}.pt", weights_only=True)
-                resumed = torch.load(tmp_path / f"{tag}_{kind}_rank{rank}.pt", weights_only=True)
-                assert_identical(resumed, expected, f"{tag}/{kind}/rank{rank}")
+    assert _position(in_warmup) == (1, 1) and _position(after) == (1, 4)  # both mid-epoch
+    for tag, ckpt, step in (("warmup", in_warmup, 6), ("local", after, 9)):
+        _fit(tmp_path, tag, ckpt=str(ckpt), checkpoints=True, **WARMUP)
+        _assert_resumed_exactly(tmp_path, tag, first_step=step + 1)
