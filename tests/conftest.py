@@ -1,7 +1,14 @@
 """Shared test setup."""
 
-import pytest
-import torch
+import os
+
+# Before torch loads its OpenMP runtime: one thread, so no thread team ever exists in this process. A worker
+# forked from a process whose OpenMP team has run deadlocks in its first parallel op (seen as both forked
+# workers idle in ``Linear.forward``, after earlier tests had run ops on two threads in this process).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
