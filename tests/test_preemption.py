@@ -20,6 +20,7 @@ from strategy_helpers import TinyRegressor, loader, trainer
 from torch.utils.data import DataLoader, Subset
 
 from lightning_lordo import LoRDOStrategy
+from lightning_lordo.lightning.shards import load_full
 
 SCRIPT = """
 import os, sys, time
@@ -90,7 +91,7 @@ def test_sigterm_inside_a_sync_stops_the_run_within_seconds_with_a_checkpoint(tm
     seconds, output = _interrupt_in_sync(tmp_path, k, signal.SIGTERM, whole_group)
     assert seconds < 12, f"stopped after {seconds:.1f} s:\n{output[-3000:]}"
     assert "CollectiveTimeout" not in output, output[-3000:]
-    saved = torch.load(tmp_path / "ckpt" / "on_exception.ckpt", weights_only=True)
+    saved = load_full(tmp_path / "ckpt" / "on_exception.ckpt")
     assert not saved["lordo"]["partial"] and len(saved["lordo"]["ranks"]) == 2
 
 
@@ -101,7 +102,7 @@ def test_ctrl_c_inside_a_sync_writes_the_emergency_checkpoint_without_waiting_fo
     be trusted now), within seconds; it resumes like a checkpoint of another world size."""
     seconds, output = _interrupt_in_sync(tmp_path, 2, signal.SIGINT, whole_group=True)
     assert seconds < 12, f"stopped after {seconds:.1f} s:\n{output[-3000:]}"
-    saved = torch.load(tmp_path / "ckpt" / "on_exception.ckpt", weights_only=True)
+    saved = load_full(tmp_path / "ckpt" / "on_exception.ckpt")
     assert saved["lordo"]["partial"] and len(saved["lordo"]["ranks"]) == 1
     assert saved["state_dict"] and saved["optimizer_states"]
 

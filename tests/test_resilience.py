@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from strategy_helpers import TinyRegressor, gather, loader, lordo, trainer
 
 from lightning_lordo import LoRDOStrategy
+from lightning_lordo.lightning.shards import load_full
 
 
 class Float64Kept(L.Callback):
@@ -96,9 +97,13 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_no_partial_file(
                 enable_checkpointing=True).fit(TinyRegressor(), loader())
     assert "No space left on device" in str(info.value), str(info.value)
     files = sorted(os.listdir(tmp_path))
-    assert files == ["last.ckpt", "step=4.ckpt"], files  # nothing partial, no temporary file left
-    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
-    assert saved["global_step"] == 4 and saved["lordo"]["sync"]["optimizer_steps"] == 4
+    saved = {name: load_full(tmp_path / name) for name in ("last.ckpt", "step=4.ckpt")}
+    shard_dirs = sorted(f"{name}.lordo-{ckpt['lordo']['shards']['id']}" for name, ckpt in saved.items())
+    assert files == sorted(["last.ckpt", "step=4.ckpt", *shard_dirs]), files  # nothing partial or temporary
+    for folder in shard_dirs:  # the failed save's shards were removed on every rank
+        assert sorted(os.listdir(tmp_path / folder)) == ["rank-0.pt", "rank-1.pt"]
+    assert saved["last.ckpt"]["global_step"] == 4 and saved["last.ckpt"]["lordo"]["sync"]["optimizer_steps"] == 4
+    assert len(saved["last.ckpt"]["lordo"]["ranks"]) == 2
 
 
 class FinalModel(L.Callback):

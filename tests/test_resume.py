@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from lightning_lordo.lightning.shards import load_full
+
 K = 4  # step 6 is mid-round (2 steps after a sync) and step 12 is exactly at a sync
 # The resume tests' data: 80 samples, 40 a rank, batches of 8, so epochs end at steps 5, 10 and 15, and the checkpoints
 # (every 3 steps: 3, 6, 9, 12) all fall mid-epoch. A resume must continue at the batch where the run stopped.
@@ -148,7 +150,7 @@ def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: 
     _fit(tmp_path, "full", checkpoints=True, **knobs)
     ckpt_dir = tmp_path / "ckpt"
     mid_round, at_sync = ckpt_dir / "step=6.ckpt", ckpt_dir / "step=12.ckpt"
-    saved_mid = torch.load(mid_round, weights_only=True)["lordo"]
+    saved_mid = load_full(mid_round)["lordo"]  # the file and its per-rank shards
     assert saved_mid["sync"]["steps_since_sync"] == 2 and "params" in saved_mid["ranks"][1]
     assert torch.load(at_sync, weights_only=True)["lordo"]["sync"]["steps_since_sync"] == 0
     assert _position(mid_round) == (1, 1) and _position(at_sync) == (2, 2)  # both mid-epoch
@@ -159,7 +161,7 @@ def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: 
 
 def test_mid_round_checkpoint_differs_per_rank_and_holds_the_synchronized_model(tmp_path: Path) -> None:
     _fit(tmp_path, "full", checkpoints=True)
-    checkpoint = torch.load(tmp_path / "ckpt" / "step=6.ckpt", weights_only=True)
+    checkpoint = load_full(tmp_path / "ckpt" / "step=6.ckpt")
     ranks = checkpoint["lordo"]["ranks"]
     assert not torch.equal(ranks[0]["params"][0], ranks[1]["params"][0])  # local replicas differ mid-round
     # rank 0's optimizer state is stored once, as Lightning's own entry; rank 1's in the LoRDO part
@@ -222,7 +224,7 @@ def test_resume_in_the_warmup_and_after_the_switch_is_bit_identical(tmp_path: Pa
     saved = torch.load(in_warmup, weights_only=True)
     assert saved["lordo"]["sync"]["optimizer_steps"] == 6 and saved["lordo"]["sync"]["anchor"] == []
     assert saved["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.999)  # not switched yet
-    saved = torch.load(after, weights_only=True)
+    saved = load_full(after)
     assert saved["lordo"]["sync"]["steps_since_sync"] == 2 and "params" in saved["lordo"]["ranks"][1]
     assert tuple(saved["optimizer_states"][0]["param_groups"][0]["betas"]) == (0.95, 0.99)
     assert _position(in_warmup) == (1, 1) and _position(after) == (1, 4)  # both mid-epoch

@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
 
 from lightning_lordo import CommunicationMonitor, LoRDO, LoRDOStrategy
+from lightning_lordo.lightning.shards import load_full
 
 
 class ReplicaChecker(L.Callback):
@@ -314,7 +315,7 @@ def test_checkpoint_holds_communication_totals_and_loads_plainly(tmp_path: Path)
     saver = ModelCheckpoint(dirpath=tmp_path, filename="step8", every_n_train_steps=8, save_top_k=-1)
     trainer(lordo(sync_every=4), callbacks=[saver], max_steps=8, enable_checkpointing=True).fit(module, loader())
     path = tmp_path / "step8.ckpt"
-    checkpoint = torch.load(path, weights_only=True)
+    checkpoint = load_full(path)  # the file and its per-rank shards
     assert [r["comm"]["totals"]["pseudo_gradients"] for r in checkpoint["lordo"]["ranks"]] == [2 * per_sync] * 2
     assert checkpoint["lordo"]["sync"]["syncs_done"] == 2
     plain = TinyRegressor.load_from_checkpoint(path)  # plain Lightning, no strategy involved

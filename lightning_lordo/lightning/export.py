@@ -29,6 +29,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.resume import LORDO_KNOBS, is_lordo_state
+from lightning_lordo.lightning.shards import load_full
 from lightning_lordo.optim.conversion import adamw_entry
 
 
@@ -60,9 +61,11 @@ def to_torch_checkpoint(checkpoint: dict[str, Any]) -> list[str]:
         if sync["steps_since_sync"] > 0:
             reset.append(f"each worker's {sync['steps_since_sync']} local steps since the last sync (the "
                          "synchronized model is resumed)")
-        ranks = lordo.get("ranks") or []
+        ranks = [r for r in lordo.get("ranks") or [] if r is not None]
         if any(_has_tensors(r.get("payload")) for r in ranks):
             reset.append("the payload's error feedback")
+        elif "shards" in lordo and not ranks:  # the per-rank shards were not read (see shards.load_full)
+            reset.append("the per-rank shards' state (the payload's error feedback, if any)")
         if lordo.get("world_size", 1) > 1:
             reset.append(f"the optimizer state of ranks 1..{lordo['world_size'] - 1} (every rank starts from rank 0's)")
         reset.append("the communication totals")
@@ -121,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.source == args.target:
         parser.error(f"target {args.target!r} is the source: write the converted checkpoint to another path")
-    checkpoint = torch.load(args.source, map_location="cpu", weights_only=True)
+    checkpoint = load_full(args.source)  # with every rank's shard, if it has them
     notes = to_torch_checkpoint(checkpoint)
     if not notes:
         parser.error(f"{args.source!r} holds no LoRDO state: any strategy resumes it as it is")

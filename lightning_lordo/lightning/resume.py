@@ -55,23 +55,36 @@ def layout(strategy: Any) -> dict[str, Any]:
             "sync_names": [names.get(p, "") for p in strategy.synchronizer.params]}
 
 
-def gather_state(strategy: Any, collective: bool = True) -> dict[str, Any]:
-    """``checkpoint["lordo"]``: the synchronizer's state, the layout, and every rank's own state gathered to rank 0
-    (all ranks must call it: a checkpoint save is a collective). ``collective=False`` (after a failed collective):
-    rank 0's own state only, marked ``partial``."""
+def local_state(strategy: Any) -> dict[str, Any]:
+    """This rank's own state: its communication totals, payload state and buffers (each rank's own between syncs,
+    e.g. BatchNorm's), its optimizer state (not rank 0's: that is Lightning's ``optimizer_states`` entry) and,
+    mid-round, its replica."""
     sync = strategy.synchronizer
     local: dict[str, Any] = {"comm": strategy.accountant.state_dict(), "payload": to_cpu(sync.payload_state_dict()),
-                             "buffers": to_cpu(sync.buffers)}  # each rank's own between syncs (e.g. BatchNorm's)
-    if strategy.global_rank != 0:  # rank 0's optimizer state is Lightning's own "optimizer_states" entry
+                             "buffers": to_cpu(sync.buffers)}
+    if strategy.global_rank != 0:
         local["optimizer"] = to_cpu(strategy.optimizers[0].state_dict())
-    if sync.steps_since_sync > 0:  # mid-round each rank's replica is its own
+    if sync.steps_since_sync > 0:
         local["params"] = to_cpu(sync.params)
+    return local
+
+
+def shared_state(strategy: Any, partial: bool) -> dict[str, Any]:
+    """What every rank has the same of (the synchronizer's state, the layout) and the world size."""
+    return {"sync": to_cpu(strategy.synchronizer.state_dict()), "world_size": strategy.world_size,
+            "layout": layout(strategy), "partial": partial}
+
+
+def gather_state(strategy: Any, collective: bool = True) -> dict[str, Any]:
+    """``checkpoint["lordo"]`` of a single-file checkpoint: the shared state and every rank's own state gathered to
+    rank 0 (all ranks must call it: a checkpoint save is a collective). ``collective=False`` (after a failed
+    collective): rank 0's own state only, marked ``partial``."""
+    local = local_state(strategy)
     if collective:
         ranks = gather_to_rank_zero(local, strategy.world_size, strategy.global_rank)
     else:
         ranks = [local] if strategy.global_rank == 0 else None
-    return {"sync": to_cpu(sync.state_dict()), "world_size": strategy.world_size, "ranks": ranks,
-            "layout": layout(strategy), "partial": not collective}
+    return {**shared_state(strategy, partial=not collective), "ranks": ranks}
 
 
 def knob_changes(saved: dict[str, Any], strategy: Any) -> list[str]:

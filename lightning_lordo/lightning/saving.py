@@ -7,12 +7,13 @@ the training lifecycle and this one what is saved and restored.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_lordo.lightning import resume
+from lightning_lordo.lightning import resume, shards
 from lightning_lordo.optim.lordo import LoRDO
 
 
@@ -23,6 +24,7 @@ class SynchronizedState:
     synchronizer: Any
     communicator: Any
     _swapped_for_eval: bool
+    checkpoint_shards: bool = True  # per-rank shards next to the file (False: gathered into the file)
     _plugin_warnings: Any  # a PluginWarnings (user_warnings.py): warnings once, on rank 0, at the user's line
 
     # ------------------------------------------------------------------ one model for evaluation and checkpoints
@@ -59,21 +61,68 @@ class SynchronizedState:
                     state[name] = anchor[id(p)].detach().clone()
         return state
 
-    # ------------------------------------------------------------------ checkpoint state (see checkpoint.py)
+    # ------------------------------------------------------------------ checkpoint state (checkpoint.py, shards.py)
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Every rank gathers its local state to rank 0, which writes one file (a collective: all ranks call it)."""
-        if self.synchronizer is not None and "optimizer_states" in checkpoint:  # not for save_weights_only
-            swapped = self._swapped_for_eval
-            if swapped:  # saved from within validation: put the local replica back while gathering it
-                self.synchronizer.anchor.swap_out()
-            # after a failed or interrupted collective (an emergency save) no rank can be waited for: rank 0 writes
-            # what it has, and a resume starts every rank from it
-            healthy = self.communicator is None or self.communicator.failure is None
-            checkpoint["lordo"] = resume.gather_state(self, collective=healthy)
-            if swapped:
-                self.synchronizer.anchor.swap_in()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        """A collective: all ranks call it. With ``checkpoint_shards`` (the default) each rank writes its own state
+        next to the file (``shards.py``); without, every rank's state is gathered to rank 0 into the file."""
+        if self.synchronizer is None or "optimizer_states" not in checkpoint:  # save_weights_only: the model only
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        swapped = self._swapped_for_eval
+        if swapped:  # saved from within validation: put the local replica back while reading it
+            self.synchronizer.anchor.swap_out()
+        # after a failed or interrupted collective (an emergency save) no rank can be waited for: rank 0 writes
+        # what it has, and a resume starts every rank from it
+        healthy = self.communicator is None or self.communicator.failure is None
+        comm = self.communicator if healthy and self.world_size > 1 else None
+        local, save_id = None, ""
+        if self.checkpoint_shards:
+            save_id = shards.new_save_id(comm, self.root_device, collective=comm is not None)
+            local = resume.local_state(self)
+            if comm is not None:  # the two agreements below, counted ahead so the totals saved include them
+                local["comm"]["totals"][shards.PURPOSE] = local["comm"]["totals"].get(shards.PURPOSE, 0) \
+                    + shards.AGREEMENT_BYTES
+        checkpoint["lordo"] = resume.shared_state(self, partial=not healthy) if self.checkpoint_shards \
+            else resume.gather_state(self, collective=healthy)
+        if swapped:
+            self.synchronizer.anchor.swap_in()
+        if local is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        if not healthy and self.global_rank != 0:
+            return
+        checkpoint["lordo"]["shards"] = {"id": save_id, "ranks": self.world_size if healthy else 1}
+        self._write_or_agree_to_fail(filepath, save_id, comm, "its LoRDO shard",
+                                     lambda: shards.write(self.checkpoint_io, local, filepath, save_id,
+                                                          self.global_rank))
+        self._write_or_agree_to_fail(filepath, save_id, comm, "the checkpoint file", lambda: super(
+            SynchronizedState, self).save_checkpoint(checkpoint, filepath, storage_options=storage_options))
+        shards.remove_own(filepath, self.global_rank, keep=save_id)  # the previous save's, now stale
+
+    def _write_or_agree_to_fail(self, filepath: Any, save_id: str, comm: Any, what: str, write: Any) -> None:
+        """Run ``write``; if it failed on any rank, every rank removes this save's shards and raises (the previous
+        checkpoint stays as it was)."""
+        error: Optional[BaseException] = None
+        try:
+            write()
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks know
+            error = err
+        if not shards.any_failed(comm, self.root_device, error is not None):
+            return
+        shards.remove_own(filepath, self.global_rank, only=save_id)
+        reasons = shards.failure_reasons(comm, error)  # every rank raises with every failing rank's reason
+        why = "; ".join(f"rank {r} could not write {what}: {reason}" for r, reason in reasons)
+        raise RuntimeError(f"Saving checkpoint {str(filepath)!r} failed, the previous checkpoint is kept: {why}") \
+            from error
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning's file (rank 0) and this rank's shards of it (a symbolic link's target keeps its shards)."""
+        link = os.path.islink(str(filepath))
+        super().remove_checkpoint(filepath)
+        if not link:
+            shards.remove_own(filepath, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -81,7 +130,15 @@ class SynchronizedState:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # applied after setup, when the synchronizer exists; validate/test/predict only need the model
-        self._restored = checkpoint.get("lordo") if fitting else None
+        restored = checkpoint.get("lordo") if fitting else None
+        if restored is not None and "shards" in restored:  # this rank's shard (rank 0's for another world size)
+            meta = restored["shards"]
+            same_world = restored["world_size"] == self.world_size and not restored.get("partial", False)
+            rank = self.global_rank if same_world else 0
+            ranks: list[Any] = [None] * max(meta["ranks"], rank + 1)
+            ranks[rank] = shards.read(self.checkpoint_io, checkpoint_path, meta, rank)
+            restored = {**restored, "ranks": ranks}
+        self._restored = restored
         self._restored_optimizer, self._lordo_checkpoint = None, False
         return checkpoint
 

@@ -74,6 +74,9 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         monitor_progress_bar: whether that monitor shows ``lordo/saving_vs_ddp`` in the progress bar: ``null`` (on
             when the Trainer has a progress bar), ``true`` or ``false``. For a monitor of your own, pass
             ``progress_bar`` to it instead.
+        checkpoint_shards: each rank writes its own state next to Lightning's checkpoint file (``<file>.lordo-<id>/
+            rank-<r>.pt``; see ``lightning/shards.py``), or (``false``) every rank's state is gathered to rank 0
+            into the file.
         start_method: how processes are launched: ``popen``, ``spawn``, ``fork`` or ``forkserver``, as in DDP.
         rank: rank r per matrix: an int >= 1, or a float in (0, 1] (a fraction of each matrix's smaller side).
         omega: weight of the low-rank term; 1 - omega weights the full-rank normalized term.
@@ -125,6 +128,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         full_rank_params: Sequence[str] = DEFAULT_FULL_RANK_PARAMS,
         monitor: bool = True,
         monitor_progress_bar: Optional[bool] = None,
+        checkpoint_shards: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         rank: Union[int, float] = OPTIMIZER_DEFAULTS["rank"],
         omega: float = OPTIMIZER_DEFAULTS["omega"],
@@ -174,7 +178,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         self.sync_config, optimizer_knobs = split_strategy_knobs(
             "LoRDOStrategy", {**{k: given[k] for k in known}, **unknown}, known, lowrank=lowrank,
             optimizer_source="the optimizer your configure_optimizers returns (and your LR schedulers keep driving lr)")
-        for name, flag in (("lowrank", lowrank), ("monitor", monitor)):
+        for name, flag in (("lowrank", lowrank), ("monitor", monitor), ("checkpoint_shards", checkpoint_shards)):
             if not isinstance(flag, bool):
                 raise ValueError(f"Invalid {name}={flag!r}: it must be True or False.")
         if monitor_progress_bar is not None and (not isinstance(monitor_progress_bar, bool) or not monitor):
@@ -186,6 +190,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         self.lowrank = lowrank
         self.monitor = monitor
         self.monitor_progress_bar = monitor_progress_bar
+        self.checkpoint_shards = checkpoint_shards
         super().__init__(timeout=self.sync_config.timeout, start_method=start_method, accelerator=accelerator,
                          parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),

@@ -1,0 +1,100 @@
+"""Per-rank checkpoint shards (``lightning/shards.py``): each rank writes its own state next to Lightning's file,
+no rank holds another's, stale and removed checkpoints take their shards with them, a copied checkpoint resumes
+with its directory and names the missing shard without it; ``checkpoint_shards=False`` keeps the single file."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from strategy_helpers import TinyRegressor, loader, lordo, trainer
+
+from lightning_lordo.lightning.shards import load_full
+
+
+class Steps(L.Callback):
+    """Rank 0: the first and the last optimizer step of the run (the workers are forked: a file tells)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.first = path, None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        self.first = self.first or trainer.global_step
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            torch.save({"first": self.first, "last": trainer.global_step}, self.path)
+
+
+def _fit(directory: Path, max_steps: int = 6, **knobs: object) -> None:
+    """K = 4, 2 workers; ``step=N.ckpt`` every 3 steps with only the latest kept, ``last.ckpt`` overwritten."""
+    checkpoints = ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=3, save_top_k=1,
+                                  monitor="step", mode="max", save_last=True)
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=4, error_feedback=True, **knobs), callbacks=[checkpoints], max_steps=max_steps,
+            enable_checkpointing=True).fit(TinyRegressor(), loader())
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("sharded")
+    _fit(directory, max_steps=10)  # saves at 3, 6 and 9 (last.ckpt overwritten each time): step=3 and step=6 removed
+    return directory
+
+
+def test_each_rank_writes_its_own_shard_and_removed_or_stale_saves_take_theirs(sharded: Path) -> None:
+    files = sorted(p.name for p in sharded.iterdir())
+    main = [f for f in files if f.endswith(".ckpt")]
+    assert main == ["last.ckpt", "step=9.ckpt"], files
+    for name in main:
+        raw = torch.load(sharded / name, weights_only=True)
+        assert "ranks" not in raw["lordo"] and raw["lordo"]["shards"]["ranks"] == 2  # nothing gathered to rank 0
+        folder = f"{name}.lordo-{raw['lordo']['shards']['id']}"
+        assert sorted(p.name for p in (sharded / folder).iterdir()) == ["rank-0.pt", "rank-1.pt"]
+        rank0 = torch.load(sharded / folder / "rank-0.pt", weights_only=True)
+        rank1 = torch.load(sharded / folder / "rank-1.pt", weights_only=True)
+        assert "optimizer" not in rank0 and "optimizer" in rank1  # rank 0's is Lightning's optimizer_states
+        assert any("error_feedback" in s for s in rank1["optimizer"]["state"].values())
+        assert rank0["comm"]["totals"]["checkpoint"] > 0  # a save's broadcast and agreements are counted
+    assert len(files) == 4, files  # one shard directory per kept checkpoint: the stale and removed ones are gone
+
+
+def test_a_checkpoint_copied_with_its_directory_resumes_and_without_it_names_the_missing_shard(
+        sharded: Path, tmp_path: Path) -> None:
+    raw = torch.load(sharded / "step=9.ckpt", weights_only=True)
+    folder = f"step=9.ckpt.lordo-{raw['lordo']['shards']['id']}"
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(sharded / "step=9.ckpt", alone / "step=9.ckpt")
+    with pytest.raises(Exception, match="rank [01]'s shard") as info:
+        trainer(lordo(sync_every=4, error_feedback=True), max_steps=12).fit(TinyRegressor(), loader(),
+                                                                            ckpt_path=str(alone / "step=9.ckpt"))
+    assert "Copy that directory with the checkpoint" in str(info.value) and folder in str(info.value)
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    shutil.copy(sharded / "step=9.ckpt", copied / "step=9.ckpt")
+    shutil.copytree(sharded / folder, copied / folder)
+    trainer(lordo(sync_every=4, error_feedback=True), max_steps=12, callbacks=[Steps(tmp_path / "steps.pt")]).fit(
+        TinyRegressor(), loader(), ckpt_path=str(copied / "step=9.ckpt"))
+    assert torch.load(tmp_path / "steps.pt") == {"first": 10, "last": 12}  # resumed at step 9, trained to 12
+    full = load_full(copied / "step=9.ckpt")
+    assert [r["comm"]["totals"]["pseudo_gradients"] for r in full["lordo"]["ranks"]] == \
+        [torch.load(copied / folder / f"rank-{r}.pt", weights_only=True)["comm"]["totals"]["pseudo_gradients"]
+         for r in range(2)]
+
+
+def test_checkpoint_shards_false_gathers_every_rank_into_the_file(tmp_path: Path) -> None:
+    _fit(tmp_path, max_steps=8, checkpoint_shards=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=6.ckpt"]
+    raw = torch.load(tmp_path / "step=6.ckpt", weights_only=True)
+    assert "shards" not in raw["lordo"] and len(raw["lordo"]["ranks"]) == 2
+    assert "params" in raw["lordo"]["ranks"][1]  # step 6 is mid-round (K = 4)
+
+
+def test_checkpoint_shards_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="Invalid checkpoint_shards='yes'"):
+        lordo(checkpoint_shards="yes")
