@@ -169,3 +169,27 @@ def test_two_optimizers_get_an_error_that_says_what_to_do(module: type, says: st
     assert "'betas': (0.9, 0.95)" in message and "strategy='ddp'" in message
     assert ("remove `optimizer_idx` from training_step" in message) is (module is OptimizerIdx)
     assert "Training with multiple optimizers is only supported" in str(caught.value.__cause__)
+
+
+class WireCheck(L.Callback):
+    """At the end of fit (4 workers would need more cores: 2 here, where a ring all-reduce puts 2 (M-1)/M = 1x the
+    tensor on the wire and a broadcast (M-1)/M = 0.5x on every worker): the monitor's wire figures are the
+    accountant's, and each sync's wire bytes are its collectives' by the ring models."""
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        from lightning_lordo.lightning.callbacks import figures
+
+        strategy = trainer.strategy
+        out = figures(strategy, strategy.sync_reports[-1])
+        assert out["wire_bytes_total"] == strategy.accountant.total_wire_bytes > 0
+        assert out["ddp_equivalent_wire_bytes"] == out["ddp_equivalent_bytes"] > 0  # M = 2: the ring sends 1x
+        assert out["wire_saving_vs_ddp"] == saving_ratio(out["ddp_equivalent_wire_bytes"], out["wire_bytes_total"])
+        for report in strategy.sync_reports:  # all-reduces only in a round at M = 2: wire = payload
+            assert report.wire_by_purpose == report.bytes_by_purpose, report
+        if trainer.global_rank == 0:  # a broadcast's payload counts on its sender, its wire bytes on every worker
+            accountant = strategy.accountant
+            assert accountant.wire_totals["setup_broadcast"] == accountant.totals["setup_broadcast"] // 2 > 0
+
+
+def test_wire_bytes_are_logged_beside_the_payload_bytes() -> None:
+    trainer(lordo(sync_every=4), callbacks=[WireCheck()], max_steps=8).fit(TinyRegressor(), loader())

@@ -7,6 +7,9 @@ logs, under ``lordo/`` (per worker; Lightning's loggers write from rank 0):
   per-batch SIGTERM broadcast included); ``ddp_equivalent_bytes``: what DDP's gradient all-reduce would
   have passed for the same optimizer steps (0 on one device: DDP sends nothing there); ``bytes_saving_vs_ddp``:
   their ratio (DDP / LoRDO), 1.0 while neither has sent anything (one device), never NaN;
+* ``wire_bytes_sync``, ``wire_bytes_total``, ``ddp_equivalent_wire_bytes``, ``wire_saving_vs_ddp``: what a worker
+  puts on the network by each collective's algorithm (ring all-reduce 2(M-1)/M x the tensor, all-gather (M-1) x
+  its chunk; :mod:`lightning_lordo.comm.wire`), DDP priced by the same ring model;
 * ``sync_seconds``, ``basis_seconds``, ``subspace_movement``, ``pseudo_gradient_norm`` (not for a discarded,
   non-finite round), ``skipped_syncs``;
 * from the optimizer: ``term_ratio`` (SPEC §6), ``error_feedback_norm``;
@@ -31,6 +34,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from rich.console import Console
 from rich.table import Table
 
+from lightning_lordo.comm.wire import ddp_wire_bytes
 from lightning_lordo.sync.synchronizer import SyncReport
 
 
@@ -172,12 +176,17 @@ def figures(strategy: Any, report: Optional[SyncReport] = None, totals_only: boo
         "ddp_equivalent_bytes": ddp,
         "bytes_saving_vs_ddp": saving_ratio(ddp, total),
     }
+    wire = strategy.accountant.total_wire_bytes
+    ddp_wire = ddp_wire_bytes(ddp, strategy.world_size)  # DDP's gradients by a float32 ring all-reduce
+    out.update({"wire_bytes_total": wire, "ddp_equivalent_wire_bytes": ddp_wire,
+                "wire_saving_vs_ddp": saving_ratio(ddp_wire, wire)})
     if totals_only:
         return out
     out["skipped_syncs"] = strategy.synchronizer.skipped_syncs
     if report is not None:
         out.update({
             "bytes_sent_sync": report.bytes_sent,
+            "wire_bytes_sync": sum(report.wire_by_purpose.values()),
             "sync_seconds": report.seconds,
             "basis_seconds": report.basis_seconds,
         })

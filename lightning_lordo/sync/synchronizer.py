@@ -73,6 +73,7 @@ class SyncReport:
     pseudo_gradient_norm: Optional[float]
     skipped: bool = False
     extra: dict[str, float] = field(default_factory=dict)
+    wire_by_purpose: dict[str, int] = field(default_factory=dict)  # on the network, by the collectives' algorithms
 
     @property
     def bytes_sent(self) -> int:
@@ -221,7 +222,8 @@ class Synchronizer:
         data, self._round = self._round, {"seconds": 0.0, "basis_seconds": 0.0, "movement": None}
         self.syncs_done += 1
         return SyncReport(index=self.syncs_done, step=self.optimizer_steps,
-                          bytes_by_purpose=self.comm.accountant.end_round(), seconds=data["seconds"],
+                          bytes_by_purpose=self.comm.accountant.end_round(),
+                          wire_by_purpose=dict(self.comm.accountant.last_round_wire), seconds=data["seconds"],
                           basis_seconds=data["basis_seconds"], subspace_movement=data["movement"],
                           pseudo_gradient_norm=None, extra={"synchronous": 1.0})
 
@@ -364,7 +366,9 @@ class Synchronizer:
             self.consecutive_skips = 0
         self.steps_since_sync = 0
         return SyncReport(index=self.syncs_done, step=self.optimizer_steps,
-                          bytes_by_purpose=self.comm.accountant.end_round(), seconds=time.perf_counter() - start,
+                          bytes_by_purpose=self.comm.accountant.end_round(),
+                          wire_by_purpose=dict(self.comm.accountant.last_round_wire),
+                          seconds=time.perf_counter() - start,
                           basis_seconds=basis_seconds, subspace_movement=movement, pseudo_gradient_norm=norm,
                           skipped=skipped, extra=dict(extra or {}))
 
