@@ -12,6 +12,7 @@ from lightning_lordo.comm.communicator import CollectiveTimeout
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.fabric import LoRDOFabricStrategy
 from lightning_lordo.lightning.callbacks import CommunicationMonitor
+from lightning_lordo.lightning.export import ConvertLoRDOCheckpoint
 from lightning_lordo.lightning.strategy import LoRDOStrategy
 from lightning_lordo.optim import LoRDO
 from lightning_lordo.sync.faults import NonFiniteTraining
@@ -22,5 +23,5 @@ __version__ = "0.1.0"
 LoRDOStrategy.register_strategies(StrategyRegistry)
 LoRDOFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
-__all__ = ["CollectiveTimeout", "CommunicationMonitor", "LoRDO", "LoRDOFabricStrategy", "LoRDOStrategy",
-           "NonFiniteTraining", "SyncConfig", "__version__"]
+__all__ = ["CollectiveTimeout", "CommunicationMonitor", "ConvertLoRDOCheckpoint", "LoRDO", "LoRDOFabricStrategy",
+           "LoRDOStrategy", "NonFiniteTraining", "SyncConfig", "__version__"]
