@@ -143,3 +143,26 @@ def test_what_cannot_be_converted_is_refused_before_training(tmp_path: Path, kno
     ckpt = _first_fit(tmp_path, TinyRegressor(scheduler=True), lordo(sync_every=K, warmup_steps=4)) / "step=12.ckpt"
     with pytest.raises(Exception, match=match):
         _resume(tmp_path, ckpt, TinyRegressor(scheduler=True), lordo(sync_every=K, **knobs), "refused")
+
+
+class MomentumAtStart(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        state = trainer.strategy.optimizers[0].state
+        if trainer.global_rank == 0:
+            torch.save([s["momentum_buffer"].clone() for s in state.values()], self.path)
+
+
+def test_diloco_resumes_any_optimizers_state_as_it_is(tmp_path: Path) -> None:
+    """``diloco`` keeps the user's optimizer: SGD's momentum comes back from the checkpoint unchanged (only a
+    LoRDO state is converted into AdamW's)."""
+    diloco = LoRDOStrategy(sync_every=K, lowrank=False, start_method="fork")
+    ckpt = _first_fit(tmp_path, TinyRegressor(optimizer="sgd"), diloco) / "step=12.ckpt"
+    saved = [s["momentum_buffer"] for s in torch.load(ckpt, weights_only=True)["optimizer_states"][0]["state"].values()]
+    trainer(LoRDOStrategy(sync_every=K, lowrank=False, start_method="fork"), max_steps=14, **FIXED_DATA,
+            callbacks=[MomentumAtStart(tmp_path / "m.pt")]).fit(TinyRegressor(optimizer="sgd"), epoch_loader(),
+                                                                 ckpt_path=str(ckpt))
+    resumed = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert len(resumed) == len(saved) > 0 and all(torch.equal(a, b) for a, b in zip(resumed, saved))

@@ -30,6 +30,17 @@ class Steps(L.Callback):
             torch.save({"first": self.first, "last": trainer.global_step}, self.path)
 
 
+class SaveAtEnd(L.Callback):
+    """``trainer.save_checkpoint(path)`` (a collective: every rank) after the last training batch."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == 9:
+            trainer.save_checkpoint(str(self.path))
+
+
 def _fit(directory: Path, max_steps: int = 6, **knobs: object) -> None:
     """K = 4, 2 workers; ``step=N.ckpt`` every 3 steps with only the latest kept, ``last.ckpt`` overwritten."""
     checkpoints = ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=3, save_top_k=1,
@@ -98,3 +109,41 @@ def test_checkpoint_shards_false_gathers_every_rank_into_the_file(tmp_path: Path
 def test_checkpoint_shards_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="Invalid checkpoint_shards='yes'"):
         lordo(checkpoint_shards="yes")
+
+
+def test_a_linked_last_checkpoint_resumes_with_the_shards_of_the_file_it_points_to(tmp_path: Path) -> None:
+    """``save_last="link"``: ``last.ckpt`` is a symbolic link to ``step=N.ckpt``; the file records its shard
+    directory's name, so a resume from the link (or from a copy that follows it) finds the shards."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=1,
+                                  monitor="step", mode="max", save_last="link")
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=4), callbacks=[checkpoints], max_steps=8, enable_checkpointing=True).fit(
+        TinyRegressor(), loader())
+    link = tmp_path / "ckpt" / "last.ckpt"
+    assert link.is_symlink() and link.resolve().name == "step=6.ckpt"
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(link, copy / "last.ckpt")  # follows the link: a regular file that names step=6.ckpt's shards
+    folder = f"step=6.ckpt.lordo-{torch.load(link, weights_only=True)['lordo']['shards']['id']}"
+    shutil.copytree(tmp_path / "ckpt" / folder, copy / folder)
+    trainer(lordo(sync_every=4), max_steps=10, callbacks=[Steps(tmp_path / "steps.pt")]).fit(
+        TinyRegressor(), loader(), ckpt_path=str(copy / "last.ckpt"))
+    assert torch.load(tmp_path / "steps.pt") == {"first": 7, "last": 10}
+    # a resume from the link that saves over it (trainer.save_checkpoint("last.ckpt")): the link becomes a file
+    # with shards of its own, and the next resume finds them
+    trainer(lordo(sync_every=4), max_steps=10, callbacks=[SaveAtEnd(link)]).fit(TinyRegressor(), loader(),
+                                                                            ckpt_path=str(link))
+    assert not link.is_symlink() and torch.load(link, weights_only=True)["global_step"] == 9
+    trainer(lordo(sync_every=4), max_steps=12, callbacks=[Steps(tmp_path / "steps.pt")]).fit(
+        TinyRegressor(), loader(), ckpt_path=str(link))
+    assert torch.load(tmp_path / "steps.pt") == {"first": 10, "last": 12}
+
+
+def test_an_asynchronous_checkpoint_io_is_refused_with_the_fix(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    strategy = lordo(sync_every=4, start_method="popen", checkpoint_io=AsyncCheckpointIO(TorchCheckpointIO()))
+    with pytest.raises(ValueError, match="AsyncCheckpointIO.*checkpoint_shards=False"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False,
+                  callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)]).fit(TinyRegressor(), loader())

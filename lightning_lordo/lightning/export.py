@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -86,6 +87,8 @@ def _adamw_state_dict(saved: dict[str, Any], names: list[str],
         state[index], was_lowrank = adamw_entry(entry, model[name])
         expanded += was_lowrank
         dropped_ef += "error_feedback" in entry
+    # torch-only keys (fused, foreach, capturable, amsgrad, maximize) were not kept by LoRDO: the torch optimizer
+    # that loads these groups fills in its class's defaults for them
     groups = [{k: v for k, v in g.items() if k not in LORDO_KNOBS} for g in saved["param_groups"]]
     return {"state": state, "param_groups": groups}, (expanded, dropped_ef)
 
@@ -122,9 +125,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("source", help="a checkpoint written under strategy='lordo' (or 'diloco', 'lowrank_ddp')")
     parser.add_argument("target", help="where to write the converted checkpoint (written atomically)")
     args = parser.parse_args(argv)
-    if args.source == args.target:
+    if Path(args.source).resolve() == Path(args.target).resolve():
         parser.error(f"target {args.target!r} is the source: write the converted checkpoint to another path")
-    checkpoint = load_full(args.source)  # with every rank's shard, if it has them
+    try:
+        checkpoint = load_full(args.source)  # with every rank's shard, if it has them
+    except FileNotFoundError as err:  # a copy without its shards: the conversion keeps none of their state
+        if not Path(args.source).is_file():
+            parser.error(f"{args.source!r}: no such file")
+        print(f"note: {err}", file=sys.stderr)
+        checkpoint = torch.load(args.source, map_location="cpu", weights_only=True)
     notes = to_torch_checkpoint(checkpoint)
     if not notes:
         parser.error(f"{args.source!r} holds no LoRDO state: any strategy resumes it as it is")

@@ -201,13 +201,13 @@ def load_optimizer(optimizer: Optimizer, saved: dict[str, Any], saved_names: Opt
                      f"{' (' + ', '.join(missing[:3]) + ')' if missing else ''}, {len(dropped)} saved one(s) dropped"
                      f"{' (' + ', '.join(dropped[:3]) + ')' if dropped else ''}")
     state = {}
-    lordo_now = isinstance(optimizer, LoRDO)
+    lordo_now, from_lordo = isinstance(optimizer, LoRDO), is_lordo_state(saved)
     expanded = 0
     for i, (p, name) in enumerate(zip(params, order)):
         entry = by_name.get(name, ({}, {}))[0]
         if not entry:
             continue
-        if not lordo_now:  # LoRDO's state into torch's AdamW
+        if not lordo_now and from_lordo:  # LoRDO's state into torch's AdamW; any other optimizer's as it is
             entry, was_lowrank = adamw_entry(entry, p)
             expanded += was_lowrank
         state[i] = entry

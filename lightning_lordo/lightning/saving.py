@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
 from lightning_lordo.lightning import resume, shards
@@ -69,40 +69,64 @@ class SynchronizedState:
         if self.synchronizer is None or "optimizer_states" not in checkpoint:  # save_weights_only: the model only
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        swapped = self._swapped_for_eval
-        if swapped:  # saved from within validation: put the local replica back while reading it
-            self.synchronizer.anchor.swap_out()
-        # after a failed or interrupted collective (an emergency save) no rank can be waited for: rank 0 writes
-        # what it has, and a resume starts every rank from it
-        healthy = self.communicator is None or self.communicator.failure is None
+        # an emergency save (after a failed collective, or from an exception that need not have reached every
+        # rank) waits for no rank: rank 0 writes what it has, and a resume starts every rank from it
+        healthy = self._every_rank_saves()
         comm = self.communicator if healthy and self.world_size > 1 else None
-        local, save_id = None, ""
-        if self.checkpoint_shards:
-            save_id = shards.new_save_id(comm, self.root_device, collective=comm is not None)
-            local = resume.local_state(self)
-            if comm is not None:  # the two agreements below, counted ahead so the totals saved include them
-                local["comm"]["totals"][shards.PURPOSE] = local["comm"]["totals"].get(shards.PURPOSE, 0) \
-                    + shards.AGREEMENT_BYTES
-        checkpoint["lordo"] = resume.shared_state(self, partial=not healthy) if self.checkpoint_shards \
-            else resume.gather_state(self, collective=healthy)
-        if swapped:
-            self.synchronizer.anchor.swap_in()
-        if local is None:
+        if not self.checkpoint_shards:
+            checkpoint["lordo"] = self._read_state(lambda: resume.gather_state(self, collective=healthy))
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
+        shards.check_checkpoint_io(self.checkpoint_io)
+        save_id = shards.new_save_id(comm, self.root_device, collective=comm is not None)
+        error: Optional[BaseException] = None
+        local: Any = None
+        try:  # an error here is agreed on below with the others, who would otherwise wait for this rank
+            local = self._read_state(lambda: resume.local_state(self))
+            if comm is not None:  # the two agreements below, counted ahead so the totals saved include them
+                shards.count_agreements(local["comm"], self.world_size)
+            checkpoint["lordo"] = resume.shared_state(self, partial=not healthy)
+            checkpoint["lordo"]["shards"] = {"id": save_id, "ranks": self.world_size if healthy else 1,
+                                             "dir": shards.directory_name(filepath, save_id)}
+        except Exception as err:  # noqa: BLE001 - re-raised by the agreement
+            error = err
         if not healthy and self.global_rank != 0:
             return
-        checkpoint["lordo"]["shards"] = {"id": save_id, "ranks": self.world_size if healthy else 1}
-        self._write_or_agree_to_fail(filepath, save_id, comm, "its LoRDO shard",
-                                     lambda: shards.write(self.checkpoint_io, local, filepath, save_id,
-                                                          self.global_rank))
+
+        def write_shard() -> None:
+            if error is not None:
+                raise error
+            shards.write(self.checkpoint_io, local, filepath, save_id, self.global_rank)
+
+        self._write_or_agree_to_fail(filepath, save_id, comm, "its LoRDO shard", write_shard)
         self._write_or_agree_to_fail(filepath, save_id, comm, "the checkpoint file", lambda: super(
             SynchronizedState, self).save_checkpoint(checkpoint, filepath, storage_options=storage_options))
         shards.remove_own(filepath, self.global_rank, keep=save_id)  # the previous save's, now stale
 
+    def _every_rank_saves(self) -> bool:
+        """Whether this save may wait for every rank: not after a failed collective, and not from an exception
+        (``OnExceptionCheckpoint``), which may have stopped this rank alone; a SIGTERM stops every rank at the
+        same batch (the per-batch check), so its save is a collective."""
+        if self.communicator is not None and self.communicator.failure is not None:
+            return False
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED or trainer.received_sigterm
+
+    def _read_state(self, read: Any) -> Any:
+        """``read()`` with the local replica in place (a save from within validation has the anchor swapped in)."""
+        swapped = self._swapped_for_eval
+        if swapped:
+            self.synchronizer.anchor.swap_out()
+        try:
+            return read()
+        finally:
+            if swapped:
+                self.synchronizer.anchor.swap_in()
+
     def _write_or_agree_to_fail(self, filepath: Any, save_id: str, comm: Any, what: str, write: Any) -> None:
-        """Run ``write``; if it failed on any rank, every rank removes this save's shards and raises (the previous
-        checkpoint stays as it was)."""
+        """Run ``write``; if it failed on any rank, every rank removes this save's shards and raises with every
+        failing rank's reason (with the strategy's atomic CheckpointIO on a local disk the previous checkpoint
+        is then as it was)."""
         error: Optional[BaseException] = None
         try:
             write()
@@ -111,10 +135,9 @@ class SynchronizedState:
         if not shards.any_failed(comm, self.root_device, error is not None):
             return
         shards.remove_own(filepath, self.global_rank, only=save_id)
-        reasons = shards.failure_reasons(comm, error)  # every rank raises with every failing rank's reason
+        reasons = shards.failure_reasons(comm, error)
         why = "; ".join(f"rank {r} could not write {what}: {reason}" for r, reason in reasons)
-        raise RuntimeError(f"Saving checkpoint {str(filepath)!r} failed, the previous checkpoint is kept: {why}") \
-            from error
+        raise RuntimeError(f"Saving checkpoint {str(filepath)!r} failed: {why}") from error
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -13,39 +13,74 @@ each save and broadcast, so a save over an existing file (``last.ckpt``) writes 
 consistent until the new file replaces it, then each rank removes its own stale shards. A save is a collective:
 the ranks agree that every shard was written before rank 0 writes the file, and that the file was written before
 the stale shards go (two 4-byte all-reduces and an 8-byte broadcast, counted as ``checkpoint`` outside rounds).
-After a failed collective (an emergency save) rank 0 writes its own shard and the file, without collectives.
+After a failed collective, or from an exception (``OnExceptionCheckpoint``: it may have stopped one rank alone), an
+emergency save waits for no rank: rank 0 writes its own shard and the file. The file records the directory's
+name, so a resume finds it next to the file it reads (a copy, a symbolic link's target). An asynchronous
+CheckpointIO is refused: its writes could not be agreed on.
 
 On resume each rank reads the file and its own shard (with another world size, or from an emergency save: rank
 0's). A shard that is missing names the file and the fix. Copy a checkpoint with its directory; on nodes without
-a shared file system, each node needs the shards of its ranks. ``load_full(path)`` reads a sharded checkpoint into
-one dict (every rank's state under ``checkpoint["lordo"]["ranks"]``), e.g. to inspect it.
+a shared file system, each node needs the shards of its ranks (rank 0's for another world size).
+``load_full(path)`` reads a sharded checkpoint into one dict (every rank's state under
+``checkpoint["lordo"]["ranks"]``), e.g. to inspect it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 from typing import Any, Optional
 
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
+
+from lightning_lordo.comm.wire import wire_bytes
 
 PURPOSE = "checkpoint"
 AGREEMENT_BYTES = 8  # the two float32 flags of a save's agreements (``any_failed``), per rank
 
 
 def directory(filepath: Any, save_id: str) -> str:
-    """The shard directory of checkpoint ``filepath`` (a symbolic link, e.g. ``save_last="link"``, resolved)."""
-    path = str(filepath)
-    if isinstance(get_filesystem(path), LocalFileSystem):
-        path = os.path.realpath(path)
-    return f"{path}.lordo-{save_id}"
+    """The shard directory a save of checkpoint ``filepath`` writes (next to the path as given: a symbolic link
+    such as ``save_last="link"``'s is replaced by the file, so its shards go next to it)."""
+    return f"{filepath}.lordo-{save_id}"
+
+
+def directory_name(filepath: Any, save_id: str) -> str:
+    """The shard directory's name, recorded in the file: a resume finds it next to the file it reads, wherever
+    the pair was copied."""
+    return directory(filepath, save_id).replace("\\", "/").rsplit("/", 1)[-1]
 
 
 def shard_path(filepath: Any, save_id: str, rank: int) -> str:
     return f"{directory(filepath, save_id)}/rank-{rank}.pt"
+
+
+def _read_directory(filepath: Any, meta: dict[str, Any]) -> str:
+    path = str(filepath)
+    if "dir" not in meta:
+        return directory(path, meta["id"])
+    parent = path.replace("\\", "/").rsplit("/", 1)[0] if "/" in path.replace("\\", "/") else "."
+    return f"{parent}/{meta['dir']}"
+
+
+def check_checkpoint_io(checkpoint_io: Any) -> None:
+    """Refuse an asynchronous CheckpointIO: its saves return before anything is written, so the ranks' agreement
+    that every shard and the file were written would mean nothing."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    if isinstance(checkpoint_io, AsyncCheckpointIO):
+        raise ValueError("checkpoint_shards=True with an AsyncCheckpointIO: the shards' writes could not be "
+                         "agreed on before the stale ones are removed. Use the strategy's default CheckpointIO, or "
+                         "LoRDOStrategy(checkpoint_shards=False).")
+
+
+def count_agreements(comm_state: dict[str, Any], world_size: int) -> None:
+    """Add a save's two agreements (``any_failed``: a 4-byte all-reduce each) to a saved accountant state, so the
+    totals a resume starts from include them, payload and wire bytes alike."""
+    totals, wire = comm_state["totals"], comm_state.setdefault("wire_totals", {})
+    totals[PURPOSE] = totals.get(PURPOSE, 0) + AGREEMENT_BYTES
+    wire[PURPOSE] = wire.get(PURPOSE, 0) + 2 * wire_bytes("all_reduce", AGREEMENT_BYTES // 2, world_size)
 
 
 def new_save_id(communicator: Any, device: torch.device, collective: bool) -> str:
@@ -83,28 +118,38 @@ def write(checkpoint_io: Any, state: dict[str, Any], filepath: Any, save_id: str
 
 def read(checkpoint_io: Any, filepath: Any, meta: dict[str, Any], rank: int) -> dict[str, Any]:
     """Rank ``rank``'s shard of checkpoint ``filepath``, or an error that names it and the fix."""
-    path = shard_path(filepath, meta["id"], rank)
+    folder = _read_directory(filepath, meta)
+    path = f"{folder}/rank-{rank}.pt"
     if not get_filesystem(path).exists(path):
+        need = ("each node needs its ranks' shards" if rank != 0 or meta.get("ranks", 1) == 1 else
+                "every node needs rank-0.pt (a resume with another world size, or of an emergency save, starts "
+                "every rank from rank 0's state)")
         raise FileNotFoundError(
-            f"The LoRDO checkpoint {str(filepath)!r} keeps each rank's state in {directory(filepath, meta['id'])!r}, "
-            f"and rank {rank}'s shard {path!r} is not there. Copy that directory with the checkpoint (on nodes "
-            "without a shared file system: each node needs its ranks' shards). The model alone needs no shard: "
-            "MyModel.load_from_checkpoint(path), or start a new fit from its weights.")
+            f"The LoRDO checkpoint {str(filepath)!r} keeps each rank's state in {folder!r}, and rank {rank}'s "
+            f"shard {path!r} is not there. Copy that directory with the checkpoint (on nodes without a shared file "
+            f"system: {need}). The model alone needs no shard: MyModel.load_from_checkpoint(path), or start a new "
+            "fit from its weights.")
     return checkpoint_io.load_checkpoint(path)
 
 
 def remove_own(filepath: Any, rank: int, keep: Optional[str] = None, only: Optional[str] = None) -> None:
     """Remove this rank's shards of checkpoint ``filepath``: of every save, of every save but ``keep``, or of save
-    ``only``; then each shard directory left empty (the last rank to remove its shard removes the directory)."""
+    ``only``; then each shard directory left empty (the last rank to remove its shard removes the directory).
+    Best effort: a file system error leaves a stale shard behind rather than failing the save (or stalling the
+    ranks that wait for this one)."""
     path = str(filepath)
     fs = get_filesystem(path)
-    for folder in fs.glob(glob_escape(directory(path, "")) + "*"):
+    try:
+        folders = fs.glob(glob_escape(directory(path, "")) + "*")
+    except OSError:
+        folders = []
+    for folder in folders:
         save_id = str(folder).rsplit(".lordo-", 1)[-1]
         if save_id == keep or (only is not None and save_id != only):
             continue
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm(f"{folder}/rank-{rank}.pt")
         with contextlib.suppress(OSError):
+            if fs.exists(f"{folder}/rank-{rank}.pt"):
+                fs.rm(f"{folder}/rank-{rank}.pt")
             if not fs.ls(folder):
                 fs.rmdir(folder)
 
