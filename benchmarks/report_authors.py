@@ -84,21 +84,27 @@ def report(path: Path) -> str:
         lines.append(f"| {NAMES[name]} | " + " | ".join(cells) + " |")
     runs = main_runs(records)
     lines += ["", "### Main table (each method at its best LR; bytes per worker, training traffic only)", "",
-              "| method | seeds | val loss | val ppl | ppl vs low-rank DDP | MB sent | fewer bytes than DDP |",
-              "|---|---|---|---|---|---|---|"]
+              "| method | seeds | val loss | val ppl | ppl vs low-rank DDP | MB sent | fewer bytes than DDP "
+              "| optimizer state MB |", "|---|---|---|---|---|---|---|---|"]
     ppl = {n: statistics.fmean(math.exp(r["final_val_loss"]) for r in rs) for n, rs in runs.items()}
     sent = {n: statistics.fmean(r["bytes_sent"] for r in rs) for n, rs in runs.items()}
     for name in authors.METHODS:
         if name not in runs:
-            lines.append(f"| {NAMES[name]} | 0 | not run | | | | |")
+            lines.append(f"| {NAMES[name]} | 0 | not run | | | | | |")
             continue
         rs = runs[name]
         versus = f"{100 * (ppl[name] / ppl['lowrank_ddp'] - 1):+.1f} %" if "lowrank_ddp" in ppl else ""
         fewer = f"{sent['ddp'] / sent[name]:.1f}x" if "ddp" in sent and sent[name] else ""
         lines.append(f"| {NAMES[name]} | {len(rs)} | {_mean([r['final_val_loss'] for r in rs])} | {ppl[name]:.3f} "
-                     f"| {versus} | {sent[name] / 1e6:,.0f} | {fewer} |")
+                     f"| {versus} | {sent[name] / 1e6:,.0f} | {fewer} | {optimizer_state(rs[0]) / 1e6:.2f} |")
     lines += ["", "### Targets", ""] + targets(runs, ppl, sent)
     return "\n".join(lines) + "\n"
+
+
+def optimizer_state(record: dict[str, Any]) -> float:
+    """Bytes of optimizer state per worker (moments, bases, error feedback; AdamW's for the DDP methods)."""
+    memory = record["optimizer_memory"]
+    return sum(v for k, v in memory.items() if not k.startswith("adamw_equivalent"))
 
 
 def targets(runs: dict[str, list[dict[str, Any]]], ppl: dict[str, float], sent: dict[str, float]) -> list[str]:
