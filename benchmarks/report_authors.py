@@ -144,6 +144,7 @@ def frontier(path: Path, figure: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     authors.RESULTS = path
     runs = main_runs(unique([r for r in load(path) if "spec" in r]))
@@ -154,6 +155,7 @@ def frontier(path: Path, figure: Path) -> None:
         ax.scatter(x, y)
         ax.annotate(NAMES[name], (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the decade labels only
     ax.set_xlabel("MB sent per worker (log)")
     ax.set_ylabel("final validation loss")
     ax.set_title("Authors' protocol: loss vs bytes (lower left is better)")
