@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -103,3 +106,37 @@ def assert_identical(a: Any, b: Any, where: str = "") -> None:
             assert_identical(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a} != {b}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_fork_job(worker: Callable[..., None], world: int, out: Path, timeout: float) -> list[dict[str, Any]]:
+    """``world`` forked processes running ``worker(rank, world, port, out)`` (each saves its results to
+    ``out/rank<r>.pt`` and exits); joined within ``timeout`` seconds, stragglers killed. Returns every rank's
+    results, failing on a rank that wrote nothing or reported an ``_error``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, str(out)), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    results = []
+    for r in range(world):
+        path = out / f"rank{r}.pt"
+        assert path.exists(), f"worker {r} of {world} wrote nothing (exit code {procs[r].exitcode})"
+        results.append(torch.load(path, weights_only=False))
+        assert "_error" not in results[r], results[r]["_error"]
+    return results

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from strategy_helpers import run_fork_job
 from torch import Tensor
 
 import lightning_lordo.comm.communicator as communicator_module
@@ -222,36 +221,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         os._exit(0)  # no teardown: a failed collective would make destroy_process_group wait
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"M{m}" for m in WORLDS])
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict]]:
     world = request.param
-    out = tmp_path_factory.mktemp(f"reduce_scatter_{world}")
-    ctx = mp.get_context("fork")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, str(out)), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(150)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-    results = []
-    for r in range(world):
-        path = out / f"rank{r}.pt"
-        assert path.exists(), f"worker {r} of {world} wrote nothing (exit code {procs[r].exitcode})"
-        results.append(torch.load(path, weights_only=False))
-        assert "_error" not in results[r], results[r]["_error"]
-    return world, results
+    return world, run_fork_job(_worker, world, tmp_path_factory.mktemp(f"reduce_scatter_{world}"), timeout=150)
 
 
 def _chunk_bytes(n: int, world: int) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from strategy_helpers import run_fork_job
 from torch import Tensor
 
 import lightning_lordo.comm.communicator as accounting_module
@@ -252,11 +251,11 @@ def _scenario(rank: int, comm: Communicator, kind: str, dtype: str = "float32", 
     return record
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str) -> None:
     results: dict[str, Any] = {}
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=30))
         comm = _comm()
         for name, knobs in SCENARIOS.items():
@@ -273,35 +272,9 @@ def _worker(rank: int, port: int, out: str) -> None:
         os._exit(0)  # no teardown: a failed collective would make destroy_process_group wait
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("payload")
-    ctx = mp.get_context("fork")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out)), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(90)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-    results = {}
-    for r in range(WORLD):
-        path = out / f"rank{r}.pt"
-        assert path.exists(), f"worker {r} wrote nothing (exit code {procs[r].exitcode})"
-        results[r] = torch.load(path, weights_only=False)
-        assert "_error" not in results[r], results[r]["_error"]
-    return results
+    return dict(enumerate(run_fork_job(_worker, WORLD, tmp_path_factory.mktemp("payload"), timeout=90)))
 
 
 def _rounds(runs: dict[int, dict[str, Any]], name: str) -> list[list[dict[str, Any]]]:
