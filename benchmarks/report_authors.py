@@ -98,7 +98,26 @@ def report(path: Path) -> str:
         lines.append(f"| {NAMES[name]} | {len(rs)} | {_mean([r['final_val_loss'] for r in rs])} | {ppl[name]:.3f} "
                      f"| {versus} | {sent[name] / 1e6:,.0f} | {fewer} | {optimizer_state(rs[0]) / 1e6:.2f} |")
     lines += ["", "### Targets", ""] + targets(runs, ppl, sent)
+    lines += ablations(records, runs)
     return "\n".join(lines) + "\n"
+
+
+def ablations(records: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """One choice at a time away from the ablations' base (seed 0): what ran so far."""
+    done = [r for r in records if r["stage"] == "ablations"]
+    if not done:
+        return []
+    base_name = done[0]["name"].split(":")[0]
+    base = next((r for r in runs.get(base_name, []) if r["spec"]["seed"] == 0), None)
+    lines = ["", f"### Ablations (one choice at a time from {NAMES.get(base_name, base_name)}, seed 0)", "",
+             "| change | val loss | vs base | MB sent | optimizer state MB | sync seconds |",
+             "|---|---|---|---|---|---|"]
+    rows = ([("(base)", base)] if base is not None else []) + [(r["name"].split(":", 1)[1], r) for r in done]
+    for label, r in rows:
+        delta = f"{r['final_val_loss'] - base['final_val_loss']:+.4f}" if base is not None else ""
+        lines.append(f"| {label} | {r['final_val_loss']:.4f} | {delta} | {r['bytes_sent'] / 1e6:,.0f} "
+                     f"| {optimizer_state(r) / 1e6:.2f} | {r.get('sync_seconds_mean', 0):.3f} |")
+    return lines
 
 
 def optimizer_state(record: dict[str, Any]) -> float:
