@@ -24,8 +24,9 @@ from torch import Tensor
 
 import lightning_lordo.comm.communicator as accounting_module
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.comm.int8 import dequantize_int8, quantize_int8, rows_view
 from lightning_lordo.comm.lowrank import LowRankPayload
-from lightning_lordo.comm.quantization import QuantizedAverager, dequantize_int8, quantize_int8, round_trip, rows_view
+from lightning_lordo.comm.quantization import QuantizedAverager, round_trip
 
 WORLD = 2
 SHAPES = [(6, 10), (12, 5), (7, 7)]  # wide, tall (transposed to 5 x 12), square

@@ -73,7 +73,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_lordo.comm.quantization import dequantize_int8, quantize_int8
+from lightning_lordo.comm.int8 import dequantize_int8, quantize_int8
 
 BLOCK = 256  #: numbers per int8 scale (at most; smaller when a chunk is shorter)
 

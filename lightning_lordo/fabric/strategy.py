@@ -56,7 +56,8 @@ from lightning_lordo.lightning.convert import (
     scale_base_lrs,
 )
 from lightning_lordo.optim.lordo import LoRDO
-from lightning_lordo.sync.synchronizer import Synchronizer, SyncReport
+from lightning_lordo.sync.report import SyncReport
+from lightning_lordo.sync.synchronizer import Synchronizer
 
 #: Every knob of :class:`~lightning_lordo.LoRDOStrategy` this strategy takes through ``**knobs``.
 KNOB_NAMES = (*STRATEGY_OPTIMIZER_KNOBS, *(k for k in SyncConfig.__dataclass_fields__ if k not in ("sync_every",

@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_lordo.comm.wire import ddp_wire_bytes
-from lightning_lordo.sync.synchronizer import SyncReport
+from lightning_lordo.sync.report import SyncReport
 
 
 class CommunicationMonitor(Callback):

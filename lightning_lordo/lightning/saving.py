@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
@@ -27,6 +28,11 @@ class SynchronizedState:
     checkpoint_shards: bool = True  # per-rank shards next to the file (False: gathered into the file)
     _plugin_warnings: Any  # a PluginWarnings (user_warnings.py): warnings once, on rank 0, at the user's line
 
+    @property
+    def _trainer(self) -> Optional[Trainer]:
+        """The Trainer of the module being run (``None`` before one is attached)."""
+        return self.lightning_module.trainer if self.lightning_module is not None else None
+
     # ------------------------------------------------------------------ one model for evaluation and checkpoints
     def _mid_round(self) -> bool:
         return self.synchronizer is not None and self.synchronizer.steps_since_sync > 0
@@ -34,7 +40,7 @@ class SynchronizedState:
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._mid_round():
             assert self.synchronizer is not None
             self.synchronizer.anchor.swap_in()  # validate the synchronized model: identical on all ranks
@@ -109,7 +115,7 @@ class SynchronizedState:
         same batch (the per-batch check), so its save is a collective."""
         if self.communicator is not None and self.communicator.failure is not None:
             return False
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer
         return trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED or trainer.received_sigterm
 
     def _read_state(self, read: Any) -> Any:
@@ -150,7 +156,7 @@ class SynchronizedState:
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # applied after setup, when the synchronizer exists; validate/test/predict only need the model
         restored = checkpoint.get("lordo") if fitting else None

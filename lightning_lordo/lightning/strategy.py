@@ -50,7 +50,8 @@ from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimize
 from lightning_lordo.lightning.saving import SynchronizedState
 from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.optim.lordo import LoRDO
-from lightning_lordo.sync.synchronizer import Synchronizer, SyncReport
+from lightning_lordo.sync.report import SyncReport
+from lightning_lordo.sync.synchronizer import Synchronizer
 
 #: The optimizer knobs the strategy takes (lr, betas, eps and weight_decay come from the user's optimizer).
 OPTIMIZER_KNOB_NAMES = STRATEGY_OPTIMIZER_KNOBS
@@ -324,22 +325,18 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
             scale_base_lrs(config.scheduler, self.sync_config.switch_lr_scale)
 
     def after_optimizer_step(self) -> None:
-        """Called by the LightningOptimizer after each optimizer step. At the last one of ``fit`` it runs the final
-        synchronization right away, so the checkpoints Lightning writes at the end of ``fit`` hold the final
-        synchronized model and buffers."""
-        with self._plugin_warnings:
-            self._after_optimizer_step()
-
-    def _after_optimizer_step(self) -> None:
+        """Called by the LightningOptimizer after each optimizer step; the last one of ``fit`` runs the final sync,
+        so the checkpoints Lightning writes at the end of ``fit`` hold the final synchronized model and buffers."""
         assert self.synchronizer is not None
-        last = self._is_last_step()
-        if self.synchronizer.steps_since_sync + 1 >= self.sync_config.sync_every or last:
-            self._check_synchronized_set()
-        report = self.synchronizer.on_optimizer_step()
-        if report is not None:
-            self.sync_reports.append(report)
-        if last:
-            self._finish_training()
+        with self._plugin_warnings:
+            last = self._is_last_step()
+            if self.synchronizer.steps_since_sync + 1 >= self.sync_config.sync_every or last:
+                self._check_synchronized_set()
+            report = self.synchronizer.on_optimizer_step()
+            if report is not None:
+                self.sync_reports.append(report)
+            if last:
+                self._finish_training()
 
     @property
     def final_sync_done(self) -> bool:
@@ -349,7 +346,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     def _is_last_step(self) -> bool:
         """Whether the optimizer step just taken is ``fit``'s last (``max_steps``, or the last batch of the last
         epoch); Lightning counts the step in ``global_step`` only after it returns."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return False
         if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps:
@@ -363,7 +360,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         if self._finished or self.synchronizer is None:
             return
         self._finished = True
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer
         if self.world_size > 1 and trainer is not None and self.communicator is not None \
                 and self.communicator.failure is None and not trainer.received_sigterm:
             self._sigterm_check(finished=True)

@@ -35,7 +35,6 @@ import signal
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -58,26 +57,7 @@ from lightning_lordo.sync.faults import (
     state_tensors,
 )
 from lightning_lordo.sync.outer import Anchor, OuterStep
-
-
-@dataclass
-class SyncReport:
-    """What one synchronization (or one synchronous round of ``sync_every`` steps) did, per worker."""
-
-    index: int
-    step: int
-    bytes_by_purpose: dict[str, int]
-    seconds: float
-    basis_seconds: float
-    subspace_movement: Optional[float]
-    pseudo_gradient_norm: Optional[float]
-    skipped: bool = False
-    extra: dict[str, float] = field(default_factory=dict)
-    wire_by_purpose: dict[str, int] = field(default_factory=dict)  # on the network, by the collectives' algorithms
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(self.bytes_by_purpose.values())
+from lightning_lordo.sync.report import SyncReport
 
 
 class Synchronizer:
@@ -221,11 +201,8 @@ class Synchronizer:
     def _finish_synchronous_round(self) -> SyncReport:
         data, self._round = self._round, {"seconds": 0.0, "basis_seconds": 0.0, "movement": None}
         self.syncs_done += 1
-        return SyncReport(index=self.syncs_done, step=self.optimizer_steps,
-                          bytes_by_purpose=self.comm.accountant.end_round(),
-                          wire_by_purpose=dict(self.comm.accountant.last_round_wire), seconds=data["seconds"],
-                          basis_seconds=data["basis_seconds"], subspace_movement=data["movement"],
-                          pseudo_gradient_norm=None, extra={"synchronous": 1.0})
+        return self._report(seconds=data["seconds"], basis_seconds=data["basis_seconds"],
+                            subspace_movement=data["movement"], pseudo_gradient_norm=None, extra={"synchronous": 1.0})
 
     def _switch_to_local(self) -> None:
         """The end of the warm-up (the replicas are identical): take the anchor, apply the switch knobs."""
@@ -365,12 +342,15 @@ class Synchronizer:
         if not skipped:
             self.consecutive_skips = 0
         self.steps_since_sync = 0
-        return SyncReport(index=self.syncs_done, step=self.optimizer_steps,
-                          bytes_by_purpose=self.comm.accountant.end_round(),
-                          wire_by_purpose=dict(self.comm.accountant.last_round_wire),
-                          seconds=time.perf_counter() - start,
-                          basis_seconds=basis_seconds, subspace_movement=movement, pseudo_gradient_norm=norm,
-                          skipped=skipped, extra=dict(extra or {}))
+        return self._report(seconds=time.perf_counter() - start, basis_seconds=basis_seconds,
+                            subspace_movement=movement, pseudo_gradient_norm=norm, skipped=skipped,
+                            extra=dict(extra or {}))
+
+    def _report(self, **figures: Any) -> SyncReport:
+        """The report of the round that just ended: its bytes (payload and wire) by purpose, and ``figures``."""
+        sent = self.comm.accountant.end_round()
+        return SyncReport(index=self.syncs_done, step=self.optimizer_steps, bytes_by_purpose=sent,
+                          wire_by_purpose=dict(self.comm.accountant.last_round_wire), **figures)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
