@@ -227,6 +227,13 @@ class SyncConfig:
         anchor_device: where the anchor (the last synchronized parameters) lives: ``"param"`` (the parameters'
             device) or ``"cpu"`` (pinned host memory when training on a GPU: one model less of GPU memory, one
             host-to-device copy of the model per sync).
+        fullrank_rank: compress the pseudo-gradients of the full-rank 2-D parameters (embeddings, output heads)
+            with a low-rank message of this rank (PowerSGD-style, warm-started, per-worker error feedback; they keep
+            their AdamW step and moments, only the message is compressed). A matrix where ``r (a + b) >= a b``
+            travels in full. ``0`` (the default): every full-rank parameter's pseudo-gradient travels in full.
+        moments_every: average the moments (the low-rank ones, and the full-rank ones with
+            ``average_fullrank_moments``) at every ``moments_every``-th sync only (DES-LOC-style); between, each
+            worker keeps its own, rotated into the shared bases. ``1``: at every sync.
         max_skipped_syncs: after this many consecutive discarded rounds (non-finite values on some worker every
             time) the run stops with an error naming the ranks, instead of training on with a frozen model.
     """
@@ -251,6 +258,8 @@ class SyncConfig:
     switch_reset_moments: bool = False
     switch_lr_scale: float = 1.0
     anchor_device: str = "param"
+    fullrank_rank: int = 0
+    moments_every: int = 1
     max_skipped_syncs: int = 3
 
     def __post_init__(self) -> None:
@@ -274,6 +283,12 @@ class SyncConfig:
                         "Pass e.g. timeout=timedelta(minutes=5).")
         self.timeout = given if isinstance(given, timedelta) else timedelta(seconds=float(seconds))
         check_positive_int("max_skipped_syncs", self.max_skipped_syncs)
+        check_positive_int("fullrank_rank", self.fullrank_rank, minimum=0)
+        check_positive_int("moments_every", self.moments_every)
+        if self.moments_every > 1 and not (self.average_moments or self.average_fullrank_moments):
+            raise _fail("moments_every", self.moments_every, "it must be 1 when no moments are averaged "
+                        "(average_moments=False, average_fullrank_moments=False)", "Drop moments_every, or average "
+                        "the moments.")
         if self.broadcast_bases and self.basis_scope == "local":
             raise _fail("broadcast_bases", True, "it must be False with basis_scope='local' (each worker keeps its own "
                         "bases there, so there is nothing to broadcast)", "Drop broadcast_bases, or use "
@@ -322,7 +337,7 @@ class SyncConfig:
 _SWITCH_KNOBS = ("switch_betas", "switch_reset_moments", "switch_lr_scale")
 #: Knobs that only shape the local rounds (no such round exists with ``synchronous=True``).
 _LOCAL_ROUND_KNOBS = ("outer_optimizer", "outer_lr", "outer_momentum", "basis_scope", "payload", "payload_dtype",
-                      "average_fullrank_moments", "average_error_feedback")
+                      "average_fullrank_moments", "average_error_feedback", "fullrank_rank", "moments_every")
 
 
 def resolve_rank(rank: Union[int, float], smaller_side: int) -> int:

@@ -80,6 +80,8 @@ BAD: list[tuple[str, Any, str]] = [
     ("switch_lr_scale", 0.0, "0.0"), ("switch_lr_scale", -2.0, "-2.0"), ("switch_lr_scale", INF, "inf"),
     ("switch_lr_scale", True, "True"),
     ("anchor_device", "gpu", "'gpu'"), ("anchor_device", None, "None"),
+    ("fullrank_rank", -1, "-1"), ("fullrank_rank", 2.0, "2.0"), ("fullrank_rank", True, "True"),
+    ("moments_every", 0, "0"), ("moments_every", 1.5, "1.5"), ("moments_every", None, "None"),
     # the strategy's own arguments
     ("lowrank", 1, "1"), ("lowrank", "yes", "'yes'"),
     ("monitor", 0, "0"), ("monitor", None, "None"),
@@ -103,6 +105,7 @@ GOOD: list[tuple[Any, ...]] = [
     ("warmup_steps", 100), ("synchronous", True), ("switch_betas", (0.999, 0.999), {"warmup_steps": 8}),
     ("switch_reset_moments", True, {"warmup_steps": 8}), ("switch_lr_scale", 0.5, {"warmup_steps": 8}),
     ("anchor_device", "cpu"), ("anchor_device", "param"),
+    ("fullrank_rank", 0), ("fullrank_rank", 4), ("moments_every", 1), ("moments_every", 4),
     ("sync_every", 1), ("sync_every", 1000), ("outer_optimizer", "nesterov"), ("outer_lr", 1.0), ("outer_lr", 2),
     ("outer_momentum", 0.0), ("outer_momentum", 0.95), ("average_moments", False), ("basis_scope", "local"),
     ("initial_basis", "random"), ("payload", "full"), ("payload", "lowrank"),

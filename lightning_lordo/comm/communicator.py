@@ -60,6 +60,11 @@ class CommAccountant:
     (:mod:`lightning_lordo.comm.wire`). ``last_round_wire``: the wire bytes of the round :meth:`end_round` ended.
     ``wire_complete``: ``False`` after loading a state dict saved before wire bytes were kept (its wire totals then
     count from the resume only).
+
+    A purpose may name a part after a colon (``"pseudo_gradients:lowrank"``): the totals and rounds count it under
+    the purpose before the colon, and ``parts`` / ``wire_parts`` count every label as given, from the end of one round
+    to the end of the next (so between-round traffic such as Lightning's per-batch flags is in the next round's
+    parts). ``last_parts`` / ``last_wire_parts``: those of the round :meth:`end_round` ended (the per-sync breakdown).
     """
 
     def __init__(self) -> None:
@@ -68,33 +73,46 @@ class CommAccountant:
         self.wire_totals: dict[str, int] = defaultdict(int)
         self.wire_round: dict[str, int] = defaultdict(int)
         self.last_round_wire: dict[str, int] = {}
+        self.parts: dict[str, int] = defaultdict(int)
+        self.wire_parts: dict[str, int] = defaultdict(int)
+        self.last_parts: dict[str, int] = {}
+        self.last_wire_parts: dict[str, int] = {}
         self.wire_complete = True
 
     def add(self, purpose: str, nbytes: int, in_round: bool = True, wire: Optional[int] = None) -> None:
         """Count ``nbytes`` payload bytes and ``wire`` wire bytes (``None``: as many as ``nbytes``, a point-to-point
         send) under ``purpose``; ``in_round=False`` for traffic that belongs to no round (Lightning's own per-batch
-        broadcast): it then counts in the totals only."""
+        broadcast): it then counts in the totals (and the next round's parts) only."""
+        self.parts[purpose] += nbytes
+        self.add_wire(purpose, nbytes if wire is None else wire, in_round)
+        purpose = purpose.partition(":")[0]
         self.totals[purpose] += nbytes
         if in_round:
             self.round[purpose] += nbytes
-        self.add_wire(purpose, nbytes if wire is None else wire, in_round)
 
     def add_wire(self, purpose: str, wire: int, in_round: bool = True) -> None:
         """Count ``wire`` wire bytes only (a broadcast's receiver: it hands nothing over, but forwards)."""
+        self.wire_parts[purpose] += wire
+        purpose = purpose.partition(":")[0]
         self.wire_totals[purpose] += wire
         if in_round:
             self.wire_round[purpose] += wire
 
-    def start_round(self) -> None:
-        """Start counting a new round (bytes sent between rounds stay in the totals only)."""
+    def start_round(self, parts: bool = False) -> None:
+        """Start counting a new round (bytes sent between rounds stay in the totals only); ``parts``: the parts too
+        (what was sent before, e.g. the setup broadcast, is then in no round's breakdown)."""
         self.round = defaultdict(int)
         self.wire_round = defaultdict(int)
+        if parts:
+            self.parts, self.wire_parts = defaultdict(int), defaultdict(int)
 
     def end_round(self) -> dict[str, int]:
         """Return the payload bytes of the round that just ended, by purpose (its wire bytes are then in
         ``last_round_wire``), and start a new round."""
         finished = dict(self.round)
         self.last_round_wire = dict(self.wire_round)
+        self.last_parts, self.last_wire_parts = dict(self.parts), dict(self.wire_parts)
+        self.parts, self.wire_parts = defaultdict(int), defaultdict(int)
         self.start_round()
         return finished
 

@@ -10,6 +10,9 @@ logs, under ``lordo/`` (per worker; Lightning's loggers write from rank 0):
 * ``wire_bytes_sync``, ``wire_bytes_total``, ``ddp_equivalent_wire_bytes``, ``wire_saving_vs_ddp``: what a worker
   puts on the network by each collective's algorithm (ring all-reduce 2(M-1)/M x the tensor, all-gather (M-1) x
   its chunk; :mod:`lightning_lordo.comm.wire`), DDP priced by the same ring model;
+* ``bytes_sync/<category>`` and ``wire_bytes_sync/<category>``: the bytes since the previous sync by category
+  (``lowrank_pseudo_gradients``, ``fullrank_pseudo_gradients``, ``moments``, ``control`` flags, ``buffers``, ...:
+  :func:`lightning_lordo.sync.report.breakdown`), so what dominates on a model is visible;
 * ``sync_seconds``, ``basis_seconds``, ``subspace_movement``, ``pseudo_gradient_norm`` (not for a discarded,
   non-finite round), ``skipped_syncs``;
 * from the optimizer: ``term_ratio`` (SPEC §6), ``error_feedback_norm``;
@@ -35,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_lordo.comm.wire import ddp_wire_bytes
-from lightning_lordo.sync.report import SyncReport
+from lightning_lordo.sync.report import SyncReport, breakdown
 
 
 class CommunicationMonitor(Callback):
@@ -187,6 +190,8 @@ def figures(strategy: Any, report: Optional[SyncReport] = None, totals_only: boo
         out.update({
             "bytes_sent_sync": report.bytes_sent,
             "wire_bytes_sync": sum(report.wire_by_purpose.values()),
+            **{f"bytes_sync/{k}": v for k, v in breakdown(report.bytes_by_part).items()},
+            **{f"wire_bytes_sync/{k}": v for k, v in breakdown(report.wire_by_part).items()},
             "sync_seconds": report.seconds,
             "basis_seconds": report.basis_seconds,
         })

@@ -167,8 +167,10 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
             p.data.copy_(value)
         for b, value in zip(self.synchronizer.buffers, mine.get("buffers", []), strict="buffers" in mine):
             b.copy_(value)
+        defaults = SyncConfig.__dataclass_fields__  # a knob newer than the checkpoint was at its default
         payload_changed = saved is not None and any(
-            saved["sync_knobs"].get(k) != getattr(self.sync_config, k) for k in ("payload", "payload_dtype"))
+            saved["sync_knobs"].get(k, defaults[k].default) != getattr(self.sync_config, k)
+            for k in ("payload", "payload_dtype", "fullrank_rank"))
         if payload_changed:
             notes.append("the payload changed: its sync-level error feedback restarts")
         elif "payload" in mine:

@@ -29,7 +29,6 @@ from lightning_lordo.config import (
     LAUNCH_SUFFIXES,
     OPTIMIZER_DEFAULTS,
     PRESETS,
-    STRATEGY_OPTIMIZER_KNOBS,
     SyncConfig,
     check_choice,
     split_strategy_knobs,
@@ -53,8 +52,6 @@ from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync.report import SyncReport
 from lightning_lordo.sync.synchronizer import Synchronizer
 
-#: The optimizer knobs the strategy takes (lr, betas, eps and weight_decay come from the user's optimizer).
-OPTIMIZER_KNOB_NAMES = STRATEGY_OPTIMIZER_KNOBS
 DEFAULT_TIMEOUT = SyncConfig().timeout.total_seconds()
 
 
@@ -114,6 +111,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         switch_reset_moments: at the end of the warm-up, zero the optimizer's moments.
         switch_lr_scale: at the end of the warm-up, multiply the learning rate.
         anchor_device: where the anchor lives: ``param`` (the parameters' device) or ``cpu`` (pinned on a GPU).
+        fullrank_rank: rank of the full-rank 2-D parameters' pseudo-gradient messages (0: sent in full).
+        moments_every: average the moments at every n-th sync only.
         max_skipped_syncs: consecutive non-finite rounds after which the run stops.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend:
             as in Lightning's ``DDPStrategy`` (the checkpoint IO defaults to an atomic one).
@@ -165,6 +164,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         switch_reset_moments: bool = SyncConfig.switch_reset_moments,
         switch_lr_scale: float = SyncConfig.switch_lr_scale,
         anchor_device: Literal["param", "cpu"] = SyncConfig.anchor_device,
+        fullrank_rank: int = SyncConfig.fullrank_rank,
+        moments_every: int = SyncConfig.moments_every,
         max_skipped_syncs: int = SyncConfig.max_skipped_syncs,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[Any]] = None,
@@ -374,11 +375,9 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         known = {id(p) for p in self.synchronizer.params}
         new = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad and id(p) not in known]
         if new:
-            raise RuntimeError(
-                f"LoRDO synchronizes the parameters that were trainable when fit started, but {new[:5]} became "
-                "trainable later (unfrozen during fit); they would drift apart on every rank. Unfreeze them "
-                "before trainer.fit, or save a checkpoint and resume to include them."
-            )
+            raise RuntimeError(f"LoRDO synchronizes the parameters that were trainable when fit started, but {new[:5]} "
+                               "became trainable later (unfrozen during fit); they would drift apart on every rank. "
+                               "Unfreeze them before trainer.fit, or save a checkpoint and resume to include them.")
 
     @override
     def on_train_start(self) -> None:

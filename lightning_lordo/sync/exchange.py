@@ -17,8 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo._tensors import all_finite, mix_seed, seeded_normal
 from lightning_lordo.comm.communicator import Communicator
-from lightning_lordo.comm.lowrank import LowRankPayload
-from lightning_lordo.comm.quantization import QuantizedAverager, quantized_mean
+from lightning_lordo.comm.quantization import quantized_mean
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.lordo import LoRDO
 
@@ -49,27 +48,6 @@ class Exchange:
     basis_seconds: float = 0.0
 
 
-def average_pseudo_gradients(comm: Communicator, local: list[Tensor], averager: QuantizedAverager,
-                             payload: Optional[LowRankPayload], positions: Sequence[int]
-                             ) -> tuple[list[Tensor], list[tuple[Any, Any]]]:
-    """The averaged pseudo-gradients (SPEC §5): the low-rank matrices at ``positions`` through ``payload`` (if any),
-    everything else through ``averager``, and the payload rounds to commit if the whole sync succeeds. A non-finite
-    round (NaN/Inf on any worker, so on every worker alike) comes back as non-finite averages."""
-    averaged: list[Tensor] = list(local)
-    rounds: list[tuple[Any, Any]] = []
-    if payload is not None:
-        result = payload.reduce(comm, [local[i] for i in positions], "pseudo_gradients")
-        rounds.append((payload, result))
-        for n, i in enumerate(positions):
-            averaged[i] = result.averaged[n] if result.finite else torch.full_like(local[i], float("nan"))
-    rest = [i for i in range(len(local)) if i not in set(positions)]
-    result = averager.reduce(comm, [local[i] for i in rest], "pseudo_gradients")
-    rounds.append((averager, result))
-    for i, mean in zip(rest, result.averaged):
-        averaged[i] = mean.to(local[i].dtype)
-    return averaged, rounds
-
-
 def average_buffers(comm: Communicator, buffers: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     """Floating buffers averaged and the others from rank 0, as copies. A non-finite average (identical on all
     workers) is replaced by the mean of the finite values (one more all-reduce, only then), with a warning."""
@@ -98,23 +76,24 @@ def commit_buffers(buffers: Sequence[Tensor], floating: list[Tensor], others: li
         b.copy_(new)
 
 
-def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncConfig
+def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncConfig, moments_due: bool = True
                    ) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
     """The optimizer state a sync averages, by purpose: ``(parameter, its tensors)`` pairs.
 
-    ``moments``: the low-rank moments in their current (old, shared) basis (global scope only) and, with
-    ``average_fullrank_moments``, every floating state tensor shaped like its full-rank parameter (AdamW's
-    moments, SGD's momentum). ``error_feedback``: the optimizer's error-feedback buffers, if asked for."""
+    ``moments`` (when ``moments_due``: every ``moments_every``-th sync): the low-rank moments in their current
+    (old, shared) basis (global scope only) and, with ``average_fullrank_moments``, every floating state tensor
+    shaped like its full-rank parameter (AdamW's moments, SGD's momentum). ``error_feedback``: the optimizer's
+    error-feedback buffers, if asked for."""
     lowrank = set(optimizer.lowrank_params()) if isinstance(optimizer, LoRDO) else set()
     moments, feedback = [], []
     for p in params:
         state = optimizer.state.get(p, {})
         if p in lowrank:
-            if config.average_moments and config.basis_scope == "global" and "exp_avg" in state:
+            if moments_due and config.average_moments and config.basis_scope == "global" and "exp_avg" in state:
                 moments.append((p, [state["exp_avg"], state["exp_avg_sq"]]))
             if config.average_error_feedback and "error_feedback" in state:
                 feedback.append((p, [state["error_feedback"]]))
-        elif config.average_fullrank_moments:
+        elif moments_due and config.average_fullrank_moments:
             tensors = [v for k, v in state.items() if k != "step" and isinstance(v, Tensor)
                        and v.is_floating_point() and v.shape == p.shape]
             if tensors:
@@ -122,13 +101,13 @@ def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncC
     return {"moments": moments, "error_feedback": feedback}
 
 
-def average_state(comm: Communicator, optimizer: Optimizer, params: Sequence[Tensor], config: SyncConfig
-                  ) -> tuple[dict[str, StateEntries], list[Tensor]]:
+def average_state(comm: Communicator, optimizer: Optimizer, params: Sequence[Tensor], config: SyncConfig,
+                  moments_due: bool = True) -> tuple[dict[str, StateEntries], list[Tensor]]:
     """Averages of :func:`averaged_state`, in ``config.moments_dtype``, and the parameters whose averages are not
     finite (the same on every worker, the averages being identical), in parameter order."""
     out: dict[str, StateEntries] = {}
     bad: set[Tensor] = set()
-    for purpose, entries in averaged_state(optimizer, params, config).items():
+    for purpose, entries in averaged_state(optimizer, params, config, moments_due).items():
         tensors = [t for _, ts in entries for t in ts]
         if not tensors:
             continue
@@ -175,15 +154,17 @@ def average_gradients(comm: Communicator, params: Sequence[Tensor]) -> None:
             p.grad = g
 
 
-def average_first_gradients(comm: Communicator, grads: dict[Tensor, Tensor], seed: int) -> dict[Tensor, Tensor]:
-    """The first bases come from the averaged first gradient (SPEC §4, purpose ``initial_gradients``); a
+def average_first_gradients(comm: Communicator, grads: dict[Tensor, Tensor], config: SyncConfig
+                            ) -> dict[Tensor, Tensor]:
+    """The first bases come from the averaged first gradient (SPEC §4, purpose ``initial_gradients``), sent in
+    ``config.payload_dtype`` (the reduced precisions perturb only the first bases, identically on every rank); a
     non-finite one (NaN/Inf on some worker) is replaced by a seeded random matrix, identical on all workers."""
-    averaged = {p: g.detach().float().clone() for p, g in grads.items()}
-    comm.all_reduce_mean(list(averaged.values()), "initial_gradients")
+    means = quantized_mean(comm, list(grads.values()), "initial_gradients", config.payload_dtype).means
+    averaged = {p: m.float() for p, m in zip(grads, means)}
     bad = [i for i, g in enumerate(averaged.values()) if not all_finite([g])]
     for i, p in enumerate(averaged):
         if i in bad:
-            averaged[p] = seeded_normal(averaged[p].shape, mix_seed(seed, i, offset=104_729), averaged[p].device)
+            averaged[p] = seeded_normal(averaged[p].shape, mix_seed(config.seed, i, offset=104_729), averaged[p].device)
     if bad and comm.rank == 0:
         warnings.warn(f"LoRDO initial basis: the averaged first gradient of {len(bad)} weight matrices is not finite "
                       "(NaN/Inf on some worker); their first bases are seeded random ones instead.", RuntimeWarning,

@@ -5,6 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+#: The breakdown's categories: every part of these goes into the category; any other purpose is its own.
+CATEGORIES = {
+    "pseudo_gradients:lowrank": "lowrank_pseudo_gradients",
+    "pseudo_gradients:fullrank": "fullrank_pseudo_gradients",
+    "moments": "moments",
+    "error_feedback": "moments",
+    "fault_flags": "control",
+    "lightning_sigterm_check": "control",
+    "step_count_check": "control",
+    "checkpoint": "control",
+}
+
+
+def breakdown(parts: dict[str, int]) -> dict[str, int]:
+    """Bytes by category (:data:`CATEGORIES`): low-rank and full-rank pseudo-gradients, moments (with the averaged
+    error feedback), control flags (the plugin's and Lightning's), and any other purpose (buffers, bases, gradients,
+    initial gradients) under its own name."""
+    out: dict[str, int] = {}
+    for part, nbytes in parts.items():
+        category = CATEGORIES.get(part, part.partition(":")[0])
+        out[category] = out.get(category, 0) + nbytes
+    return out
+
 
 @dataclass
 class SyncReport:
@@ -20,6 +43,9 @@ class SyncReport:
     skipped: bool = False
     extra: dict[str, float] = field(default_factory=dict)
     wire_by_purpose: dict[str, int] = field(default_factory=dict)  # on the network, by the collectives' algorithms
+    # since the previous report, by part (``pseudo_gradients:lowrank``, ``fault_flags``, Lightning's flags, ...)
+    bytes_by_part: dict[str, int] = field(default_factory=dict)
+    wire_by_part: dict[str, int] = field(default_factory=dict)
 
     @property
     def bytes_sent(self) -> int:

@@ -44,8 +44,6 @@ from torch.profiler import record_function
 
 from lightning_lordo._tensors import all_finite, nbytes
 from lightning_lordo.comm.communicator import Communicator
-from lightning_lordo.comm.lowrank import LowRankPayload
-from lightning_lordo.comm.quantization import QuantizedAverager
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync import exchange as ex
@@ -57,6 +55,7 @@ from lightning_lordo.sync.faults import (
     state_tensors,
 )
 from lightning_lordo.sync.outer import Anchor, OuterStep
+from lightning_lordo.sync.payloads import PseudoGradientPayloads
 from lightning_lordo.sync.report import SyncReport
 
 
@@ -89,22 +88,12 @@ class Synchronizer:
         self.outer = OuterStep(config.outer_optimizer, config.outer_lr, config.outer_momentum)
         self.switch_callbacks: list[Callable[[], None]] = []  # run after the switch (the strategy's LR schedulers)
         self._round = {"seconds": 0.0, "basis_seconds": 0.0, "movement": None}  # synchronous rounds
-        self.comm.accountant.start_round()  # a synchronous round counts its gradients from here (not the setup)
         # torch's optimizers create a parameter's state at its first step, so clearing it gives fresh state;
         # one that already holds state now (eager, e.g. Adagrad) gets its tensors zeroed instead (faults module)
         self._clear_to_reset = not any(optimizer.state.get(p) for p in self.params)
         lordo = self.lordo
-        self.lowrank_payload: Optional[LowRankPayload] = None
-        self._lowrank_positions: list[int] = []
-        if config.payload == "lowrank":  # SPEC §5: the low-rank matrices travel low-rank, the rest averaged
-            if lordo is None:
-                raise ValueError("payload='lowrank' needs the LoRDO optimizer (strategy 'lordo' or 'lordo_local'); "
-                                 "with 'diloco' use payload='full' (payload_dtype may still be bfloat16 or int8).")
-            ranks = lordo.lowrank_ranks()
-            self._lowrank_positions = [i for i, p in enumerate(self.params) if p in ranks]
-            self.lowrank_payload = LowRankPayload([ranks[self.params[i]] for i in self._lowrank_positions],
-                                                  seed=config.seed, payload_dtype=config.payload_dtype)
-        self.averager = QuantizedAverager(config.payload_dtype)
+        self.comm.accountant.start_round(parts=True)  # the setup broadcast is in no sync's breakdown
+        self.payloads = PseudoGradientPayloads(self.params, lordo.lowrank_ranks() if lordo else None, config)
         if lordo is not None and config.initial_basis == "random":
             lordo.init_random_bases()
 
@@ -178,7 +167,7 @@ class Synchronizer:
             lordo.set_bases(lordo.compute_bases(missing, generation=self.optimizer_steps))
         else:
             self.comm.context = "initial basis"
-            lordo.set_bases(self._bases(ex.average_first_gradients(self.comm, missing, self.config.seed)))
+            lordo.set_bases(self._bases(ex.average_first_gradients(self.comm, missing, self.config)))
 
     def _bases(self, sources: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
         """New bases from ``sources`` identical on every worker: computed everywhere from identical inputs, or with
@@ -240,12 +229,12 @@ class Synchronizer:
         self.comm.context = f"sync {self.syncs_done + 1} (optimizer step {self.optimizer_steps})"
         with record_function("lordo.exchange"):
             local = self.anchor.deltas()
-            averaged, rounds = ex.average_pseudo_gradients(self.comm, local, self.averager, self.lowrank_payload,
-                                                           self._lowrank_positions)
+            averaged, rounds = self.payloads.reduce(self.comm, local)
             buffers = ex.average_buffers(self.comm, self.buffers)
             if not all_finite(averaged):  # identical on all workers: they all discard the round
                 return self._discard(start, buffers)
-            state, reset = ex.average_state(self.comm, self.optimizer, self.params, self.config)
+            moments = (self.syncs_done + 1) % self.config.moments_every == 0  # this sync's number, from 1
+            state, reset = ex.average_state(self.comm, self.optimizer, self.params, self.config, moments)
             basis_start = time.perf_counter()
             bases = {}
             if self.lordo is not None:
@@ -258,7 +247,7 @@ class Synchronizer:
         with record_function("lordo.commit"), signals_deferred(signal.SIGINT):
             movement = self._commit(round_)
         extra = {"reset_moments": float(len(reset))} if reset else {}
-        if self.config.payload != "full" or self.config.payload_dtype != "float32":
+        if self.config.payload != "full" or self.config.payload_dtype != "float32" or self.config.fullrank_rank:
             extra["sync_error_feedback_norm"] = self.payload_error_norm()
         return self._finish(start, round_.basis_seconds, _mean_movement(movement), norm, extra=extra)
 
@@ -277,22 +266,14 @@ class Synchronizer:
 
     def payload_error_norm(self) -> float:
         """Norm of this worker's sync-level error feedback (SPEC §5), over all payloads."""
-        norms = [self.averager.error_norm()]
-        if self.lowrank_payload is not None:
-            norms.append(self.lowrank_payload.error_norm())
-        return math.sqrt(sum(n * n for n in norms))
+        return self.payloads.error_norm()
 
     def payload_state_dict(self) -> dict[str, Any]:
         """This worker's payload state (error feedback, right factors): per worker, for checkpoints."""
-        state = {"averager": self.averager.state_dict()}
-        if self.lowrank_payload is not None:
-            state["lowrank"] = self.lowrank_payload.state_dict()
-        return state
+        return self.payloads.state_dict()
 
     def load_payload_state_dict(self, state: dict[str, Any]) -> None:
-        self.averager.load_state_dict(state["averager"])
-        if self.lowrank_payload is not None and "lowrank" in state:
-            self.lowrank_payload.load_state_dict(state["lowrank"])
+        self.payloads.load_state_dict(state)
 
     # ------------------------------------------------------------------ non-finite rounds
     def _discard(self, start: float, buffers: tuple[list[Tensor], list[Tensor]]) -> SyncReport:
@@ -349,8 +330,10 @@ class Synchronizer:
     def _report(self, **figures: Any) -> SyncReport:
         """The report of the round that just ended: its bytes (payload and wire) by purpose, and ``figures``."""
         sent = self.comm.accountant.end_round()
+        accountant = self.comm.accountant
         return SyncReport(index=self.syncs_done, step=self.optimizer_steps, bytes_by_purpose=sent,
-                          wire_by_purpose=dict(self.comm.accountant.last_round_wire), **figures)
+                          wire_by_purpose=dict(accountant.last_round_wire), bytes_by_part=accountant.last_parts,
+                          wire_by_part=accountant.last_wire_parts, **figures)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -371,11 +354,8 @@ class Synchronizer:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of synchronization buffers (SPEC §8): the anchor, the outer momentum, the payload's state."""
-        report = {"anchor": self.anchor.nbytes(), "outer_momentum": nbytes(self.outer.momentum_buffers()),
-                  **self.averager.memory_report()}
-        if self.lowrank_payload is not None:
-            report.update(self.lowrank_payload.memory_report())
-        return report
+        return {"anchor": self.anchor.nbytes(), "outer_momentum": nbytes(self.outer.momentum_buffers()),
+                **self.payloads.memory_report()}
 
 
 def _mean_movement(moved: dict[Tensor, Tensor]) -> Optional[float]:

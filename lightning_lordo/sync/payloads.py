@@ -1,0 +1,141 @@
+"""How each parameter's pseudo-gradient travels at a sync (SPEC §5), and the per-worker state of those messages.
+
+The parameters fall into up to three groups, each reduced by its own message, in this order (identical on every
+worker):
+
+1. ``lowrank``: the low-rank matrices of the LoRDO optimizer, by :class:`~lightning_lordo.comm.lowrank.LowRankPayload`
+   (``payload="lowrank"``) or, with ``payload="full"``, by a
+   :class:`~lightning_lordo.comm.quantization.QuantizedAverager`;
+2. ``fullrank_matrices`` (``fullrank_rank > 0``): the other 2-D parameters (embeddings, output heads) for which a
+   rank-r message is smaller (``r (a + b) < a b``), by a ``LowRankPayload`` of rank ``fullrank_rank``. They keep
+   their AdamW step and moments; only the message is compressed, with its own error feedback;
+3. ``fullrank``: everything else (norms, biases, small matrices), by a ``QuantizedAverager``.
+
+Every message counts its bytes under ``pseudo_gradients:lowrank`` (group 1) or ``pseudo_gradients:fullrank``
+(groups 2 and 3), the parts of the monitor's per-sync breakdown. A message is all-reduced (or all-gathered /
+reduce-scattered for int8) as :func:`~lightning_lordo.comm.quantization.quantized_mean` says.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_lordo._tensors import mix_seed
+from lightning_lordo.comm.communicator import Communicator
+from lightning_lordo.comm.lowrank import LowRankPayload
+from lightning_lordo.comm.quantization import QuantizedAverager
+from lightning_lordo.config import SyncConfig
+
+LOWRANK_PART = "pseudo_gradients:lowrank"
+FULLRANK_PART = "pseudo_gradients:fullrank"
+
+
+def compressible(shape: Sequence[int], rank: int) -> bool:
+    """Whether a rank-``rank`` message of a matrix shaped ``shape`` is smaller than the matrix itself."""
+    return len(shape) == 2 and rank > 0 and rank * (shape[0] + shape[1]) < shape[0] * shape[1]
+
+
+class PseudoGradientPayloads:
+    """The messages of a sync's pseudo-gradients (module docstring).
+
+    Args:
+        params: the trainable parameters, in the synchronizer's order.
+        lowrank_ranks: the LoRDO optimizer's low-rank matrices and their ranks (``None``: no LoRDO optimizer).
+        config: the synchronization knobs (``payload``, ``payload_dtype``, ``fullrank_rank``, ``seed``).
+    """
+
+    def __init__(self, params: Sequence[Tensor], lowrank_ranks: Optional[dict[Tensor, int]],
+                 config: SyncConfig) -> None:
+        ranks = lowrank_ranks or {}
+        if config.payload == "lowrank" and lowrank_ranks is None:
+            raise ValueError("payload='lowrank' needs the LoRDO optimizer (strategy 'lordo' or 'lordo_local'); "
+                             "with 'diloco' use payload='full' (payload_dtype may still be bfloat16 or int8, and "
+                             "fullrank_rank compresses the 2-D parameters).")
+        lowrank = [i for i, p in enumerate(params) if p in ranks]
+        matrices = [i for i, p in enumerate(params)
+                    if p not in ranks and compressible(p.shape, config.fullrank_rank)]
+        rest = [i for i in range(len(params)) if i not in set(lowrank) | set(matrices)]
+        dtype = config.payload_dtype
+        #: ``(name, positions, message, purpose)`` per group that has parameters, in reduction order
+        self.groups: list[tuple[str, list[int], Any, str]] = []
+        if lowrank:
+            message: Any = (LowRankPayload([ranks[params[i]] for i in lowrank], seed=config.seed, payload_dtype=dtype)
+                            if config.payload == "lowrank" else QuantizedAverager(dtype))
+            self.groups.append(("lowrank", lowrank, message, LOWRANK_PART))
+        if matrices:
+            seed = mix_seed(config.seed, 0, offset=32_452_843)  # not the low-rank payload's right factors
+            message = LowRankPayload([config.fullrank_rank] * len(matrices), seed=seed, payload_dtype=dtype)
+            self.groups.append(("fullrank_matrices", matrices, message, FULLRANK_PART))
+        self.groups.append(("fullrank", rest, QuantizedAverager(dtype), FULLRANK_PART))
+        self.size = len(params)
+
+    @property
+    def lowrank_payload(self) -> Optional[LowRankPayload]:
+        """The low-rank matrices' ``LowRankPayload`` (``payload="lowrank"``), else ``None``."""
+        found = [m for name, _, m, _ in self.groups if name == "lowrank" and isinstance(m, LowRankPayload)]
+        return found[0] if found else None
+
+    def reduce(self, comm: Communicator, local: Sequence[Tensor]) -> tuple[list[Tensor], list[tuple[Any, Any]]]:
+        """The averaged pseudo-gradients (float32; float64 parameters' full-precision ones stay float64) and the
+        rounds to commit if the whole sync succeeds. Changes nothing here. A non-finite round (NaN/Inf on any
+        worker, so on every worker alike) comes back as non-finite averages."""
+        averaged: list[Tensor] = list(local)
+        rounds: list[tuple[Any, Any]] = []
+        for _, positions, message, purpose in self.groups:
+            result = message.reduce(comm, [local[i] for i in positions], purpose)
+            rounds.append((message, result))
+            for n, i in enumerate(positions):
+                if isinstance(message, QuantizedAverager):
+                    averaged[i] = result.averaged[n].to(local[i].dtype)
+                else:
+                    averaged[i] = (result.averaged[n] if result.finite
+                                   else torch.full_like(local[i], float("nan"), dtype=torch.float32))
+        return averaged, rounds
+
+    def error_norm(self) -> float:
+        """Norm of this worker's sync-level error feedback (SPEC §5), over every message."""
+        return math.sqrt(sum(m.error_norm() ** 2 for _, _, m, _ in self.groups))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per worker, for checkpoints: ``{"averager": the last group's, "lowrank": ..., "lowrank_averager": ...,
+        "fullrank_matrices": ...}`` (each group that exists)."""
+        return {_key(name, message): message.state_dict() for name, _, message, _ in self.groups}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; also one saved before the low-rank matrices of a ``full`` payload had their
+        own message (one averager's error feedback for every parameter, split here by position).
+
+        Raises:
+            ValueError: the saved state does not fit these groups.
+        """
+        state = dict(state)
+        names = [name for name, _, m, _ in self.groups]
+        old_full = ("lowrank_averager" not in state and "lowrank" in names and self.lowrank_payload is None
+                    and len(state["averager"]["errors"]) == self.size)
+        if old_full:  # one averager over every parameter, in parameter order
+            errors = state["averager"]["errors"]
+            for name, positions, message, _ in self.groups:
+                state[_key(name, message)] = {"errors": [errors[i] for i in positions]}
+        for name, _, message, _ in self.groups:
+            if _key(name, message) in state:
+                message.load_state_dict(state[_key(name, message)])
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of the messages' state (error feedback, right factors), summed by kind."""
+        report: dict[str, int] = {}
+        for _, _, message, _ in self.groups:
+            for kind, nbytes in message.memory_report().items():
+                report[kind] = report.get(kind, 0) + nbytes
+        return report
+
+
+def _key(name: str, message: Any) -> str:
+    """A group's key in :meth:`PseudoGradientPayloads.state_dict` (``averager`` and ``lowrank`` as saved before)."""
+    if name == "lowrank" and isinstance(message, QuantizedAverager):
+        return "lowrank_averager"
+    return "averager" if name == "fullrank" else name
