@@ -41,8 +41,10 @@ import torch
 from peers import HOOKS, HookedDDP
 
 from lightning_lordo import LoRDO, LoRDOStrategy
+from lightning_lordo.comm.wire import ddp_wire_bytes
 from lightning_lordo.lightning.convert import track_step_calls
 from lightning_lordo.models import ByteDataModule, GPTLightningModule
+from lightning_lordo.sync.report import breakdown
 
 METHODS = ("ddp", "lowrank_ddp", "diloco", "lordo_noqhm", "lordo_local", "lordo")
 SCHEDULES = ("cosine", "wsd")
@@ -79,6 +81,10 @@ class RunSpec:
     init_from: str = ""
     save_to: str = ""
     data_seed: Optional[int] = None
+    # added for benchmarks/compressed.py: "bytes" (a byte-level GPT) or "words" (a word-level GPT over the ``vocab``
+    # most frequent words of ``data``, its tied embedding most of the parameters)
+    corpus: str = "bytes"
+    vocab: int = 0
 
     def __post_init__(self) -> None:
         if self.steps % self.val_every:  # Lightning validates every val_every steps: the last ones would be unseen
@@ -87,6 +93,9 @@ class RunSpec:
         if self.schedule not in SCHEDULES or self.optimizer not in ("adamw", "qhadam"):
             raise ValueError(f"RunSpec: schedule={self.schedule!r} (choose {SCHEDULES}), optimizer={self.optimizer!r} "
                              "(choose 'adamw' or 'qhadam')")
+        if (self.corpus, self.vocab > 0) not in (("bytes", False), ("words", True)):
+            raise ValueError(f"RunSpec: corpus={self.corpus!r}, vocab={self.vocab}: use corpus='bytes' (vocab 0) or "
+                             "corpus='words' with vocab > 0")
         if self.hook and (self.hook not in HOOKS or self.method != "ddp"):
             raise ValueError(f"RunSpec: hook={self.hook!r} needs method='ddp' and one of {HOOKS}")
         self.betas = tuple(self.betas)
@@ -142,6 +151,24 @@ class BenchModule(GPTLightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class WordDataModule(ByteDataModule):
+    """Word-level language modelling: ``path``'s whitespace-separated words, the ``vocab - 1`` most frequent ones
+    (ties by first appearance) as ids ``1..vocab-1`` and every other word as ``0``; split by position as the byte
+    data is (the last ``val_fraction`` of the words is validation)."""
+
+    def __init__(self, path: str, vocab: int, val_fraction: float = 0.1, **kwargs: Any) -> None:
+        super().__init__(text=" " * 8, val_fraction=val_fraction, **kwargs)
+        words = Path(path).read_text(encoding="utf-8").split()
+        counts: dict[str, int] = {}
+        for w in words:
+            counts[w] = counts.get(w, 0) + 1
+        ranked = sorted(counts, key=lambda w: -counts[w])[: vocab - 1]  # sorted() is stable: first appearance
+        ids = {w: i + 1 for i, w in enumerate(ranked)}
+        data = torch.tensor([ids.get(w, 0) for w in words], dtype=torch.int64)
+        n_val = int(len(data) * val_fraction)
+        self.train_data, self.val_data = data[: len(data) - n_val], data[len(data) - n_val:]
+
+
 class SaveAtEnd(L.Callback):
     """Writes a checkpoint at the end of ``fit`` (every rank calls it: a save is a collective)."""
 
@@ -186,12 +213,23 @@ class Recorder(L.Callback):
         if isinstance(trainer.strategy, LoRDOStrategy):
             strategy = trainer.strategy
             out["bytes_by_purpose"] = dict(strategy.accountant.totals)
+            wire = strategy.accountant.wire_totals
+            out["wire_bytes"] = sum(v for k, v in wire.items() if k not in ("setup_broadcast", "lightning_sigterm_check"))
+            # everything but the setup broadcast (which DDP makes too): Lightning's per-batch flags included
+            out["bytes_everything"] = sum(v for k, v in strategy.accountant.totals.items() if k != "setup_broadcast")
+            out["bytes_by_category"] = {}
+            for report in strategy.sync_reports:
+                for category, n in breakdown(report.bytes_by_part).items():
+                    out["bytes_by_category"][category] = out["bytes_by_category"].get(category, 0) + n
             reports = strategy.sync_reports
             moves = [r.subspace_movement for r in reports if r.subspace_movement is not None]
             out["subspace_movement_mean"] = sum(moves) / len(moves) if moves else None
             out["sync_seconds_mean"] = sum(r.seconds for r in reports) / max(1, len(reports))
             out["basis_seconds_mean"] = sum(r.basis_seconds for r in reports) / max(1, len(reports))
             out["sync_memory"] = strategy.synchronizer.memory_report()
+        else:  # every byte of DDP and of its hooks goes through a ring all-reduce
+            out["wire_bytes"] = ddp_wire_bytes(out["bytes_sent"], trainer.world_size)
+            out["bytes_everything"] = out["bytes_sent"]
         if isinstance(optimizer, LoRDO):
             out["optimizer_memory"] = optimizer.memory_report()
             out["diagnostics"] = optimizer.diagnostics()
@@ -225,14 +263,16 @@ def run(spec: RunSpec) -> dict[str, Any]:
     torch.set_num_threads(1)
     L.seed_everything(spec.seed, verbose=False)
     module = BenchModule(
-        spec, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads, seq_len=spec.seq_len, lr=spec.lr,
+        spec, vocab_size=spec.vocab or 256, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads, seq_len=spec.seq_len, lr=spec.lr,
         warmup_steps=max(1, spec.steps // 20), total_steps=spec.steps,
     )
     if spec.init_from:  # the authors' protocol: the warm-up checkpoint's (synchronized) model, fresh optimizer
         module.load_state_dict(torch.load(spec.init_from, weights_only=True)["state_dict"])
-    data = ByteDataModule(path=spec.data, seq_len=spec.seq_len, batch_size=spec.batch_size,
+    data = (WordDataModule if spec.corpus == "words" else ByteDataModule)(
+                          path=spec.data, seq_len=spec.seq_len, batch_size=spec.batch_size,
                           train_samples=spec.steps * spec.batch_size * spec.workers, val_batches=spec.val_batches,
-                          seed=spec.seed if spec.data_seed is None else spec.data_seed)
+                          seed=spec.seed if spec.data_seed is None else spec.data_seed,
+                          **({"vocab": spec.vocab} if spec.corpus == "words" else {}))
     strategy = _strategy(spec)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.json"
@@ -284,6 +324,8 @@ def load(path: Path) -> list[dict[str, Any]]:
 
 
 def done(records: list[dict[str, Any]], spec: RunSpec) -> Optional[dict[str, Any]]:
-    """The record of ``spec`` if this part already measured it (resuming an interrupted part)."""
+    """The record of ``spec`` if this part already measured it (resuming an interrupted part); a record stored
+    before a field existed has that field's default."""
     key = json.loads(json.dumps(dataclasses.asdict(spec)))  # as stored: tuples become lists
-    return next((r for r in records if r.get("spec") == key), None)
+    defaults = {f.name: f.default for f in dataclasses.fields(RunSpec) if f.default is not dataclasses.MISSING}
+    return next((r for r in records if "spec" in r and {**defaults, **r["spec"]} == key), None)

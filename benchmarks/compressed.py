@@ -1,0 +1,121 @@
+"""Everything compressed: LoRDO's payloads against DDP and the communication hooks a Lightning user would pick.
+
+Two models, 4 workers, K = 32 (issue 14):
+
+* ``bytes``: the project's benchmark model, a byte-level GPT (d 64 x 2 layers, 0.12 M parameters) on ``--bytes``
+  (tinyshakespeare);
+* ``words``: an embedding-heavy word-level GPT (vocabulary 4096, d 64 x 2 layers, tied embedding: 71 % of the
+  parameters) on ``--words`` (WikiText-2 validation), in the spirit of Lightning's demo Transformer.
+
+Stages (resumable: a run already in ``results/compressed.jsonl`` is skipped; each run is appended when it ends):
+
+* ``lr``: ``lordo`` (its ``lowrank`` + int8 payload) and DDP at three learning rates each, seed 0, per model;
+* ``choose``: the everything-compressed candidates at LoRDO's LR, seed 0: ``fullrank_rank`` 4 or 16 (the full-rank
+  2-D parameters' messages), ``moments_every`` 1 or 4 (the averaged moments every K or 4K steps);
+* ``main``: 2 seeds of ``full``, ``lowrank``, ``lowrank`` + int8, the chosen compressed configuration (the
+  ``"lordo_compressed"`` preset), DDP, DDP + PowerSGD rank 4 and 16, DDP + fp16 hook; LoRDO's payloads at LoRDO's
+  LR, DDP and its hooks at DDP's.
+
+Bytes per worker are payload bytes (what a worker hands to collectives) unless a column says wire (by the
+collectives' algorithms); the plugin's exclude the one-time setup broadcast and Lightning's per-batch flags, as DDP's
+do (``bytes_everything`` keeps the flags). ``python benchmarks/report_compressed.py`` writes the table.
+
+    python benchmarks/compressed.py --bytes ../shared/data/tinyshakespeare.txt \\
+        --words ../shared/data/wikitext2-valid.txt [--stage lr|choose|main|all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness import RunSpec, append, done, load, provenance, run
+
+from lightning_lordo.config import PRESETS
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results" / "compressed.jsonl"
+STAGES = ("lr", "choose", "main")
+MODELS: dict[str, dict[str, Any]] = {
+    "bytes": {"corpus": "bytes"},
+    "words": {"corpus": "words", "vocab": 4096},
+}
+COMMON = {"steps": 640, "workers": 4, "sync_every": 32, "rank": 8, "val_every": 64, "val_batches": 16}
+LORDO_LRS, DDP_LRS = (0.01, 0.03, 0.1), (0.001, 0.003, 0.01)
+INT8 = {"payload": "lowrank", "payload_dtype": "int8"}
+CANDIDATES = {f"fullrank_rank={r},moments_every={m}": {**INT8, "fullrank_rank": r, "moments_every": m}
+              for r in (4, 16) for m in (1, 4)}
+PAYLOADS = {"full": {}, "lowrank": {"payload": "lowrank"}, "lowrank_int8": INT8,
+            "lordo_compressed": PRESETS["lordo_compressed"][0]}
+PEERS = {"ddp": {}, "powersgd4": {"hook": "powersgd", "hook_rank": 4}, "powersgd16": {"hook": "powersgd",
+                                                                                      "hook_rank": 16},
+         "fp16": {"hook": "fp16"}}
+
+
+def spec(model: str, data: str, name: str, lr: float, seed: int = 0) -> RunSpec:
+    extra = {**MODELS[model], **COMMON}
+    if name in PEERS:
+        return RunSpec(method="ddp", lr=lr, data=data, seed=seed, **extra, **PEERS[name])
+    knobs = PAYLOADS.get(name) or CANDIDATES[name]
+    return RunSpec(method="lordo", lr=lr, data=data, seed=seed, knobs=dict(knobs), **extra)
+
+
+def best_lr(model: str, family: str) -> float:
+    """The learning rate of the ``lr`` stage with the lowest final validation loss (``lordo`` or ``ddp``)."""
+    runs = [r for r in load(RESULTS) if r.get("stage") == "lr" and r.get("model") == model
+            and r.get("name") == family]
+    if len(runs) < 3:
+        raise SystemExit(f"run the lr stage first ({model}, {family}: {len(runs)} of 3 runs)")
+    return min(runs, key=lambda r: r["final_val_loss"])["spec"]["lr"]
+
+
+def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec]]:
+    out = []
+    for model, data in paths.items():
+        if stage == "lr":
+            out += [(model, "lordo", spec(model, data, "lowrank_int8", lr)) for lr in LORDO_LRS]
+            out += [(model, "ddp", spec(model, data, "ddp", lr)) for lr in DDP_LRS]
+        elif stage == "choose":
+            out += [(model, n, spec(model, data, n, best_lr(model, "lordo"))) for n in CANDIDATES]
+        else:
+            lrs = {"lordo": best_lr(model, "lordo"), "ddp": best_lr(model, "ddp")}
+            for seed in (0, 1):
+                out += [(model, n, spec(model, data, n, lrs["lordo"], seed)) for n in PAYLOADS]
+                out += [(model, n, spec(model, data, n, lrs["ddp"], seed)) for n in PEERS]
+    return out
+
+
+def run_stage(stage: str, paths: dict[str, str], argv: list[str]) -> None:
+    records = load(RESULTS)
+    pending = [(m, n, s) for m, n, s in specs_for(stage, paths) if not done(records, s)]
+    if not pending:
+        return
+    append(RESULTS, {"header": provenance("python benchmarks/compressed.py " + " ".join(argv)), "stage": stage})
+    for model, name, run_spec in pending:
+        record = {"stage": stage, "model": model, "name": name, **run(run_spec)}
+        append(RESULTS, record)
+        print(f"{stage}: {model:<6} {name:<36} lr={run_spec.lr:<7.3g} seed={run_spec.seed} "
+              f"val_loss={record['final_val_loss']:.4f} bytes={record['bytes_sent']:.3e} "
+              f"wall={record['wall_seconds']:.0f}s", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bytes", required=True, help="text for the byte-level model (tinyshakespeare)")
+    parser.add_argument("--words", required=True, help="text for the word-level model (WikiText-2 validation)")
+    parser.add_argument("--stage", default="all", choices=(*STAGES, "all"))
+    args = parser.parse_args(argv)
+    paths = {"bytes": args.bytes, "words": args.words}
+    for model, path in paths.items():
+        if not Path(path).is_file():
+            raise SystemExit(f"--{model}={path}: no such file")
+    paths = {m: str(Path(p).resolve()) for m, p in paths.items()}
+    for stage in STAGES if args.stage == "all" else (args.stage,):
+        run_stage(stage, paths, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
