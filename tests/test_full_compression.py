@@ -15,7 +15,7 @@ from torch import nn
 from lightning_lordo import LoRDOStrategy
 from lightning_lordo.comm.communicator import CommAccountant
 from lightning_lordo.comm.int8 import quantize_int8
-from lightning_lordo.config import SyncConfig
+from lightning_lordo.config import PRESETS, SyncConfig
 from lightning_lordo.lightning.callbacks import figures
 from lightning_lordo.sync.payloads import FULLRANK_PART, LOWRANK_PART, PseudoGradientPayloads, compressible
 from lightning_lordo.sync.report import breakdown
@@ -172,3 +172,18 @@ def test_diloco_compresses_its_matrices_with_fullrank_rank() -> None:
     torch.manual_seed(0)
     trainer(lordo(sync_every=4, lowrank=False, fullrank_rank=RANK), callbacks=[CheckDiLoCo()],
             max_steps=12).fit(TinyRegressor(), loader())
+
+
+class CheckPreset(L.Callback):
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        strategy: LoRDOStrategy = trainer.strategy
+        config, preset = strategy.sync_config, PRESETS["lordo_compressed"][0]
+        assert (config.payload, config.payload_dtype) == ("lowrank", "int8") and config.fullrank_rank > 0
+        assert {k: getattr(config, k) for k in preset} == preset
+        assert strategy.accountant.totals["pseudo_gradients"] < sum(p.numel() for p in module.parameters()) * 3
+        assert torch.equal(*gather(flat_params(module)))
+
+
+def test_lordo_compressed_is_a_registered_name_that_trains() -> None:
+    torch.manual_seed(0)
+    trainer("lordo_compressed_fork", callbacks=[CheckPreset()], max_steps=12).fit(TinyRegressor(), loader())

@@ -261,7 +261,8 @@ def test_optimizer_seed_reaches_random_bases() -> None:
 PRESETS = {"lordo": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=False),
            "lordo_local": dict(lowrank=True, basis_scope="local", average_moments=False, synchronous=False),
            "diloco": dict(lowrank=False, basis_scope="global", average_moments=True, synchronous=False),
-           "lowrank_ddp": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=True)}
+           "lowrank_ddp": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=True),
+           "lordo_compressed": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=False)}
 LAUNCHERS = {"": "popen", "_fork": "fork", "_spawn": "spawn"}
 
 
