@@ -1,0 +1,144 @@
+"""Tables and targets of ``benchmarks/compressed.py`` from its committed results (no training):
+``python benchmarks/report_compressed.py``.
+
+Writes ``results/compressed.md`` (used by README.md) and ``results/compressed_frontier.png`` (validation loss against
+bytes per worker, both models). Means are over the seeds that ran; a method with fewer than 2 seeds says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import compressed
+from harness import ROOT, load
+
+NAMES = {"full": "LoRDO, `full` payload", "lowrank": "LoRDO, `lowrank`", "lowrank_int8": "LoRDO, `lowrank` + int8",
+         "lordo_compressed": "`lordo_compressed`", "ddp": "DDP (AdamW)", "powersgd4": "DDP + PowerSGD r4",
+         "powersgd16": "DDP + PowerSGD r16", "fp16": "DDP + fp16 hook"}
+
+
+def _runs(stage: str) -> list[dict[str, Any]]:
+    return [r for r in load(compressed.RESULTS) if r.get("stage") == stage and "spec" in r]
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.3g}"
+
+
+def table_lr() -> list[str]:
+    rows = ["| model | family | lr | val loss |", "|---|---|---|---|"]
+    for r in _runs("lr"):
+        rows.append(f"| {r['model']} | {r['name']} | {r['spec']['lr']:g} | {r['final_val_loss']:.4f} |")
+    return rows
+
+
+def table_choose() -> list[str]:
+    rows = ["| model | candidate | val loss | MB per worker | by category (MB) |", "|---|---|---|---|---|"]
+    for r in _runs("choose"):
+        parts = ", ".join(f"{k} {_mb(v)}" for k, v in sorted(r.get("bytes_by_category", {}).items()))
+        rows.append(f"| {r['model']} | {r['name']} | {r['final_val_loss']:.4f} | {_mb(r['bytes_sent'])} | {parts} |")
+    return rows
+
+
+def main_means() -> dict[str, dict[str, dict[str, Any]]]:
+    """Per model and method: mean loss, payload and wire bytes, bytes with everything, the seeds."""
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in _runs("main"):
+        grouped[(r["model"], r["name"])].append(r)
+    out: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for (model, name), runs in grouped.items():
+        out[model][name] = {
+            "loss": _mean([r["final_val_loss"] for r in runs]),
+            "losses": [r["final_val_loss"] for r in runs],
+            "bytes": _mean([r["bytes_sent"] for r in runs]),
+            "wire": _mean([r["wire_bytes"] for r in runs]),
+            "everything": _mean([r["bytes_everything"] for r in runs]),
+            "seeds": sorted(r["spec"]["seed"] for r in runs),
+            "categories": {k: _mean([r.get("bytes_by_category", {}).get(k, 0) for r in runs])
+                           for k in {k for r in runs for k in r.get("bytes_by_category", {})}},
+        }
+    return out
+
+
+def table_main(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    rows = []
+    for model, methods in means.items():
+        ddp = methods.get("ddp", {}).get("bytes")
+        rows += [f"**{model}** model", "",
+                 "| method | seeds | val loss (mean) | MB per worker (payload) | MB (wire) | DDP / this (payload) |",
+                 "|---|---|---|---|---|---|"]
+        for name in NAMES:
+            if name not in methods:
+                continue
+            m = methods[name]
+            ratio = f"{ddp / m['bytes']:.0f}x" if ddp else "n/a"
+            rows.append(f"| {NAMES[name]} | {len(m['seeds'])} | {m['loss']:.4f} | {_mb(m['bytes'])} | "
+                        f"{_mb(m['wire'])} | {ratio} |")
+        rows.append("")
+    return rows
+
+
+def targets(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    rows = []
+    for model, methods in means.items():
+        best, psgd, full, ddp = (methods.get(n) for n in ("lordo_compressed", "powersgd4", "full", "ddp"))
+        if not (best and psgd and full and ddp):
+            rows.append(f"- {model}: incomplete (methods so far: {sorted(methods)})")
+            continue
+        fewer = best["bytes"] < psgd["bytes"] and best["wire"] < psgd["wire"]
+        better = best["loss"] <= psgd["loss"]
+        rows.append(f"- {model}: `lordo_compressed` {_mb(best['bytes'])} MB (wire {_mb(best['wire'])}) at "
+                    f"{best['loss']:.4f} vs PowerSGD r4 {_mb(psgd['bytes'])} MB (wire {_mb(psgd['wire'])}) at "
+                    f"{psgd['loss']:.4f}: fewer bytes {'holds' if fewer else 'missed'}, equal or lower loss "
+                    f"{'holds' if better else 'missed'} ({100 * (best['loss'] / psgd['loss'] - 1):+.2f} %).")
+        ratio = ddp["bytes"] / best["everything"]
+        gap = 100 * (best["loss"] / full["loss"] - 1)
+        rows.append(f"- {model}: everything counted, DDP / `lordo_compressed` = {ratio:.0f}x "
+                    f"({'holds' if ratio >= 100 else 'missed'} >= 100x); loss {gap:+.2f} % against the `full` payload "
+                    f"({'holds' if gap <= 1 else 'missed'} <= 1 %).")
+    return rows
+
+
+def figure(means: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(means), figsize=(6 * len(means), 4.2), squeeze=False)
+    for ax, (model, methods) in zip(axes[0], means.items()):
+        for name, m in methods.items():
+            ax.scatter(m["bytes"], m["loss"], label=NAMES.get(name, name), marker="o" if name in compressed.PAYLOADS
+                       else "s")
+        ax.set_xscale("log")
+        ax.set_xlabel("MB per worker (payload)")
+        ax.set_ylabel("validation loss (mean over seeds)")
+        ax.set_title(f"{model} model, 4 workers, K = 32")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    means = main_means()
+    lines = ["### Learning rates (seed 0)", "", *table_lr(), "", "### Candidates for `lordo_compressed` (seed 0)", "",
+             *table_choose(), "", "### Main table (mean over seeds)", "", *table_main(means), "### Targets", "",
+             *targets(means), ""]
+    out = ROOT / "results" / "compressed.md"
+    out.write_text("\n".join(lines))
+    if means:
+        figure(means, ROOT / "results" / "compressed_frontier.png")
+    print(out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
