@@ -9,7 +9,8 @@ Two models, 4 workers, K = 32 (issue 14):
 
 Stages (resumable: a run already in ``results/compressed.jsonl`` is skipped; each run is appended when it ends):
 
-* ``lr``: ``lordo`` (its ``lowrank`` + int8 payload) and DDP at three learning rates each, seed 0, per model;
+* ``lr``: ``lordo`` (its ``lowrank`` + int8 payload) and DDP at three learning rates each, seed 0, per model, and
+  3x further out while an edge wins;
 * ``choose``: the everything-compressed candidates at LoRDO's LR, seed 0: ``fullrank_rank`` 4 or 16 (the full-rank
   2-D parameters' messages), ``moments_every`` 1 or 4 (the averaged moments every K or 4K steps);
 * ``main``: 2 seeds of ``full``, ``lowrank``, ``lowrank`` + int8, the chosen compressed configuration (the
@@ -62,21 +63,43 @@ def spec(model: str, data: str, name: str, lr: float, seed: int = 0) -> RunSpec:
     return RunSpec(method="lordo", lr=lr, data=data, seed=seed, knobs=dict(knobs), **extra)
 
 
+def _lr_losses(model: str, family: str) -> dict[float, float]:
+    return {r["spec"]["lr"]: r["final_val_loss"] for r in load(RESULTS)
+            if r.get("stage") == "lr" and r.get("model") == model and r.get("name") == family}
+
+
+def lr_grid(model: str, family: str) -> list[float]:
+    """The family's 3 learning rates, and one more past an edge that wins (3x out, up to 2 more each way)."""
+    grid = sorted(LORDO_LRS if family == "lordo" else DDP_LRS)
+    losses = _lr_losses(model, family)
+    for _ in range(4):
+        if not set(grid) <= set(losses):
+            break
+        best = min(grid, key=lambda lr: losses[lr])
+        if best == grid[0] and best > grid[1] / 3 ** 4:
+            grid.insert(0, round(best / 3, 10))
+        elif best == grid[-1] and best < grid[-2] * 3 ** 4:
+            grid.append(round(best * 3, 10))
+        else:
+            break
+    return grid
+
+
 def best_lr(model: str, family: str) -> float:
-    """The learning rate of the ``lr`` stage with the lowest final validation loss (``lordo`` or ``ddp``)."""
-    runs = [r for r in load(RESULTS) if r.get("stage") == "lr" and r.get("model") == model
-            and r.get("name") == family]
-    if len(runs) < 3:
-        raise SystemExit(f"run the lr stage first ({model}, {family}: {len(runs)} of 3 runs)")
-    return min(runs, key=lambda r: r["final_val_loss"])["spec"]["lr"]
+    """The learning rate of the ``lr`` stage with the lowest final validation loss (``lordo`` or ``ddp``), once its
+    grid (:func:`lr_grid`) has run."""
+    losses, grid = _lr_losses(model, family), lr_grid(model, family)
+    if not set(grid) <= set(losses):
+        raise SystemExit(f"run the lr stage first ({model}, {family}: {len(losses)} of {len(grid)} runs)")
+    return min(grid, key=lambda lr: losses[lr])
 
 
 def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec]]:
     out = []
     for model, data in paths.items():
         if stage == "lr":
-            out += [(model, "lordo", spec(model, data, "lowrank_int8", lr)) for lr in LORDO_LRS]
-            out += [(model, "ddp", spec(model, data, "ddp", lr)) for lr in DDP_LRS]
+            out += [(model, "lordo", spec(model, data, "lowrank_int8", lr)) for lr in lr_grid(model, "lordo")]
+            out += [(model, "ddp", spec(model, data, "ddp", lr)) for lr in lr_grid(model, "ddp")]
         elif stage == "choose":
             out += [(model, n, spec(model, data, n, best_lr(model, "lordo"))) for n in CANDIDATES]
         else:
@@ -88,10 +111,15 @@ def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec
 
 
 def run_stage(stage: str, paths: dict[str, str], argv: list[str]) -> None:
-    records = load(RESULTS)
-    pending = [(m, n, s) for m, n, s in specs_for(stage, paths) if not done(records, s)]
-    if not pending:
-        return
+    while True:  # the lr grids grow while an edge keeps winning
+        records = load(RESULTS)
+        pending = [(m, n, s) for m, n, s in specs_for(stage, paths) if not done(records, s)]
+        if not pending:
+            return
+        _run(stage, pending, argv)
+
+
+def _run(stage: str, pending: list[tuple[str, str, RunSpec]], argv: list[str]) -> None:
     append(RESULTS, {"header": provenance("python benchmarks/compressed.py " + " ".join(argv)), "stage": stage})
     for model, name, run_spec in pending:
         record = {"stage": stage, "model": model, "name": name, **run(run_spec)}
