@@ -45,6 +45,7 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 COMMON = {"steps": 640, "workers": 4, "sync_every": 32, "rank": 8, "val_every": 64, "val_batches": 16}
 LORDO_LRS, DDP_LRS = (0.01, 0.03, 0.1), (0.001, 0.003, 0.01)
+LADDER = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 INT8 = {"payload": "lowrank", "payload_dtype": "int8"}
 CANDIDATES = {f"fullrank_rank={r},moments_every={m}": {**INT8, "fullrank_rank": r, "moments_every": m}
               for r in (4, 16) for m in (1, 4)}
@@ -69,17 +70,16 @@ def _lr_losses(model: str, family: str) -> dict[float, float]:
 
 
 def lr_grid(model: str, family: str) -> list[float]:
-    """The family's 3 learning rates, and one more past an edge that wins (3x out, up to 2 more each way)."""
+    """The family's 3 learning rates, and the next one of :data:`LADDER` past an edge that wins (at most 5 in all)."""
     grid = sorted(LORDO_LRS if family == "lordo" else DDP_LRS)
     losses = _lr_losses(model, family)
-    for _ in range(4):
-        if not set(grid) <= set(losses):
-            break
+    while set(grid) <= set(losses):
         best = min(grid, key=lambda lr: losses[lr])
-        if best == grid[0] and best > grid[1] / 3 ** 4:
-            grid.insert(0, round(best / 3, 10))
-        elif best == grid[-1] and best < grid[-2] * 3 ** 4:
-            grid.append(round(best * 3, 10))
+        at = LADDER.index(best)
+        if best == grid[0] and at > 0 and LADDER.index(grid[-1]) - at < 4:
+            grid.insert(0, LADDER[at - 1])
+        elif best == grid[-1] and at + 1 < len(LADDER) and at - LADDER.index(grid[0]) < 4:
+            grid.append(LADDER[at + 1])
         else:
             break
     return grid
