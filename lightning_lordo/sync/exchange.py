@@ -37,6 +37,7 @@ class Exchange:
         bases: the new bases (``{param: basis}``), identical on every worker.
         reset: the parameters whose averaged optimizer state is not finite (reset at commit, on every worker).
         basis_seconds: the time spent computing the bases.
+        finite: whether the averaged pseudo-gradients are finite (if not, only ``buffers`` is filled in).
     """
 
     averaged: list[Tensor]
@@ -46,6 +47,7 @@ class Exchange:
     bases: dict[Tensor, Tensor] = field(default_factory=dict)
     reset: list[Tensor] = field(default_factory=list)
     basis_seconds: float = 0.0
+    finite: bool = True  # False: the averaged pseudo-gradient is not finite (the round is discarded everywhere)
 
 
 def average_buffers(comm: Communicator, buffers: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
@@ -101,13 +103,14 @@ def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncC
     return {"moments": moments, "error_feedback": feedback}
 
 
-def average_state(comm: Communicator, optimizer: Optimizer, params: Sequence[Tensor], config: SyncConfig,
-                  moments_due: bool = True) -> tuple[dict[str, StateEntries], list[Tensor]]:
-    """Averages of :func:`averaged_state`, in ``config.moments_dtype``, and the parameters whose averages are not
-    finite (the same on every worker, the averages being identical), in parameter order."""
+def average_state(comm: Communicator, state: dict[str, list[tuple[Tensor, list[Tensor]]]], config: SyncConfig
+                  ) -> tuple[dict[str, StateEntries], list[Tensor]]:
+    """Averages of ``state`` (from :func:`averaged_state`), in ``config.moments_dtype``, and the parameters whose
+    averages are not finite (the same on every worker, the averages being identical), in parameter order."""
     out: dict[str, StateEntries] = {}
     bad: set[Tensor] = set()
-    for purpose, entries in averaged_state(optimizer, params, config, moments_due).items():
+    order: list[Tensor] = []
+    for purpose, entries in state.items():
         tensors = [t for _, ts in entries for t in ts]
         if not tensors:
             continue
@@ -124,9 +127,10 @@ def average_state(comm: Communicator, optimizer: Optimizer, params: Sequence[Ten
             mine = means[offset: offset + len(ts)]
             offset += len(ts)
             out[purpose].append((p, ts, mine))
+            order.append(p)
             if not all_finite(mine):
                 bad.add(p)
-    return out, [p for p in params if p in bad]
+    return out, [p for p in dict.fromkeys(order) if p in bad]
 
 
 def commit_state(entries: dict[str, StateEntries]) -> None:

@@ -169,22 +169,25 @@ class Synchronizer:
             self.comm.context = "initial basis"
             lordo.set_bases(self._bases(ex.average_first_gradients(self.comm, missing, self.config)))
 
-    def _bases(self, sources: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+    def _bases(self, sources: dict[Tensor, Tensor], comm: Optional[Communicator] = None,
+               generation: Optional[int] = None) -> dict[Tensor, Tensor]:
         """New bases from ``sources`` identical on every worker: computed everywhere from identical inputs, or with
         ``broadcast_bases`` computed on rank 0 and sent (a collective: every worker calls this together)."""
         lordo = self.lordo
         assert lordo is not None
+        comm = comm or self.comm
+        generation = self.optimizer_steps if generation is None else generation
         lowrank = [p for p in lordo.lowrank_params() if p in sources]
         sources = {p: sources[p] for p in lowrank}
         if not self.config.broadcast_bases:
-            return lordo.compute_bases(sources, generation=self.optimizer_steps)
-        if self.comm.rank == 0:  # contiguous, as the receivers' copies: the same layout rounds the same way later
-            computed = lordo.compute_bases(sources, generation=self.optimizer_steps)
+            return lordo.compute_bases(sources, generation=generation)
+        if comm.rank == 0:  # contiguous, as the receivers' copies: the same layout rounds the same way later
+            computed = lordo.compute_bases(sources, generation=generation)
             bases = {p: q.contiguous() for p, q in computed.items()}
         else:  # only rank 0 computes; the others receive
             ranks = lordo.lowrank_ranks()
             bases = {p: torch.empty(min(p.shape), ranks[p], device=p.device) for p in lowrank}
-        self.comm.broadcast(list(bases.values()), "bases")
+        comm.broadcast(list(bases.values()), "bases")
         return bases
 
     def _finish_synchronous_round(self) -> SyncReport:
@@ -229,29 +232,49 @@ class Synchronizer:
         self.comm.context = f"sync {self.syncs_done + 1} (optimizer step {self.optimizer_steps})"
         with record_function("lordo.exchange"):
             local = self.anchor.deltas()
-            averaged, rounds = self.payloads.reduce(self.comm, local)
-            buffers = ex.average_buffers(self.comm, self.buffers)
-            if not all_finite(averaged):  # identical on all workers: they all discard the round
-                return self._discard(start, buffers)
-            moments = (self.syncs_done + 1) % self.config.moments_every == 0  # this sync's number, from 1
-            state, reset = ex.average_state(self.comm, self.optimizer, self.params, self.config, moments)
-            basis_start = time.perf_counter()
-            bases = {}
-            if self.lordo is not None:
-                shared = self.config.basis_scope == "global"
-                sources = {p: s for p, s in zip(self.params, averaged if shared else local)}
-                bases = self._bases(sources) if shared else self.lordo.compute_bases(sources, self.optimizer_steps)
-            round_ = ex.Exchange(averaged, rounds, buffers, state, bases, reset, time.perf_counter() - basis_start)
+            round_ = self.exchange(self.comm, local, self.buffers, self.averaged_entries(), self.optimizer_steps)
+        return self.land(round_, start)
+
+    def averaged_entries(self) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
+        """The optimizer state this sync averages (:func:`~lightning_lordo.sync.exchange.averaged_state`)."""
+        due = (self.syncs_done + 1) % self.config.moments_every == 0  # this sync's number, from 1
+        return ex.averaged_state(self.optimizer, self.params, self.config, due)
+
+    def exchange(self, comm: Communicator, local: list[Tensor], buffers: Sequence[Tensor],
+                 entries: dict[str, list[tuple[Tensor, list[Tensor]]]], generation: int) -> ex.Exchange:
+        """Every collective of a round on ``comm`` and the new bases; reads only its arguments and the payloads'
+        and bases' state (which change only at a commit), so it may run on another thread (``overlap_steps``)."""
+        averaged, rounds = self.payloads.reduce(comm, local)
+        buffers = ex.average_buffers(comm, buffers)
+        if not all_finite(averaged):  # identical on all workers: they all discard the round
+            return ex.Exchange(averaged, rounds, buffers, finite=False)
+        state, reset = ex.average_state(comm, entries, self.config)
+        basis_start = time.perf_counter()
+        bases = {}
+        if self.lordo is not None:
+            shared = self.config.basis_scope == "global"
+            sources = {p: s for p, s in zip(self.params, averaged if shared else local)}
+            bases = self._bases(sources, comm, generation) if shared else \
+                self.lordo.compute_bases(sources, generation)
+        return ex.Exchange(averaged, rounds, buffers, state, bases, reset, time.perf_counter() - basis_start)
+
+    def land(self, round_: ex.Exchange, start: float, progress: Optional[list[Tensor]] = None) -> SyncReport:
+        """Commit an exchanged round (or discard a non-finite one on every worker) and report it; ``progress``:
+        each parameter's local progress since the round's pseudo-gradient was taken, kept on top of the new
+        synchronized point (``overlap_steps``)."""
+        if not round_.finite:
+            return self._discard(start, round_.buffers)
+        averaged = round_.averaged
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in averaged]))) \
             if averaged else 0.0
         with record_function("lordo.commit"), signals_deferred(signal.SIGINT):
-            movement = self._commit(round_)
-        extra = {"reset_moments": float(len(reset))} if reset else {}
+            movement = self._commit(round_, progress)
+        extra = {"reset_moments": float(len(round_.reset))} if round_.reset else {}
         if self.config.payload != "full" or self.config.payload_dtype != "float32" or self.config.fullrank_rank:
             extra["sync_error_feedback_norm"] = self.payload_error_norm()
         return self._finish(start, round_.basis_seconds, _mean_movement(movement), norm, extra=extra)
 
-    def _commit(self, round_: ex.Exchange) -> dict[Tensor, Tensor]:
+    def _commit(self, round_: ex.Exchange, progress: Optional[list[Tensor]] = None) -> dict[Tensor, Tensor]:
         """Local and unable to fail: the exchanged round becomes this worker's state."""
         new = self.outer.apply(self.anchor, round_.averaged)
         ex.commit_state(round_.state)
@@ -262,6 +285,8 @@ class Synchronizer:
         for payload, payload_round in round_.payload_rounds:
             payload.commit(payload_round)
         self.anchor.set(new)
+        for p, moved in zip(self.params, progress or []):
+            p.detach().add_(moved)
         return movement
 
     def payload_error_norm(self) -> float:
