@@ -34,7 +34,7 @@ from typing import Any
 
 from harness import RunSpec, append, done, load, provenance, run
 
-from lightning_lordo.config import PRESETS
+from lightning_lordo.strategy_knobs import PRESETS
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "compressed.jsonl"

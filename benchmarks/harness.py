@@ -214,7 +214,8 @@ class Recorder(L.Callback):
             strategy = trainer.strategy
             out["bytes_by_purpose"] = dict(strategy.accountant.totals)
             wire = strategy.accountant.wire_totals
-            out["wire_bytes"] = sum(v for k, v in wire.items() if k not in ("setup_broadcast", "lightning_sigterm_check"))
+            out["wire_bytes"] = sum(v for k, v in wire.items()
+                                    if k not in ("setup_broadcast", "lightning_sigterm_check"))
             # everything but the setup broadcast (which DDP makes too): Lightning's per-batch flags included
             out["bytes_everything"] = sum(v for k, v in strategy.accountant.totals.items() if k != "setup_broadcast")
             out["bytes_by_category"] = {}
@@ -263,7 +264,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
     torch.set_num_threads(1)
     L.seed_everything(spec.seed, verbose=False)
     module = BenchModule(
-        spec, vocab_size=spec.vocab or 256, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads, seq_len=spec.seq_len, lr=spec.lr,
+        spec, vocab_size=spec.vocab or 256, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads,
+        seq_len=spec.seq_len, lr=spec.lr,
         warmup_steps=max(1, spec.steps // 20), total_steps=spec.steps,
     )
     if spec.init_from:  # the authors' protocol: the warm-up checkpoint's (synchronized) model, fresh optimizer

@@ -13,9 +13,8 @@ Nothing is silently clamped.
 
 from __future__ import annotations
 
-import difflib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from numbers import Real
@@ -234,6 +233,10 @@ class SyncConfig:
         moments_every: average the moments (the low-rank ones, and the full-rank ones with
             ``average_fullrank_moments``) at every ``moments_every``-th sync only (DES-LOC-style); between, each
             worker keeps its own, rotated into the shared bases. ``1``: at every sync.
+        overlap_steps: ``0`` (the default): every sync blocks. ``tau`` in ``[1, sync_every)``: a round's collectives
+            run on a thread (a side process group) while the worker takes ``tau`` more local steps; the averaged
+            result then lands on every worker at the same step, each keeping its local progress since the round
+            began (:mod:`lightning_lordo.sync.overlap`).
         max_skipped_syncs: after this many consecutive discarded rounds (non-finite values on some worker every
             time) the run stops with an error naming the ranks, instead of training on with a frozen model.
     """
@@ -260,6 +263,7 @@ class SyncConfig:
     anchor_device: str = "param"
     fullrank_rank: int = 0
     moments_every: int = 1
+    overlap_steps: int = 0
     max_skipped_syncs: int = 3
 
     def __post_init__(self) -> None:
@@ -285,6 +289,10 @@ class SyncConfig:
         check_positive_int("max_skipped_syncs", self.max_skipped_syncs)
         check_positive_int("fullrank_rank", self.fullrank_rank, minimum=0)
         check_positive_int("moments_every", self.moments_every)
+        check_positive_int("overlap_steps", self.overlap_steps, minimum=0)
+        if self.overlap_steps >= self.sync_every:
+            raise _fail("overlap_steps", self.overlap_steps, f"it must be below sync_every={self.sync_every} (a round "
+                        "lands before the next one starts)", f"Pass overlap_steps < {self.sync_every}, or 0.")
         if self.moments_every > 1 and not (self.average_moments or self.average_fullrank_moments):
             raise _fail("moments_every", self.moments_every, "it must be 1 when no moments are averaged "
                         "(average_moments=False, average_fullrank_moments=False)", "Drop moments_every, or average "
@@ -337,7 +345,8 @@ class SyncConfig:
 _SWITCH_KNOBS = ("switch_betas", "switch_reset_moments", "switch_lr_scale")
 #: Knobs that only shape the local rounds (no such round exists with ``synchronous=True``).
 _LOCAL_ROUND_KNOBS = ("outer_optimizer", "outer_lr", "outer_momentum", "basis_scope", "payload", "payload_dtype",
-                      "average_fullrank_moments", "average_error_feedback", "fullrank_rank", "moments_every")
+                      "average_fullrank_moments", "average_error_feedback", "fullrank_rank", "moments_every",
+                      "overlap_steps")
 
 
 def resolve_rank(rank: Union[int, float], smaller_side: int) -> int:
@@ -346,58 +355,3 @@ def resolve_rank(rank: Union[int, float], smaller_side: int) -> int:
         return max(1, int(math.floor(rank * smaller_side)))
     return rank
 
-
-#: The registered strategy names (the Trainer's and Fabric's): name -> (knobs, description). Each is registered as
-#: is and with the suffixes of :data:`LAUNCH_SUFFIXES`.
-PRESETS: dict[str, tuple[dict[str, Any], str]] = {
-    "lordo": ({}, "LoRDO: global basis from the averaged pseudo-gradient + full-rank QHM term"),
-    "lordo_local": ({"basis_scope": "local", "average_moments": False},
-                    "LoRDO-Local: each worker computes its own basis"),
-    "diloco": ({"lowrank": False}, "DiLoCo: the user's optimizer locally, averaged every K steps"),
-    "lordo_compressed": ({"payload": "lowrank", "payload_dtype": "int8", "fullrank_rank": 4, "moments_every": 4},
-                         "LoRDO with everything compressed: int8 low-rank messages for every weight matrix, moments "
-                         "every 4th sync"),
-    "lowrank_ddp": ({"synchronous": True}, "low-rank DDP: gradients averaged every step, LoRDO's low-rank "
-                                           "moments, bases from the averaged gradient every K steps"),
-}
-#: Suffix of a registered name -> its start method (as Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``).
-LAUNCH_SUFFIXES = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
-#: The optimizer knobs a strategy takes (lr, betas, eps and weight_decay come from the user's optimizer).
-STRATEGY_OPTIMIZER_KNOBS = tuple(k for k in OPTIMIZER_DEFAULTS if k not in ("lr", "betas", "eps", "weight_decay"))
-
-
-def _differs(value: Any, default: Any) -> bool:
-    """Whether a knob was set to something other than its default (``True`` is not ``1``, ``16.0`` not ``16``)."""
-    return type(value) is not type(default) or value != default
-
-
-def split_strategy_knobs(owner: str, knobs: Mapping[str, Any], accepted: Sequence[str], *, lowrank: bool,
-                         optimizer_source: str) -> tuple[SyncConfig, dict[str, Any]]:
-    """A strategy's knobs, validated: its :class:`SyncConfig` and the optimizer knobs set to non-defaults.
-
-    Args:
-        owner: the strategy's class name, for the errors.
-        knobs: every argument given by name (optimizer knobs, SyncConfig fields, the strategy's own).
-        accepted: the argument names the strategy takes; any other is refused with a close match suggested.
-        lowrank: whether the user's optimizer becomes LoRDO (``False``: DiLoCo, no low-rank payload).
-        optimizer_source: where lr, betas, eps and weight_decay come from, for the error that refuses them.
-    """
-    unknown = sorted(set(knobs) - set(accepted))
-    from_user = sorted(set(unknown) & {"lr", "betas", "eps", "weight_decay"})
-    if from_user:
-        raise ValueError(f"{owner} got {from_user}: these come from {optimizer_source}. Set them there.")
-    if unknown:
-        hints = {k: difflib.get_close_matches(k, accepted, n=1) for k in unknown}
-        raise TypeError(f"{owner} got unknown arguments {unknown}"
-                        f"{''.join(f' ({k}: did you mean {v[0]!r}?)' for k, v in hints.items() if v)}. The "
-                        f"arguments are: {', '.join(accepted)}.")
-    optimizer_knobs = {k: knobs[k] for k in STRATEGY_OPTIMIZER_KNOBS
-                       if k in knobs and _differs(knobs[k], OPTIMIZER_DEFAULTS[k])}
-    check_optimizer_knobs(optimizer_knobs, in_group=False)
-    check_knob_combinations(optimizer_knobs, {**OPTIMIZER_DEFAULTS, **optimizer_knobs})
-    config = SyncConfig(**{k: knobs[k] for k in SyncConfig.__dataclass_fields__ if k in knobs})
-    if config.payload == "lowrank" and lowrank is False:
-        raise ValueError("Invalid payload='lowrank' with lowrank=False ('diloco'): the low-rank payload sends the "
-                         "low-rank matrices of the LoRDO optimizer. Use payload='full' (payload_dtype may be "
-                         "'bfloat16' or 'int8'), or a LoRDO preset.")
-    return config, optimizer_knobs

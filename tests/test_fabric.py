@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from lightning_lordo import LoRDO, LoRDOFabricStrategy
-from lightning_lordo.config import LAUNCH_SUFFIXES, PRESETS
+from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, PRESETS
 from tests.strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, regression_data, trainer
 
 ROOT = Path(__file__).resolve().parents[1]

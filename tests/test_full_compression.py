@@ -9,14 +9,15 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from strategy_helpers import TinyRegressor, gather, flat_params, loader, lordo, trainer
+from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
 from torch import nn
 
 from lightning_lordo import LoRDOStrategy
 from lightning_lordo.comm.communicator import CommAccountant
 from lightning_lordo.comm.int8 import quantize_int8
-from lightning_lordo.config import PRESETS, SyncConfig
+from lightning_lordo.config import SyncConfig
 from lightning_lordo.lightning.callbacks import figures
+from lightning_lordo.strategy_knobs import PRESETS
 from lightning_lordo.sync.payloads import FULLRANK_PART, LOWRANK_PART, PseudoGradientPayloads, compressible
 from lightning_lordo.sync.report import breakdown
 

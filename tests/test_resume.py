@@ -145,9 +145,11 @@ def _assert_resumed_exactly(tmp_path: Path, tag: str, first_step: int) -> None:
 
 @pytest.mark.parametrize("knobs", [{}, {"error_feedback": True, "outer_optimizer": "nesterov",
                                          "normalizer": "factored"}, {"payload": "lowrank", "payload_dtype": "int8"},
-                                   {"payload": "lowrank", "payload_dtype": "int8", "fullrank_rank": 2, "moments_every": 2,
-                                    "full_rank_params": [r"net\.0\.weight$"]}],
-                         ids=["default", "ef-nesterov-factored", "lowrank-int8-payload", "everything-compressed"])
+                                   {"payload": "lowrank", "payload_dtype": "int8", "fullrank_rank": 2,
+                                    "moments_every": 2, "full_rank_params": [r"net\.0\.weight$"]},
+                                   {"overlap_steps": 2, "payload": "lowrank", "payload_dtype": "int8"}],
+                         ids=["default", "ef-nesterov-factored", "lowrank-int8-payload", "everything-compressed",
+                              "overlapped"])
 def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: dict[str, Any]) -> None:
     _fit(tmp_path, "full", checkpoints=True, **knobs)
     ckpt_dir = tmp_path / "ckpt"
@@ -156,6 +158,8 @@ def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: 
     assert saved_mid["sync"]["steps_since_sync"] == 2 and "params" in saved_mid["ranks"][1]
     assert torch.load(at_sync, weights_only=True)["lordo"]["sync"]["steps_since_sync"] == 0
     assert _position(mid_round) == (1, 1) and _position(at_sync) == (2, 2)  # both mid-epoch
+    if knobs.get("overlap_steps"):  # launched at step 12, in flight at its save: the resume redoes it
+        assert [r["overlap"]["step"] for r in load_full(at_sync)["lordo"]["ranks"]] == [12, 12]
     for tag, ckpt, step in (("mid", mid_round, 6), ("sync", at_sync, 12)):
         _fit(tmp_path, tag, ckpt=str(ckpt), checkpoints=True, **knobs)
         _assert_resumed_exactly(tmp_path, tag, first_step=step + 1)

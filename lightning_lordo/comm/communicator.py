@@ -33,7 +33,6 @@ Failure semantics of :class:`Communicator` (checked on gloo, torch 2.13, see ``t
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
@@ -43,99 +42,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_lordo.comm.accounting import CommAccountant
 from lightning_lordo.comm.wire import wire_bytes
+
+__all__ = ["CollectiveTimeout", "CommAccountant", "Communicator", "side_communicator", "translate"]
 
 _MESSAGE_BYTES = 128 * 1024 * 1024  # at most this many bytes per collective call (buckets and chunks)
 # the name changed in torch 2.x; all_gather_into_tensor warns (deprecated) in recent versions
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _WAIT_SLICE_S = 0.25  # CPU collectives are waited on in slices this long, so that Ctrl-C gets through
 _POLL_MAX_S = 0.01  # device collectives: the longest sleep between two is_completed() polls
-
-
-class CommAccountant:
-    """Bytes sent by this worker, by purpose: the current round and the running totals, twice.
-
-    ``totals`` / ``round``: *payload* bytes, the tensors this worker hands to collectives (numel x itemsize).
-    ``wire_totals`` / ``wire_round``: *wire* bytes, what it puts on the network by each collective's algorithm
-    (:mod:`lightning_lordo.comm.wire`). ``last_round_wire``: the wire bytes of the round :meth:`end_round` ended.
-    ``wire_complete``: ``False`` after loading a state dict saved before wire bytes were kept (its wire totals then
-    count from the resume only).
-
-    A purpose may name a part after a colon (``"pseudo_gradients:lowrank"``): the totals and rounds count it under
-    the purpose before the colon, and ``parts`` / ``wire_parts`` count every label as given, from the end of one round
-    to the end of the next (so between-round traffic such as Lightning's per-batch flags is in the next round's
-    parts). ``last_parts`` / ``last_wire_parts``: those of the round :meth:`end_round` ended (the per-sync breakdown).
-    """
-
-    def __init__(self) -> None:
-        self.totals: dict[str, int] = defaultdict(int)
-        self.round: dict[str, int] = defaultdict(int)
-        self.wire_totals: dict[str, int] = defaultdict(int)
-        self.wire_round: dict[str, int] = defaultdict(int)
-        self.last_round_wire: dict[str, int] = {}
-        self.parts: dict[str, int] = defaultdict(int)
-        self.wire_parts: dict[str, int] = defaultdict(int)
-        self.last_parts: dict[str, int] = {}
-        self.last_wire_parts: dict[str, int] = {}
-        self.wire_complete = True
-
-    def add(self, purpose: str, nbytes: int, in_round: bool = True, wire: Optional[int] = None) -> None:
-        """Count ``nbytes`` payload bytes and ``wire`` wire bytes (``None``: as many as ``nbytes``, a point-to-point
-        send) under ``purpose``; ``in_round=False`` for traffic that belongs to no round (Lightning's own per-batch
-        broadcast): it then counts in the totals (and the next round's parts) only."""
-        self.parts[purpose] += nbytes
-        self.add_wire(purpose, nbytes if wire is None else wire, in_round)
-        purpose = purpose.partition(":")[0]
-        self.totals[purpose] += nbytes
-        if in_round:
-            self.round[purpose] += nbytes
-
-    def add_wire(self, purpose: str, wire: int, in_round: bool = True) -> None:
-        """Count ``wire`` wire bytes only (a broadcast's receiver: it hands nothing over, but forwards)."""
-        self.wire_parts[purpose] += wire
-        purpose = purpose.partition(":")[0]
-        self.wire_totals[purpose] += wire
-        if in_round:
-            self.wire_round[purpose] += wire
-
-    def start_round(self, parts: bool = False) -> None:
-        """Start counting a new round (bytes sent between rounds stay in the totals only); ``parts``: the parts too
-        (what was sent before, e.g. the setup broadcast, is then in no round's breakdown)."""
-        self.round = defaultdict(int)
-        self.wire_round = defaultdict(int)
-        if parts:
-            self.parts, self.wire_parts = defaultdict(int), defaultdict(int)
-
-    def end_round(self) -> dict[str, int]:
-        """Return the payload bytes of the round that just ended, by purpose (its wire bytes are then in
-        ``last_round_wire``), and start a new round."""
-        finished = dict(self.round)
-        self.last_round_wire = dict(self.wire_round)
-        self.last_parts, self.last_wire_parts = dict(self.parts), dict(self.wire_parts)
-        self.parts, self.wire_parts = defaultdict(int), defaultdict(int)
-        self.start_round()
-        return finished
-
-    @property
-    def total_bytes(self) -> int:
-        """Payload bytes, all purposes."""
-        return sum(self.totals.values())
-
-    @property
-    def total_wire_bytes(self) -> int:
-        """Wire bytes, all purposes (the figure for ``lordo/wire_bytes_total``)."""
-        return sum(self.wire_totals.values())
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"totals": dict(self.totals), "wire_totals": dict(self.wire_totals),
-                "wire_complete": self.wire_complete}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; one saved before wire bytes were kept (``totals`` only) loads with wire
-        totals from zero and ``wire_complete = False``."""
-        self.totals = defaultdict(int, state["totals"])
-        self.wire_totals = defaultdict(int, state.get("wire_totals", {}))
-        self.wire_complete = "wire_totals" in state and bool(state.get("wire_complete", True))
 
 
 class CollectiveTimeout(RuntimeError):
@@ -390,6 +306,16 @@ def _buckets(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
         buckets[-1].append(t)
         size += nbytes
     return buckets
+
+
+def side_communicator(accountant: CommAccountant, timeout: timedelta) -> Communicator:
+    """A communicator on a new gloo process group of every rank (all ranks call this together), for collectives
+    issued from another thread (overlapped syncs) that must never pair with the default group's; on one process,
+    one without a group."""
+    group = None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        group = dist.new_group(backend="gloo", timeout=timeout)
+    return Communicator(accountant, timeout, group=group)
 
 
 def ring_allreduce_seconds(nbytes: float, workers: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:

@@ -38,14 +38,7 @@ from typing_extensions import override
 
 from lightning_lordo._tensors import nbytes
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
-from lightning_lordo.config import (
-    LAUNCH_SUFFIXES,
-    PRESETS,
-    STRATEGY_OPTIMIZER_KNOBS,
-    SyncConfig,
-    check_choice,
-    split_strategy_knobs,
-)
+from lightning_lordo.config import SyncConfig, check_choice
 from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
 from lightning_lordo.lightning.convert import (
     DEFAULT_FULL_RANK_PARAMS,
@@ -56,6 +49,7 @@ from lightning_lordo.lightning.convert import (
     scale_base_lrs,
 )
 from lightning_lordo.optim.lordo import LoRDO
+from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, PRESETS, STRATEGY_OPTIMIZER_KNOBS, split_strategy_knobs
 from lightning_lordo.sync.report import SyncReport
 from lightning_lordo.sync.synchronizer import Synchronizer
 
@@ -113,6 +107,9 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
             optimizer_source="the optimizer you pass to fabric.setup (and your LR scheduler keeps driving lr)")
         if not isinstance(lowrank, bool):
             raise ValueError(f"Invalid lowrank={lowrank!r}: it must be True or False.")
+        if self.sync_config.overlap_steps:
+            raise ValueError(f"Invalid overlap_steps={self.sync_config.overlap_steps!r}: LoRDOFabricStrategy does not "
+                             "overlap syncs yet. Use overlap_steps=0 (blocking syncs), or the Trainer's LoRDOStrategy.")
         check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
         self._full_rank_patterns = compile_patterns(full_rank_params)
         self.lowrank = lowrank

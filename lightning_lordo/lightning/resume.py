@@ -64,8 +64,10 @@ def local_state(strategy: Any) -> dict[str, Any]:
                              "buffers": to_cpu(sync.buffers)}
     if strategy.global_rank != 0:
         local["optimizer"] = to_cpu(strategy.optimizers[0].state_dict())
-    if sync.steps_since_sync > 0:
+    if sync.mid_round:
         local["params"] = to_cpu(sync.params)
+    if sync.in_flight is not None and sync.in_flight.result is not None:  # an emergency save skips a round in flight
+        local["overlap"] = to_cpu(sync.overlap_state_dict())
     return local
 
 
@@ -175,6 +177,12 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
             notes.append("the payload changed: its sync-level error feedback restarts")
         elif "payload" in mine:
             self.synchronizer.load_payload_state_dict(mine["payload"])
+        if "overlap" in mine:  # a round was in flight: its collectives are redone, it lands at its step
+            if payload_changed:
+                raise ValueError("Cannot change the payload (payload, payload_dtype, fullrank_rank) when resuming a "
+                                 "checkpoint written while an overlapped round was in flight: the round is redone "
+                                 "with the checkpoint's payload state. Keep them, or resume from another checkpoint.")
+            self._overlap_to_redo = mine["overlap"]  # after the optimizer state is loaded (saving.py)
     elif not same_world:
         self.synchronizer.steps_since_sync = 0  # the round restarts from the synchronized model
         self._reset_on_load = True

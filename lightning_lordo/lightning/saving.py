@@ -27,6 +27,7 @@ class SynchronizedState:
     _swapped_for_eval: bool
     checkpoint_shards: bool = True  # per-rank shards next to the file (False: gathered into the file)
     _plugin_warnings: Any  # a PluginWarnings (user_warnings.py): warnings once, on rank 0, at the user's line
+    _overlap_to_redo: Optional[dict[str, Any]] = None  # the copies of a round in flight at the save
 
     @property
     def _trainer(self) -> Optional[Trainer]:
@@ -35,7 +36,7 @@ class SynchronizedState:
 
     # ------------------------------------------------------------------ one model for evaluation and checkpoints
     def _mid_round(self) -> bool:
-        return self.synchronizer is not None and self.synchronizer.steps_since_sync > 0
+        return self.synchronizer is not None and self.synchronizer.mid_round
 
     @override
     def on_validation_start(self) -> None:
@@ -78,6 +79,8 @@ class SynchronizedState:
         # an emergency save (after a failed collective, or from an exception that need not have reached every
         # rank) waits for no rank: rank 0 writes what it has, and a resume starts every rank from it
         healthy = self._every_rank_saves()
+        if healthy:  # an overlapped round in flight finishes its collectives first (overlap.py: checkpoints)
+            self.synchronizer.wait_in_flight()
         comm = self.communicator if healthy and self.world_size > 1 else None
         if not self.checkpoint_shards:
             checkpoint["lordo"] = self._read_state(lambda: resume.gather_state(self, collective=healthy))
@@ -188,6 +191,9 @@ class SynchronizedState:
         notes += resume.load_optimizer(optimizer, saved, self._restored_names, self.parameter_names)
         if self._reset_on_load:
             resume.reset_error_feedback(optimizer)
+        if self._overlap_to_redo is not None:  # every rank together: a round was in flight at the save
+            self.synchronizer.load_overlap_state_dict(self._overlap_to_redo)
+            self._overlap_to_redo = None
         with self._plugin_warnings:  # at the user's trainer.fit(ckpt_path=...) line
             resume.warn(notes, self.global_rank)
         self._restored_optimizer, self._restored_names, self._resume_notes = None, None, []

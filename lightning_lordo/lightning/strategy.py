@@ -24,15 +24,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lordo._tensors import nbytes
-from lightning_lordo.comm.communicator import CommAccountant, Communicator
-from lightning_lordo.config import (
-    LAUNCH_SUFFIXES,
-    OPTIMIZER_DEFAULTS,
-    PRESETS,
-    SyncConfig,
-    check_choice,
-    split_strategy_knobs,
-)
+from lightning_lordo.comm.communicator import CommAccountant, Communicator, side_communicator
+from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig, check_choice
 from lightning_lordo.lightning.callbacks import add_monitor
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
@@ -49,6 +42,7 @@ from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimize
 from lightning_lordo.lightning.saving import SynchronizedState
 from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.optim.lordo import LoRDO
+from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, PRESETS, split_strategy_knobs
 from lightning_lordo.sync.report import SyncReport
 from lightning_lordo.sync.synchronizer import Synchronizer
 
@@ -69,12 +63,10 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
             and only synchronize (``False``: DiLoCo).
         full_rank_params: regular expressions on parameter names that run AdamW (embeddings always do).
         monitor: add a :class:`~lightning_lordo.CommunicationMonitor` unless the Trainer already has one.
-        monitor_progress_bar: whether that monitor shows ``lordo/saving_vs_ddp`` in the progress bar: ``null`` (on
-            when the Trainer has a progress bar), ``true`` or ``false``. For a monitor of your own, pass
-            ``progress_bar`` to it instead.
+        monitor_progress_bar: that monitor shows ``lordo/saving_vs_ddp`` in the progress bar: ``null`` (when the
+            Trainer has one), ``true`` or ``false`` (a monitor of your own: its ``progress_bar``).
         checkpoint_shards: each rank writes its own state next to Lightning's checkpoint file (``<file>.lordo-<id>/
-            rank-<r>.pt``; see ``lightning/shards.py``), or (``false``) every rank's state is gathered to rank 0
-            into the file.
+            rank-<r>.pt``; ``lightning/shards.py``), or (``false``) all are gathered to rank 0 into the file.
         start_method: how processes are launched: ``popen``, ``spawn``, ``fork`` or ``forkserver``, as in DDP.
         rank: rank r per matrix: an int >= 1, or a float in (0, 1] (a fraction of each matrix's smaller side).
         omega: weight of the low-rank term; 1 - omega weights the full-rank normalized term.
@@ -113,6 +105,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         anchor_device: where the anchor lives: ``param`` (the parameters' device) or ``cpu`` (pinned on a GPU).
         fullrank_rank: rank of the full-rank 2-D parameters' pseudo-gradient messages (0: sent in full).
         moments_every: average the moments at every n-th sync only.
+        overlap_steps: 0 (blocking syncs), or tau < sync_every: a round's collectives overlap tau local steps.
         max_skipped_syncs: consecutive non-finite rounds after which the run stops.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend:
             as in Lightning's ``DDPStrategy`` (the checkpoint IO defaults to an atomic one).
@@ -166,6 +159,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         anchor_device: Literal["param", "cpu"] = SyncConfig.anchor_device,
         fullrank_rank: int = SyncConfig.fullrank_rank,
         moments_every: int = SyncConfig.moments_every,
+        overlap_steps: int = SyncConfig.overlap_steps,
         max_skipped_syncs: int = SyncConfig.max_skipped_syncs,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[Any]] = None,
@@ -265,6 +259,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
             )
         self.accountant, self.sync_reports = CommAccountant(), []  # each fit counts its own traffic
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)
+        self._overlap_comm = side_communicator(self.accountant, self.sync_config.timeout) \
+            if self.sync_config.overlap_steps and self.world_size > 1 else None
         state = list(self.model.parameters()) + list(self.model.buffers())
         self.communicator.broadcast([t.data for t in state], "setup_broadcast")
 
@@ -291,7 +287,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         trainable = [p for p in module.parameters() if p.requires_grad]
         self._ddp_bytes_per_step = nbytes(trainable)
         self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
-                                         self.communicator)
+                                         self.communicator, self._overlap_comm)
         self.synchronizer.switch_callbacks.append(self._scale_schedulers)
         if self._restored is not None:
             self._apply_restored_state()
@@ -365,8 +361,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         if self.world_size > 1 and trainer is not None and self.communicator is not None \
                 and self.communicator.failure is None and not trainer.received_sigterm:
             self._sigterm_check(finished=True)
-        if self.synchronizer.steps_since_sync > 0:
-            self.sync_reports.append(self.synchronizer.sync())
+        self.sync_reports += self.synchronizer.finish()
 
     def _check_synchronized_set(self) -> None:
         """Refuse parameters that became trainable after setup (e.g. unfrozen by a callback): they would train

@@ -50,11 +50,11 @@ class Anchor:
         for a, p in zip(self.tensors, self.params):
             a.copy_(p.detach())
 
-    def deltas(self) -> list[Tensor]:
+    def deltas(self, params: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
         """Each worker's pseudo-gradient ``anchor - params`` (old minus new, as DiLoCo), on the parameters'
-        device, in float32 (float64 for float64 parameters)."""
+        device, in float32 (float64 for float64 parameters); ``params``: copies of them to use instead."""
         out = []
-        for a, p in zip(self.tensors, self.params):
+        for a, p in zip(self.tensors, self.params if params is None else params):
             dtype = math_dtype(p.dtype)
             out.append(a.to(device=p.device, dtype=dtype, non_blocking=True) - p.detach().to(dtype))
         return out

@@ -30,7 +30,6 @@ ICML 2026 (arXiv 2602.04396); Douillard et al., "DiLoCo" (arXiv 2311.08105) for 
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 import warnings
@@ -47,6 +46,7 @@ from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync import exchange as ex
+from lightning_lordo.sync import overlap
 from lightning_lordo.sync.faults import (
     NonFiniteTraining,
     reset_moments,
@@ -59,7 +59,7 @@ from lightning_lordo.sync.payloads import PseudoGradientPayloads
 from lightning_lordo.sync.report import SyncReport
 
 
-class Synchronizer:
+class Synchronizer(overlap.OverlappedRounds):
     """Keeps the anchor (the last synchronized parameters) and runs synchronization rounds.
 
     Args:
@@ -68,15 +68,21 @@ class Synchronizer:
         optimizer: the local optimizer; if it is a :class:`LoRDO`, its bases and moments are synchronized.
         config: the synchronization knobs.
         communicator: the counted, time-bounded collectives.
+        overlap_communicator: with ``overlap_steps``, the communicator of a side process group for the rounds'
+            thread (:mod:`lightning_lordo.sync.overlap`); ``None``: ``communicator`` (one process only).
     """
 
     def __init__(self, params: Sequence[Tensor], buffers: Sequence[Tensor], optimizer: Optimizer,
-                 config: SyncConfig, communicator: Communicator) -> None:
+                 config: SyncConfig, communicator: Communicator,
+                 overlap_communicator: Optional[Communicator] = None) -> None:
         self.params = list(params)
         self.buffers = list(buffers)
         self.optimizer = optimizer
         self.config = config
         self.comm = communicator
+        # overlap_steps: the rounds' collectives run on a thread over this communicator's (side) group
+        self.overlap_comm = overlap_communicator or communicator
+        self.in_flight: Optional[overlap.Launch] = None
         self.steps_since_sync = 0
         self.optimizer_steps = 0
         self.syncs_done = 0
@@ -150,9 +156,14 @@ class Synchronizer:
         if not self.anchor:  # a synchronous checkpoint resumed with other phase knobs: the replicas are identical
             self.anchor.take()
         self.steps_since_sync += 1
+        report = None
+        if self.in_flight is not None and self.steps_since_sync >= self.config.overlap_steps:
+            report = self._land_in_flight()
         if self.steps_since_sync >= self.config.sync_every:
-            return self.sync()
-        return None
+            if not self.config.overlap_steps:
+                return self.sync()
+            self._launch()
+        return report
 
     def _ensure_first_bases(self, averaged: bool) -> None:
         """First bases for the low-rank matrices that have none: from the gradient when it is already the average

@@ -1,0 +1,112 @@
+"""Overlapped syncs (``overlap_steps``): the round's collectives on a thread, landing tau steps later with each
+worker's local progress kept. 2 processes (fork), assertions in the workers."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
+
+from lightning_lordo import LoRDOFabricStrategy, LoRDOStrategy
+
+K, TAU = 4, 2
+
+
+def test_overlap_steps_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"overlap_steps=4.*below sync_every=4"):
+        LoRDOStrategy(sync_every=4, overlap_steps=4)
+    with pytest.raises(ValueError, match=r"overlap_steps=-1"):
+        LoRDOStrategy(overlap_steps=-1)
+    with pytest.raises(ValueError, match=r"overlap_steps=2.*synchronous=True"):
+        LoRDOStrategy(synchronous=True, overlap_steps=2)
+    with pytest.raises(ValueError, match=r"overlap_steps=2.*LoRDOFabricStrategy does not overlap"):
+        LoRDOFabricStrategy(overlap_steps=2)
+
+
+class CheckLandings(L.Callback):
+    """At every landing: the new anchor, the averages and the bases are bitwise identical on both ranks, and each
+    rank's parameters are the new anchor plus its own local progress since the launch. Rounds launch every K steps
+    and land TAU steps later; the thread really ran beside local steps."""
+
+    def __init__(self) -> None:
+        self.landings: list[int] = []
+        self.launches: list[int] = []
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        sync = trainer.strategy.synchronizer
+        original = sync._land_in_flight
+
+        def checked() -> Any:
+            launched = sync.in_flight
+            before = [p.detach().clone() for p in sync.params]
+            at_launch = [t.clone() for t in launched.params]
+            report = original()
+            result = launched.result
+            self.landings.append(sync.optimizer_steps)
+            assert launched.thread is not None and launched.step == sync.optimizer_steps - TAU
+            for a in sync.anchor.tensors:
+                assert torch.equal(*gather(a)), "the new anchor differs between ranks"
+            for q in result.bases.values():
+                assert torch.equal(*gather(q.contiguous())), "the new bases differ between ranks"
+            for entries in result.state.values():
+                for _, _, means in entries:
+                    for m in means:
+                        assert torch.equal(*gather(m)), "the averaged moments differ between ranks"
+            for p, a, b, t in zip(sync.params, sync.anchor.tensors, before, at_launch):
+                torch.testing.assert_close(p.detach(), a + (b - t), rtol=1e-6, atol=1e-7)
+            assert not torch.equal(*gather(flat_params(module))), "local progress must be kept (it differs)"
+            return report
+
+        sync._land_in_flight = checked
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        sync = trainer.strategy.synchronizer
+        if sync.in_flight is not None and sync.in_flight.step == sync.optimizer_steps:
+            self.launches.append(sync.optimizer_steps)
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        sync = trainer.strategy.synchronizer
+        assert self.launches == [4, 8, 12] and self.landings == [6, 10, 14], (self.launches, self.landings)
+        assert sync.in_flight is None and sync.steps_since_sync == 0
+        assert torch.equal(*gather(flat_params(module))), "training ends with one model"
+        reports = trainer.strategy.sync_reports
+        assert [r.step for r in reports] == [6, 10, 14, 14]  # the last landing, then the final blocking sync
+        assert all(r.bytes_by_purpose.get("pseudo_gradients", 0) > 0 for r in reports)
+        assert all(math.isfinite(r.pseudo_gradient_norm) for r in reports)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"payload": "lowrank", "payload_dtype": "int8", "error_feedback": True}],
+                         ids=["default", "lowrank-int8-ef"])
+def test_overlapped_rounds_land_identically_and_keep_local_progress(knobs: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    strategy = lordo(sync_every=K, overlap_steps=TAU, **knobs)
+    trainer(strategy, callbacks=[CheckLandings()], max_steps=14).fit(TinyRegressor(), loader())
+
+
+class PoisonRankOne(L.Callback):
+    """Rank 1's parameters become NaN after step 3: the round launched at step 4 is discarded on both ranks when it
+    lands at step 6, and training goes on from the anchor."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        sync = trainer.strategy.synchronizer
+        if trainer.global_rank == 1 and sync.optimizer_steps == 3:
+            next(module.parameters()).data.fill_(float("nan"))
+        if sync.optimizer_steps == 6:
+            assert sync.skipped_syncs == 1 and sync.in_flight is None
+            for p, a in zip(sync.params, sync.anchor.tensors):
+                assert torch.equal(p.detach(), a), "a discarded round puts the parameters back to the anchor"
+            assert torch.equal(*gather(flat_params(module)))
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        assert torch.isfinite(flat_params(module)).all() and torch.equal(*gather(flat_params(module)))
+        assert trainer.strategy.synchronizer.skipped_syncs == 1
+
+
+def test_a_non_finite_overlapped_round_is_discarded_on_every_rank() -> None:
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=K, overlap_steps=TAU), callbacks=[PoisonRankOne()], max_steps=12).fit(
+        TinyRegressor(), loader())
