@@ -185,6 +185,10 @@ class Recorder(L.Callback):
     def __init__(self, path: Path) -> None:
         self.path = path
         self.curve: list[dict[str, float]] = []
+        self.start = time.perf_counter()
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.start = time.perf_counter()  # the curve's "seconds": wall time since training began
 
     def _bytes(self, trainer: L.Trainer, module: L.LightningModule) -> float:
         """Payload bytes per worker of the training itself: for the plugin everything it counted but the one-time
@@ -203,6 +207,7 @@ class Recorder(L.Callback):
         if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:
             return
         self.curve.append({"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val_loss"]),
+                           "seconds": time.perf_counter() - self.start,
                            "bytes": self._bytes(trainer, module)})
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:

@@ -1,24 +1,29 @@
-"""Real wall time of ``ddp`` vs ``lordo`` with gloo's traffic forced through a bandwidth-limited link.
+"""Real wall time of DDP, its PowerSGD hook, DiLoCo and LoRDO (blocking and overlapped) on a bandwidth-limited link.
 
-The two worker processes run inside a network namespace of their own whose loopback device carries a token
-bucket filter (``tc qdisc ... tbf rate R``): every byte the workers exchange (127.0.0.1 inside that namespace)
-is limited to R, and nothing else on the machine is affected. Needs root (``ip netns``, ``tc``).
+The worker processes run inside a network namespace of their own whose loopback device carries a token bucket
+filter (``tc qdisc ... tbf rate R``): every byte the workers exchange (127.0.0.1 inside that namespace) is limited
+to R, and nothing else on the machine is affected. Needs root (``ip netns``, ``tc``): without them the script says
+so and exits with status 2.
 
-For each rate the same model, data and number of steps are trained with ``ddp`` and ``lordo``; the script
-prints measured wall times, their ratio, and the ratio that SPEC §8's ring all-reduce model predicts from the
-measured bytes. Results: ``benchmarks/results/netlink.json``. About 10 minutes.
+For each rate the same model, data and steps are trained with ``ddp``, ``powersgd4`` (DDP + PowerSGD rank 4),
+``diloco``, ``lordo`` (blocking syncs) and ``lordo_overlap`` (``overlap_steps``); ``compute`` is the limit: one
+worker's local steps alone, no communication at all. The script prints wall times, the share of DDP's step that is
+communication (1 - compute / ddp), each method's time to a target validation loss (``--target``; default: the
+highest final loss of the methods, which every one reaches) and writes ``results/netlink.json`` and
+``results/netlink_loss_time.png`` (validation loss against wall time). Run it on an otherwise idle machine.
 
-Usage: ``sudo python benchmarks/netlink.py --data ../shared/data/tinyshakespeare.txt``
+Usage: ``python benchmarks/netlink.py --data ../shared/data/tinyshakespeare.txt`` (as root)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from harness import ROOT, RunSpec, provenance
 
@@ -55,34 +60,92 @@ def run_in_namespace(spec: RunSpec) -> dict[str, Any]:
     return json.loads(line[len("RESULT "):])
 
 
+METHODS: dict[str, dict[str, Any]] = {
+    "ddp": {"method": "ddp"},
+    "powersgd4": {"method": "ddp", "hook": "powersgd", "hook_rank": 4},
+    "diloco": {"method": "diloco"},
+    "lordo": {"method": "lordo"},
+    "lordo_overlap": {"method": "lordo", "knobs": {"overlap_steps": 8}},
+    "compute": {"method": "lordo", "workers": 1},  # one worker's steps, nothing sent
+}
+
+
+def has_namespaces() -> bool:
+    try:
+        setup_namespace("1gbit")
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    teardown_namespace()
+    return True
+
+
+def time_to(curve: list[dict[str, float]], target: float) -> Optional[float]:
+    """Wall seconds until the validation loss first reaches ``target`` (``None``: never)."""
+    return next((c["seconds"] for c in curve if c["val_loss"] <= target), None)
+
+
+def figure(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["rate"] for r in results["runs"]})
+    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.2), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        for r in (r for r in results["runs"] if r["rate"] == rate):
+            ax.plot([c["seconds"] for c in r["curve"]], [c["val_loss"] for c in r["curve"]], marker=".",
+                    label=r["name"])
+        ax.set_xlabel("wall seconds")
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"2 workers, {rate}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True)
     parser.add_argument("--rates", default="100mbit,1gbit", help="comma-separated tc rates")
-    parser.add_argument("--steps", type=int, default=96)
+    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--target", type=float, default=None, help="validation loss for the time-to-target column")
     args = parser.parse_args(argv)
+    if os.geteuid() != 0 or not has_namespaces():
+        print("netlink.py needs root with network namespaces and tc (ip netns add, tc qdisc): not available here.",
+              file=sys.stderr)
+        return 2
     results: dict[str, Any] = {"header": provenance("python benchmarks/netlink.py " + " ".join(argv)), "runs": []}
+    model = {"steps": args.steps, "workers": 2, "d_model": 512, "n_layers": 2, "seq_len": 32, "batch_size": 4,
+             "rank": 32, "sync_every": 32, "val_every": args.steps // 8, "val_batches": 2}
     try:
         for rate in args.rates.split(","):
             setup_namespace(rate)
-            for method in ("ddp", "lordo"):
-                spec = RunSpec(method=method, lr=3e-3, data=str(Path(args.data).resolve()), steps=args.steps,
-                               workers=2, d_model=128, n_layers=4, seq_len=128, rank=16, val_every=args.steps,
-                               val_batches=2)
-                record = run_in_namespace(spec)
-                record["rate"] = rate
+            for name, method in METHODS.items():
+                lr = 3e-3 if method["method"] == "ddp" else 1e-2
+                spec = RunSpec(lr=lr, data=str(Path(args.data).resolve()), **{**model, **method})
+                record = {"name": name, "rate": rate, **run_in_namespace(spec)}
                 results["runs"].append(record)
-                print(f"{rate:>8} {method:<6} wall={record['wall_seconds']:.1f}s bytes={record['bytes_sent']:.3e}",
-                      flush=True)
+                print(f"{rate:>8} {name:<14} wall={record['wall_seconds']:.1f}s loss={record['final_val_loss']:.4f} "
+                      f"bytes={record['bytes_sent']:.3e}", flush=True)
     finally:
         teardown_namespace()
+    target = args.target if args.target is not None else max(r["final_val_loss"] for r in results["runs"])
+    results["target"] = target
     for rate in args.rates.split(","):
-        ddp, lordo = (next(r for r in results["runs"] if r["rate"] == rate and r["spec"]["method"] == m)
-                      for m in ("ddp", "lordo"))
-        print(f"{rate}: ddp {ddp['wall_seconds']:.1f} s, lordo {lordo['wall_seconds']:.1f} s, "
-              f"ddp/lordo = {ddp['wall_seconds'] / lordo['wall_seconds']:.2f}")
+        runs = {r["name"]: r for r in results["runs"] if r["rate"] == rate}
+        share = 1 - runs["compute"]["wall_seconds"] / runs["ddp"]["wall_seconds"]
+        results.setdefault("communication_share_of_ddp", {})[rate] = share
+        print(f"{rate}: communication is {100 * share:.0f} % of DDP's wall time")
+        for name, r in runs.items():
+            reach = time_to(r["curve"], target)
+            r["seconds_to_target"] = reach
+            ratio = r["wall_seconds"] / runs["compute"]["wall_seconds"]
+            print(f"  {name:<14} wall {r['wall_seconds']:7.1f} s ({ratio:.2f}x compute), to loss {target:.3f}: "
+                  f"{'never' if reach is None else f'{reach:.1f} s'}")
     (ROOT / "results").mkdir(exist_ok=True)
     (ROOT / "results" / "netlink.json").write_text(json.dumps(results, indent=2))
+    figure(results, ROOT / "results" / "netlink_loss_time.png")
     return 0
 
 
