@@ -4,6 +4,7 @@ worker's local progress kept. 2 processes (fork), assertions in the workers."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import lightning as L
@@ -110,3 +111,19 @@ def test_a_non_finite_overlapped_round_is_discarded_on_every_rank() -> None:
     torch.manual_seed(0)
     trainer(lordo(sync_every=K, overlap_steps=TAU), callbacks=[PoisonRankOne()], max_steps=12).fit(
         TinyRegressor(), loader())
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["exit", "hang"])
+def test_an_overlapped_fit_fails_instead_of_hanging_when_a_worker_dies_or_hangs(mode: str) -> None:
+    """Rank 1 dies or stalls before the step that launches round 1: rank 0's thread and its next collectives time
+    out, and the fit fails with the plugin's error instead of hanging."""
+    from test_faults import TIMEOUT_S, Misbehave
+
+    start = time.monotonic()
+    with pytest.raises(Exception) as info:
+        trainer(LoRDOStrategy(sync_every=K, overlap_steps=TAU, start_method="fork", timeout=TIMEOUT_S, rank=4),
+                callbacks=[Misbehave(mode)], max_steps=12).fit(TinyRegressor(), loader())
+    assert time.monotonic() - start < 40
+    if mode == "hang":
+        assert "CollectiveTimeout" in str(info.value), str(info.value)
