@@ -17,7 +17,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
     "lordo_local": ({"basis_scope": "local", "average_moments": False},
                     "LoRDO-Local: each worker computes its own basis"),
     "diloco": ({"lowrank": False}, "DiLoCo: the user's optimizer locally, averaged every K steps"),
-    "lordo_compressed": ({"payload": "lowrank", "payload_dtype": "int8", "fullrank_rank": 4, "moments_every": 4},
+    "lordo_compressed": ({"payload": "lowrank", "payload_dtype": "int8", "fullrank_rank": 16, "moments_every": 4},
                          "LoRDO with everything compressed: int8 low-rank messages for every weight matrix, moments "
                          "every 4th sync"),
     "lowrank_ddp": ({"synchronous": True}, "low-rank DDP: gradients averaged every step, LoRDO's low-rank "
