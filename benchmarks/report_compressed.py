@@ -53,6 +53,15 @@ def main_means() -> dict[str, dict[str, dict[str, Any]]]:
     grouped: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in _runs("main"):
         grouped[(r["model"], r["name"])].append(r)
+    # the main stage skipped the runs the lr stage had made with the same spec (seed 0 at the best LR)
+    as_main = {"lordo": "lowrank_int8", "ddp": "ddp"}
+    for r in _runs("lr"):
+        try:
+            best = compressed.best_lr(r["model"], r["name"])
+        except SystemExit:
+            continue
+        if r["spec"]["lr"] == best and r["spec"]["seed"] == 0:
+            grouped[(r["model"], as_main[r["name"]])].append(r)
     out: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     for (model, name), runs in grouped.items():
         out[model][name] = {

@@ -127,3 +127,14 @@ def test_an_overlapped_fit_fails_instead_of_hanging_when_a_worker_dies_or_hangs(
     assert time.monotonic() - start < 40
     if mode == "hang":
         assert "CollectiveTimeout" in str(info.value), str(info.value)
+
+
+def test_exporting_a_checkpoint_with_a_round_in_flight_says_the_round_is_dropped() -> None:
+    from lightning_lordo.lightning.export import to_torch_checkpoint
+
+    checkpoint = {"state_dict": {}, "optimizer_states": [{"state": {}, "param_groups": []}],
+                  "lordo": {"sync": {"steps_since_sync": 0, "outer": {}}, "world_size": 1, "layout": {},
+                            "ranks": [{"overlap": {"step": 12}}]}}
+    notes = to_torch_checkpoint(checkpoint)
+    assert any("the overlapped round in flight (launched at optimizer step 12)" in n for n in notes), notes
+    assert "lordo" not in checkpoint
