@@ -336,3 +336,25 @@ def done(records: list[dict[str, Any]], spec: RunSpec) -> Optional[dict[str, Any
     key = json.loads(json.dumps(dataclasses.asdict(spec)))  # as stored: tuples become lists
     defaults = {f.name: f.default for f in dataclasses.fields(RunSpec) if f.default is not dataclasses.MISSING}
     return next((r for r in records if "spec" in r and {**defaults, **r["spec"]} == key), None)
+
+
+def panels(count: int) -> tuple[Any, list[Any]]:
+    """A figure of ``count`` side-by-side panels (matplotlib, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, count, figsize=(6 * count, 4.2), squeeze=False)
+    return fig, list(axes[0])
+
+
+def finish_panels(fig: Any, axes: list[Any], xlabel: str, ylabel: str, titles: list[str], path: Path) -> None:
+    """Label every panel, add the legends, and write the figure to ``path``."""
+    for ax, title in zip(axes, titles):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

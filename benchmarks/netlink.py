@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from harness import ROOT, RunSpec, provenance
+from harness import ROOT, RunSpec, finish_panels, panels, provenance
 
 NAMESPACE = "lordo_bw"
 
@@ -85,23 +85,13 @@ def time_to(curve: list[dict[str, float]], target: float) -> Optional[float]:
 
 
 def figure(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rates = sorted({r["rate"] for r in results["runs"]})
-    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.2), squeeze=False)
-    for ax, rate in zip(axes[0], rates):
+    fig, axes = panels(len(rates))
+    for ax, rate in zip(axes, rates):
         for r in (r for r in results["runs"] if r["rate"] == rate):
             ax.plot([c["seconds"] for c in r["curve"]], [c["val_loss"] for c in r["curve"]], marker=".",
                     label=r["name"])
-        ax.set_xlabel("wall seconds")
-        ax.set_ylabel("validation loss")
-        ax.set_title(f"2 workers, {rate}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    finish_panels(fig, axes, "wall seconds", "validation loss", [f"2 workers, {rate}" for rate in rates], path)
 
 
 def main(argv: list[str]) -> int:

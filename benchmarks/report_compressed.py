@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import compressed
-from harness import ROOT, load
+from harness import ROOT, finish_panels, load, panels
 
 NAMES = {"full": "LoRDO, `full` payload", "lowrank": "LoRDO, `lowrank`", "lowrank_int8": "LoRDO, `lowrank` + int8",
          "lordo_compressed": "`lordo_compressed`", "ddp": "DDP (AdamW)", "powersgd4": "DDP + PowerSGD r4",
@@ -117,23 +117,14 @@ def targets(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
 
 
 def figure(means: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(means), figsize=(6 * len(means), 4.2), squeeze=False)
-    for ax, (model, methods) in zip(axes[0], means.items()):
+    fig, axes = panels(len(means))
+    for ax, methods in zip(axes, means.values()):
         for name, m in methods.items():
-            ax.scatter(m["bytes"], m["loss"], label=NAMES.get(name, name), marker="o" if name in compressed.PAYLOADS
-                       else "s")
+            ax.scatter(m["bytes"], m["loss"], label=NAMES.get(name, name),
+                       marker="o" if name in compressed.PAYLOADS else "s")
         ax.set_xscale("log")
-        ax.set_xlabel("MB per worker (payload)")
-        ax.set_ylabel("validation loss (mean over seeds)")
-        ax.set_title(f"{model} model, 4 workers, K = 32")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    finish_panels(fig, axes, "MB per worker (payload)", "validation loss (mean over seeds)",
+                  [f"{model} model, 4 workers, K = 32" for model in means], path)
 
 
 def main() -> int:
