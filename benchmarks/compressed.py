@@ -60,7 +60,7 @@ def spec(model: str, data: str, name: str, lr: float, seed: int = 0) -> RunSpec:
     extra = {**MODELS[model], **COMMON}
     if name in PEERS:
         return RunSpec(method="ddp", lr=lr, data=data, seed=seed, **extra, **PEERS[name])
-    knobs = PAYLOADS.get(name) or CANDIDATES[name]
+    knobs = PAYLOADS[name] if name in PAYLOADS else CANDIDATES[name]
     return RunSpec(method="lordo", lr=lr, data=data, seed=seed, knobs=dict(knobs), **extra)
 
 
