@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import compressed
-from harness import ROOT, finish_panels, load, panels
+from harness import ROOT, done, finish_panels, load, panels
 
 NAMES = {"full": "LoRDO, `full` payload", "lowrank": "LoRDO, `lowrank`", "lowrank_int8": "LoRDO, `lowrank` + int8",
          "lordo_compressed": "`lordo_compressed`", "ddp": "DDP (AdamW)", "powersgd4": "DDP + PowerSGD r4",
@@ -51,17 +51,16 @@ def table_choose() -> list[str]:
 def main_means() -> dict[str, dict[str, dict[str, Any]]]:
     """Per model and method: mean loss, payload and wire bytes, bytes with everything, the seeds."""
     grouped: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in _runs("main"):
-        grouped[(r["model"], r["name"])].append(r)
-    # the main stage skipped the runs the lr stage had made with the same spec (seed 0 at the best LR)
-    as_main = {"lordo": "lowrank_int8", "ddp": "ddp"}
-    for r in _runs("lr"):
-        try:
-            best = compressed.best_lr(r["model"], r["name"])
-        except SystemExit:
-            continue
-        if r["spec"]["lr"] == best and r["spec"]["seed"] == 0:
-            grouped[(r["model"], as_main[r["name"]])].append(r)
+    records = [r for r in load(compressed.RESULTS) if "spec" in r]
+    paths = {r["model"]: r["spec"]["data"] for r in records}
+    try:
+        specs = compressed.specs_for("main", paths)
+    except SystemExit:  # the lr stage has not finished
+        return {}
+    for model, name, spec in specs:  # a run of another stage with the same spec counts (the main stage skipped it)
+        record = done(records, spec)
+        if record is not None:
+            grouped[(model, name)].append(record)
     out: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     for (model, name), runs in grouped.items():
         out[model][name] = {
