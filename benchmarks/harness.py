@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import platform
 import subprocess
 import tempfile
@@ -267,6 +268,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
     if spec.method not in METHODS:
         raise ValueError(f"method={spec.method!r}: choose one of {METHODS}")
     torch.set_num_threads(1)
+    # one thread per worker whatever the worker count: Lightning's launcher otherwise gives a lone worker every core
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     L.seed_everything(spec.seed, verbose=False)
     module = BenchModule(
         spec, vocab_size=spec.vocab or 256, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads,
@@ -315,7 +318,7 @@ def provenance(command: str) -> dict[str, Any]:
     return {"command": command, "commit": commit, "uncommitted_changes": dirty, "torch": torch.__version__,
             "lightning": L.__version__, "python": platform.python_version(),
             "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
-                       f"{len(__import__('os').sched_getaffinity(0))} cores, {platform.platform()}"}
+                       f"{len(os.sched_getaffinity(0))} cores, {platform.platform()}"}
 
 
 def append(path: Path, record: dict[str, Any]) -> None:
