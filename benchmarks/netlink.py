@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 from harness import ROOT, RunSpec, finish_panels, panels, provenance
 
+from lightning_lordo.strategy_knobs import PRESETS
+
 NAMESPACE = "lordo_bw"
 
 
@@ -66,6 +68,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "diloco": {"method": "diloco"},
     "lordo": {"method": "lordo"},
     "lordo_overlap": {"method": "lordo", "knobs": {"overlap_steps": 8}},
+    "lordo_compressed": {"method": "lordo", "knobs": dict(PRESETS["lordo_compressed"][0])},
+    "lordo_compressed_overlap": {"method": "lordo", "knobs": {**PRESETS["lordo_compressed"][0], "overlap_steps": 8}},
     "compute": {"method": "lordo", "workers": 1},  # one worker's steps, nothing sent
 }
 
@@ -100,18 +104,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rates", default="100mbit,1gbit", help="comma-separated tc rates")
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--target", type=float, default=None, help="validation loss for the time-to-target column")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated; runs of other methods already "
+                        "in results/netlink.json (same steps) are kept")
     args = parser.parse_args(argv)
     if os.geteuid() != 0 or not has_namespaces():
         print("netlink.py needs root with network namespaces and tc (ip netns add, tc qdisc): not available here.",
               file=sys.stderr)
         return 2
-    results: dict[str, Any] = {"header": provenance("python benchmarks/netlink.py " + " ".join(argv)), "runs": []}
+    methods = args.methods.split(",")
+    path = ROOT / "results" / "netlink.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    kept = [r for r in old.get("runs", []) if "name" in r and r["name"] not in methods
+            and r["spec"]["steps"] == args.steps]
+    headers = old.get("headers", []) if kept else []
+    results: dict[str, Any] = {"headers": [*headers, provenance("python benchmarks/netlink.py " + " ".join(argv))],
+                               "runs": kept}
     model = {"steps": args.steps, "workers": 2, "d_model": 512, "n_layers": 2, "seq_len": 32, "batch_size": 4,
              "rank": 32, "sync_every": 32, "val_every": args.steps // 8, "val_batches": 2}
     try:
         for rate in args.rates.split(","):
             setup_namespace(rate)
-            for name, method in METHODS.items():
+            for name in methods:
+                method = METHODS[name]
                 lr = 3e-3 if method["method"] == "ddp" else 1e-2
                 spec = RunSpec(lr=lr, data=str(Path(args.data).resolve()), **{**model, **method})
                 record = {"name": name, "rate": rate, **run_in_namespace(spec)}
@@ -134,7 +148,7 @@ def main(argv: list[str]) -> int:
             print(f"  {name:<14} wall {r['wall_seconds']:7.1f} s ({ratio:.2f}x compute), to loss {target:.3f}: "
                   f"{'never' if reach is None else f'{reach:.1f} s'}")
     (ROOT / "results").mkdir(exist_ok=True)
-    (ROOT / "results" / "netlink.json").write_text(json.dumps(results, indent=2))
+    path.write_text(json.dumps(results, indent=2))
     figure(results, ROOT / "results" / "netlink_loss_time.png")
     return 0
 
