@@ -39,22 +39,23 @@ class CommAccountant:
         """Count ``nbytes`` payload bytes and ``wire`` wire bytes (``None``: as many as ``nbytes``, a point-to-point
         send) under ``purpose``; ``in_round=False`` for traffic that belongs to no round (Lightning's own per-batch
         broadcast): it then counts in the totals (and the next round's parts) only."""
-        with self._lock:
-            self.parts[purpose] += nbytes
-            base = purpose.partition(":")[0]
-            self.totals[base] += nbytes
-            if in_round:
-                self.round[base] += nbytes
+        self._count(self.parts, self.totals, self.round, purpose, nbytes, in_round)
         self.add_wire(purpose, nbytes if wire is None else wire, in_round)
 
     def add_wire(self, purpose: str, wire: int, in_round: bool = True) -> None:
         """Count ``wire`` wire bytes only (a broadcast's receiver: it hands nothing over, but forwards)."""
+        self._count(self.wire_parts, self.wire_totals, self.wire_round, purpose, wire, in_round)
+
+    def _count(self, parts: dict[str, int], totals: dict[str, int], round_: dict[str, int], purpose: str, n: int,
+               in_round: bool) -> None:
+        """``n`` bytes under ``purpose`` in ``parts`` and, under the purpose before any colon, in ``totals`` and
+        (``in_round``) ``round_``."""
+        base = purpose.partition(":")[0]
         with self._lock:
-            self.wire_parts[purpose] += wire
-            base = purpose.partition(":")[0]
-            self.wire_totals[base] += wire
+            parts[purpose] += n
+            totals[base] += n
             if in_round:
-                self.wire_round[base] += wire
+                round_[base] += n
 
     def start_round(self, parts: bool = False) -> None:
         """Start counting a new round (bytes sent between rounds stay in the totals only); ``parts``: the parts too

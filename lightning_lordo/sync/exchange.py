@@ -106,10 +106,9 @@ def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncC
 def average_state(comm: Communicator, state: dict[str, list[tuple[Tensor, list[Tensor]]]], config: SyncConfig
                   ) -> tuple[dict[str, StateEntries], list[Tensor]]:
     """Averages of ``state`` (from :func:`averaged_state`), in ``config.moments_dtype``, and the parameters whose
-    averages are not finite (the same on every worker, the averages being identical), in parameter order."""
+    averages are not finite (the same on every worker, the averages being identical), in the order of ``state``."""
     out: dict[str, StateEntries] = {}
-    bad: set[Tensor] = set()
-    order: list[Tensor] = []
+    bad: dict[Tensor, None] = {}  # an ordered set
     for purpose, entries in state.items():
         tensors = [t for _, ts in entries for t in ts]
         if not tensors:
@@ -127,10 +126,9 @@ def average_state(comm: Communicator, state: dict[str, list[tuple[Tensor, list[T
             mine = means[offset: offset + len(ts)]
             offset += len(ts)
             out[purpose].append((p, ts, mine))
-            order.append(p)
             if not all_finite(mine):
-                bad.add(p)
-    return out, [p for p in dict.fromkeys(order) if p in bad]
+                bad[p] = None
+    return out, list(bad)
 
 
 def commit_state(entries: dict[str, StateEntries]) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch import Tensor
@@ -55,7 +55,7 @@ class Launch:
     buffers: list[Tensor]
     live: Entries  # the optimizer state tensors the averages go into
     copies: Entries  # their values at the launch (what the thread averages)
-    started: float = field(default_factory=time.perf_counter)
+    exchange_seconds: float = 0.0  # how long the round's collectives and bases took (not the local steps beside them)
     result: Optional[ex.Exchange] = None
     error: Optional[BaseException] = None
     thread: Optional[threading.Thread] = None
@@ -77,15 +77,20 @@ def launch(step: int, sync_index: int, params: list[Tensor], deltas: list[Tensor
     return Launch(step, sync_index, params, deltas, [b.detach().clone() for b in buffers], live, snap)
 
 
-def start(round_: Launch, run: Callable[[Launch], ex.Exchange]) -> None:
-    """Run ``run(round_)`` (the round's collectives) on a thread; its result or exception is kept on ``round_``."""
-    def target() -> None:
-        try:
-            round_.result = run(round_)
-        except BaseException as err:  # re-raised on the training thread at the landing
-            round_.error = err
+def run_now(round_: Launch, run: Callable[[Launch], ex.Exchange]) -> None:
+    """``run(round_)`` (the round's collectives), timed; its result or exception is kept on ``round_``."""
+    begin = time.perf_counter()
+    try:
+        round_.result = run(round_)
+    except BaseException as err:  # re-raised on the training thread at the landing
+        round_.error = err
+    round_.exchange_seconds = time.perf_counter() - begin
 
-    round_.thread = threading.Thread(target=target, name=f"lordo-sync-{round_.sync_index}", daemon=True)
+
+def start(round_: Launch, run: Callable[[Launch], ex.Exchange]) -> None:
+    """:func:`run_now` on a thread of its own."""
+    round_.thread = threading.Thread(target=run_now, args=(round_, run), name=f"lordo-sync-{round_.sync_index}",
+                                     daemon=True)
     round_.thread.start()
 
 
@@ -95,11 +100,9 @@ def wait(round_: Launch, timeout_s: float, context: str) -> ex.Exchange:
     Raises:
         CollectiveTimeout: the thread is still running after the timeout, or a collective in it failed.
     """
-    if round_.thread is None:  # ran without a thread
-        assert round_.result is not None
-        return round_.result
-    round_.thread.join(timeout_s + 5.0)  # the thread's own collectives time out first, naming the collective
-    if round_.thread.is_alive():
+    if round_.thread is not None:
+        round_.thread.join(timeout_s + 5.0)  # the thread's own collectives time out first, naming the collective
+    if round_.thread is not None and round_.thread.is_alive():
         raise CollectiveTimeout(f"LoRDO {context}: the overlapped round launched at optimizer step {round_.step} did "
                                 f"not finish within {timeout_s:g} s. A peer is dead or hangs.")
     if round_.error is not None:
@@ -164,11 +167,11 @@ class OverlappedRounds:
         process; or a round in flight at a save resumed with ``overlap_steps=0``: every rank is at the resume)."""
         self.in_flight = launched
         comm.context = f"sync {launched.sync_index} (launched at optimizer step {launched.step}, overlapped)"
-        run = lambda r: self.exchange(comm, r.deltas, r.buffers, r.copies, r.step)  # noqa: E731
-        if comm.group is self.comm.group:
-            launched.result = run(launched)
-        else:
-            start(launched, run)
+
+        def run(r: Launch) -> ex.Exchange:
+            return self.exchange(comm, r.deltas, r.buffers, r.copies, r.step)
+
+        (run_now if comm.group is self.comm.group else start)(launched, run)
 
     def overlap_state_dict(self) -> Optional[dict[str, Any]]:
         """This worker's copies of the round in flight (call :meth:`wait_in_flight` first), or ``None``."""
@@ -190,9 +193,11 @@ class OverlappedRounds:
         assert launched is not None
         result = wait(launched, self.config.timeout.total_seconds(), self.overlap_comm.context)
         self.in_flight = None
-        steps, self.comm.context = self.steps_since_sync, f"sync {launched.sync_index} (landing)"
+        self.comm.context = f"sync {launched.sync_index} (landing)"
+        steps = self.steps_since_sync
         fixed = corrected(launched, result, self.optimizer, self.buffers, self.optimizer_steps - launched.step)
-        report = self.land(fixed, launched.started, progress(launched, self.params))
+        # the report's seconds: the exchange's and the landing's, not the local steps taken beside the exchange
+        report = self.land(fixed, time.perf_counter() - launched.exchange_seconds, progress(launched, self.params))
         self.steps_since_sync = steps  # the schedule counts from the launch
         return report
 

@@ -80,6 +80,11 @@ class PseudoGradientPayloads:
         found = [m for name, _, m, _ in self.groups if name == "lowrank" and isinstance(m, LowRankPayload)]
         return found[0] if found else None
 
+    @property
+    def compressed(self) -> bool:
+        """Whether any message is compressed (low-rank or reduced precision): then it keeps error feedback."""
+        return any(isinstance(m, LowRankPayload) or m.payload_dtype != "float32" for _, _, m, _ in self.groups)
+
     def reduce(self, comm: Communicator, local: Sequence[Tensor]) -> tuple[list[Tensor], list[tuple[Any, Any]]]:
         """The averaged pseudo-gradients (float32; float64 parameters' full-precision ones stay float64) and the
         rounds to commit if the whole sync succeeds. Changes nothing here. A non-finite round (NaN/Inf on any
@@ -114,7 +119,7 @@ class PseudoGradientPayloads:
             ValueError: the saved state does not fit these groups.
         """
         state = dict(state)
-        names = [name for name, _, m, _ in self.groups]
+        names = [name for name, *_ in self.groups]
         old_full = ("lowrank_averager" not in state and "lowrank" in names and self.lowrank_payload is None
                     and len(state["averager"]["errors"]) == self.size)
         if old_full:  # one averager over every parameter, in parameter order

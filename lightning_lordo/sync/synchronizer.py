@@ -281,7 +281,7 @@ class Synchronizer(overlap.OverlappedRounds):
         with record_function("lordo.commit"), signals_deferred(signal.SIGINT):
             movement = self._commit(round_, progress)
         extra = {"reset_moments": float(len(round_.reset))} if round_.reset else {}
-        if self.config.payload != "full" or self.config.payload_dtype != "float32" or self.config.fullrank_rank:
+        if self.payloads.compressed:
             extra["sync_error_feedback_norm"] = self.payload_error_norm()
         return self._finish(start, round_.basis_seconds, _mean_movement(movement), norm, extra=extra)
 
@@ -365,8 +365,8 @@ class Synchronizer(overlap.OverlappedRounds):
 
     def _report(self, **figures: Any) -> SyncReport:
         """The report of the round that just ended: its bytes (payload and wire) by purpose, and ``figures``."""
-        sent = self.comm.accountant.end_round()
         accountant = self.comm.accountant
+        sent = accountant.end_round()
         return SyncReport(index=self.syncs_done, step=self.optimizer_steps, bytes_by_purpose=sent,
                           wire_by_purpose=dict(accountant.last_round_wire), bytes_by_part=accountant.last_parts,
                           wire_by_part=accountant.last_wire_parts, **figures)
