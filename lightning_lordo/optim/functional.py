@@ -152,8 +152,80 @@ def adamw_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float) -> 
 
 # ------------------------------------------------------------------------------------------------ grouped
 def lowrank_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, t: float,
-                    stats: Optional[dict[str, Tensor]] = None) -> None:
+                    stats: Optional[dict[str, Tensor]] = None, in_place: Optional[bool] = None) -> None:
     """:func:`lowrank_reference` for matrices of one shape, dtype and device at step count ``t``.
+
+    Two layouts of the same math. ``in_place`` (the default on the CPU, where memory passes and not kernel launches
+    cost the time; float32 weights, a fixed ``mu``, any normalizer but ``factored``): :func:`_lowrank_in_place`,
+    no full-size tensor stacked or materialized. Otherwise (the default on accelerators, where each launch costs) the
+    stacked layout below: one batched matmul per projection, foreach math, a fixed number of ops per group."""
+    if in_place is None:
+        in_place = params[0].device.type == "cpu"
+    if in_place and _can_write_in_place(params[0], h):
+        _lowrank_in_place(params, states, h, t, stats)
+    else:
+        _lowrank_stacked(params, states, h, t, stats)
+
+
+def _can_write_in_place(p: Tensor, h: Hyper) -> bool:
+    return p.dtype == torch.float32 and h.mu != "auto" and h.normalizer != "factored"
+
+
+def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, t: float,
+                      stats: Optional[dict[str, Tensor]]) -> None:
+    """The grouped step with the ``r x b`` moments stacked and every full-size tensor left where it is: per matrix
+    one matmul reads the gradient (the projection), one ``addmm_`` applies the weight decay and the low-rank term
+    to the weights, and one ``addcdiv_`` the full-rank term. About 6 full-size passes per matrix (AdamW: 7)."""
+    tall = is_tall(params[0])
+    bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
+    q = torch.stack([s["basis"] for s in states])  # n x a x r
+    grads = [canonical(p.grad, p) for p in params]  # a x b views
+    accumulated = grads
+    if h.error_feedback:
+        errors = [s["error_feedback"] for s in states]  # canonical
+        accumulated = torch._foreach_add(grads, errors, alpha=h.ef_decay)
+    projected = q.new_empty(q.shape[0], q.shape[2], grads[0].shape[1])  # n x r x b
+    bases, rows = q.unbind(0), projected.unbind(0)
+    for a, qt, out in zip(accumulated, q.mT.unbind(0), rows):
+        torch.mm(qt, a, out=out)
+    if h.error_feedback:
+        for a, qi, g, e in zip(accumulated, bases, rows, errors):  # E <- A - Q g
+            if e.dtype == a.dtype:
+                torch.addmm(a, qi, g, alpha=-1, out=e)
+            else:  # a low-precision buffer
+                e.copy_(torch.addmm(a, qi, g, alpha=-1))
+        if stats is not None:
+            _add_stat(stats, "ef_sq", sum(e.float().square().sum() for e in errors))
+    exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+    torch._foreach_lerp_(exp_avgs, rows, 1 - h.beta1)
+    torch._foreach_mul_(exp_avg_sqs, h.beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, rows, rows, value=1 - h.beta2)
+    v_hat = torch.stack(exp_avg_sqs).div_(bias2)
+    u_hat = torch.stack(exp_avgs).div_(bias1)
+    if h.update == "subspace_qh":
+        low = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega).div_(v_hat.sqrt().add_(h.eps))
+    else:
+        low = u_hat / (v_hat.sqrt() + h.eps) if h.update == "lordo" else u_hat
+        low.mul_(h.omega)
+        if stats is not None:
+            _add_stat(stats, "low_sq", torch.bmm(q, low).square().sum())
+    for p, qi, li in zip(params, bases, low.unbind(0)):  # W <- W (1 - lr lambda) - lr Q (omega D_low)
+        canonical(p, p).addmm_(qi, li, beta=1 - h.lr * h.weight_decay, alpha=-h.lr)
+    if h.update == "subspace_qh" or h.omega == 1.0:
+        return
+    denom = _normalizer_grouped(states, q, h, None, v_hat, bias2, tall).add_(h.eps)  # in the weights' orientation
+    full_inputs = [canonical(a, p) for a, p in zip(accumulated, params)] if h.full_rank_input == "accumulated" \
+        else [p.grad for p in params]
+    value, denoms = (1.0 - h.omega) / h.mu, denom.unbind(0)
+    if stats is not None:
+        _add_stat(stats, "full_sq", sum((x / d).square().sum() for x, d in zip(full_inputs, denoms)) * value**2)
+    for p, x, d in zip(params, full_inputs, denoms):  # ... - lr (1 - omega) In / (mu (S + eps))
+        p.addcdiv_(x, d, value=-h.lr * value)
+
+
+def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, t: float,
+                     stats: Optional[dict[str, Tensor]]) -> None:
+    """The stacked layout of :func:`lowrank_grouped`.
 
     Full-size tensors stay in the parameters' own orientation: for tall matrices (worked on transposed, SPEC §2)
     only the small ``r x b`` factors and the normalizer are transposed, never a gradient. The scalars of the
@@ -218,8 +290,8 @@ def _back(q: Tensor, x: Tensor, tall: bool) -> tuple[Tensor, Tensor]:
     return (x.mT, q.mT) if tall else (q, x)
 
 
-def _normalizer_grouped(states: Sequence[dict[str, Tensor]], q: Tensor, h: Hyper, grad: Tensor, v_hat: Tensor,
-                        bias2: float, tall: bool) -> Tensor:
+def _normalizer_grouped(states: Sequence[dict[str, Tensor]], q: Tensor, h: Hyper, grad: Optional[Tensor],
+                        v_hat: Tensor, bias2: float, tall: bool) -> Tensor:
     """:func:`_normalizer` for a stack (``n x r x b`` moments), broadcastable to the stacked parameters (a new
     tensor: the caller adds ``eps`` in place)."""
     if h.normalizer == "col_rms":
@@ -233,6 +305,7 @@ def _normalizer_grouped(states: Sequence[dict[str, Tensor]], q: Tensor, h: Hyper
         floor = v_hat.mean(dim=(1, 2), keepdim=True).sqrt_() * h.lifted_floor
         lifted = torch.bmm(v_hat.mT, q.square().mT) if tall else torch.bmm(q.square(), v_hat)
         return torch.maximum(lifted.sqrt_(), floor)
+    assert grad is not None, "the factored normalizer reads the stacked gradient"
     squared = grad.square()  # factored: canonical rows are the raw columns of a tall matrix
     rows, cols = [s["factored_row"] for s in states], [s["factored_col"] for s in states]
     torch._foreach_mul_(rows, h.beta2)

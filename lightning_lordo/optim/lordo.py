@@ -63,15 +63,16 @@ class LoRDO(Optimizer):
         seed: seed of random bases and randomized projections (use the same on every worker).
         full_rank: parameters that take the AdamW step whatever their group's rank (the strategy passes
             embeddings and output heads here, SPEC §2).
-        foreach: the grouped implementation (default): matrices of one canonical shape are stacked, with one
-            batched matmul per projection and ``foreach`` elementwise math; ``False`` runs the readable per-matrix
-            reference (:mod:`lightning_lordo.optim.functional`), which tests compare it with.
+        foreach: the grouped implementation (default; its two layouts: :func:`functional.lowrank_grouped`, chosen
+            by device or by the class attribute ``in_place``); ``False`` runs the readable per-matrix reference
+            (:mod:`lightning_lordo.optim.functional`), which tests compare both layouts with.
         fused: for the AdamW parameters (with ``foreach``): torch's fused AdamW (``True``) or its foreach AdamW
             (``False``); ``None`` takes the fused one on the CPU and foreach elsewhere.
 
     A low-rank matrix without a basis at its first step gets one from its own gradient. Distributed, the
     synchronizer gives it one from the averaged gradient first (:meth:`missing_bases`, :meth:`install_bases`).
     """
+    in_place: Optional[bool] = None  # the grouped step's layout (None: in place on the CPU, stacked elsewhere)
 
     def __init__(
         self,
@@ -198,7 +199,7 @@ class LoRDO(Optimizer):
             ef = state.get("error_feedback")
             buckets[(tuple(p.shape), p.dtype, p.device, t, ef.dtype if ef is not None else None)].append(p)
         for (_, _, _, t, _), bucket in buckets.items():
-            functional.lowrank_grouped(bucket, [self.state[p] for p in bucket], h, t, stats)
+            functional.lowrank_grouped(bucket, [self.state[p] for p in bucket], h, t, stats, in_place=self.in_place)
 
     def _adamw_step(self, params: list[Tensor], h: functional.Hyper) -> None:
         for p in params:
