@@ -1,9 +1,11 @@
 """Speed and memory of the optimizer itself, in one process, as ratios measured side by side.
 
-1. Optimizer step: LoRDO (grouped) vs torch's AdamW (foreach and fused) on the same parameters and gradients,
-   on the 3.2 M-parameter GPT (rank 32) and on a 12-layer GPT-2-small-shaped parameter set (ranks 96 = d/8 and
-   24 = d/32), 1 and 2 threads, interleaved repeats (medians); the ops each step dispatches and its full-size
-   memory passes per matrix; a whole training step (forward + backward + step) of the demo's GPTs.
+1. Optimizer step: LoRDO (grouped; its CPU layout, and ``lordo_stacked``, the accelerators' layout run here) vs
+   torch's AdamW (foreach and fused) on the same parameters and gradients, on the 3.2 M-parameter GPT (rank 32) and
+   on a 12-layer GPT-2-small-shaped parameter set (ranks 96 = d/8 and 24 = d/32), 1 and 2 threads, interleaved
+   repeats (medians); ``matmul_floor``, the two matmuls per low-rank matrix that any LoRDO step computes, timed
+   the same way (``floor_over_fused``: the least LoRDO step over fused AdamW's on this machine); the ops each step
+   dispatches and its full-size memory passes per matrix; a whole training step (forward + backward + step).
 2. Basis computation per sync: power iteration (1 step) vs randomized SVD vs exact SVD as the matrix grows.
 3. Memory: optimizer state at several ranks against AdamW's, for the whole model and the low-rank matrices
    alone, plus the error-feedback buffers and the synchronization buffers (anchor) in separate lines (SPEC §8).
@@ -30,12 +32,13 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_lordo import LoRDO
+from lightning_lordo._tensors import canonical
 from lightning_lordo.lightning.convert import full_rank_params
 from lightning_lordo.models import CharGPT
 from lightning_lordo.optim.projection import compute_basis
 
 SIZES = {"small (d64, 2L)": (64, 2), "medium (d128, 4L)": (128, 4), "large (d256, 4L)": (256, 4)}
-OPTIMIZERS = ("adamw_foreach", "adamw_fused", "lordo", "lordo_reference")
+OPTIMIZERS = ("adamw_foreach", "adamw_fused", "lordo", "lordo_stacked", "matmul_floor", "lordo_reference")
 VIEWS = ("aten.t.", "aten.transpose", "aten.permute", "aten.view", "aten._unsafe_view", "aten.unbind", "aten.expand",
          "aten.select", "aten.slice", "aten.alias", "aten.as_strided", "aten.detach", "aten.unsqueeze", "aten.squeeze",
          "aten.lift_fresh", "profiler.", "aten._local_scalar_dense")
@@ -62,12 +65,29 @@ def gpt2_small(layers: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 10
     return [torch.nn.Parameter(torch.randn(s, generator=generator) * 0.02) for s in shapes], 2
 
 
+class _MatmulFloor(LoRDO):
+    """Not an optimizer: only the two matmuls per low-rank matrix that every LoRDO step must compute, the projection
+    ``Q^T G`` and the back-projection ``Q x`` (4 m n r flops). No implementation of the step is faster than this."""
+
+    def step(self, closure: Any = None) -> None:
+        if not self.state:  # the first call: a real step, which creates the bases
+            return super().step(closure)
+        for p in self.lowrank_params():
+            q = self.state[p]["basis"]
+            torch.mm(q, torch.mm(q.mT, canonical(p.grad, p)))
+
+
+class _Stacked(LoRDO):
+    in_place = False  # the accelerators' layout (batched matmuls on stacked tensors), here on the CPU
+
+
 def _optimizer(kind: str, params: list[Tensor], embeddings: int, rank: int) -> torch.optim.Optimizer:
     if kind == "adamw_foreach":
         return torch.optim.AdamW(params, lr=1e-3, foreach=True)
     if kind == "adamw_fused":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
-    return LoRDO(params, lr=1e-3, rank=rank, full_rank=params[:embeddings], foreach=kind == "lordo")
+    cls = {"matmul_floor": _MatmulFloor, "lordo_stacked": _Stacked}.get(kind, LoRDO)
+    return cls(params, lr=1e-3, rank=rank, full_rank=params[:embeddings], foreach=kind != "lordo_reference")
 
 
 def _copies(make: Callable[[], tuple[list[Tensor], int]], kinds: tuple[str, ...], rank: int
@@ -98,7 +118,8 @@ def optimizer_step(name: str, make: Callable[[], tuple[list[Tensor], int]], rank
     torch.set_num_threads(1)
     return {"set": name, "rank": rank, "threads": threads, **{f"{k}_ms": v for k, v in ms.items()},
             "lordo_over_foreach": ms["lordo"] / ms["adamw_foreach"],
-            "lordo_over_fused": ms["lordo"] / ms["adamw_fused"]}
+            "lordo_over_fused": ms["lordo"] / ms["adamw_fused"],
+            "floor_over_fused": ms["matmul_floor"] / ms["adamw_fused"]}
 
 
 class _Ops(TorchDispatchMode):
@@ -248,9 +269,9 @@ def main(argv: list[str]) -> int:
     gpt2 = partial(gpt2_small, layers)
     steps = [optimizer_step("GPT d256 4L (3.2 M)", _gpt(256, 4), 32, threads, 20) for threads in (1, 2)]
     steps += [optimizer_step(f"GPT-2 small shapes ({layers} layers)", gpt2, rank, threads, 3 if quick else 5,
-                             kinds=OPTIMIZERS[:3])
+                             kinds=OPTIMIZERS[:5])
               for rank in (96, 24) for threads in (1, 2)]
-    ops = dispatch_counts(gpt2, 96, 768 * 3072, 2 * layers, kinds=OPTIMIZERS[:3])
+    ops = dispatch_counts(gpt2, 96, 768 * 3072, 2 * layers, kinds=OPTIMIZERS[:4])
     passes = dispatch_counts(lambda: ([torch.nn.Parameter(torch.randn(3072, 768)) for _ in range(8)], 0), 96,
                              768 * 3072, 8)
     results = {"header": provenance("python benchmarks/speed.py " + " ".join(argv)), "optimizer_step": steps,
@@ -258,7 +279,7 @@ def main(argv: list[str]) -> int:
                "basis_cost": basis_cost(), "memory": memory()}
     (ROOT / "results").mkdir(exist_ok=True)
     (ROOT / "results" / ("speed-quick.json" if quick else "speed.json")).write_text(json.dumps(results, indent=2))
-    console = Console()
+    console = Console(width=220)
     console.print(_table("Optimizer step, ms (medians of interleaved repeats) and LoRDO's ratios",
                          results["optimizer_step"]))
     console.print(_table(f"Ops dispatched per step, GPT-2-small shapes ({layers} layers, rank 96); memory passes "
