@@ -187,6 +187,7 @@ class Recorder(L.Callback):
         self.path = path
         self.curve: list[dict[str, float]] = []
         self.start = time.perf_counter()
+        self.train_seconds: Optional[float] = None
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.start = time.perf_counter()  # the curve's "seconds": wall time since training began
@@ -204,6 +205,9 @@ class Recorder(L.Callback):
         per_step = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         return per_step * trainer.global_step
 
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.train_seconds = time.perf_counter() - self.start  # the training loop alone: no launch, no setup
+
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:
             return
@@ -215,7 +219,8 @@ class Recorder(L.Callback):
         if trainer.global_rank != 0:
             return
         optimizer = trainer.strategy.optimizers[0]
-        out: dict[str, Any] = {"curve": self.curve, "bytes_sent": self._bytes(trainer, module)}
+        out: dict[str, Any] = {"curve": self.curve, "bytes_sent": self._bytes(trainer, module),
+                               "train_seconds": self.train_seconds}
         if isinstance(trainer.strategy, LoRDOStrategy):
             strategy = trainer.strategy
             out["bytes_by_purpose"] = dict(strategy.accountant.totals)
