@@ -1,12 +1,13 @@
 """The checks that need a GPU, in one script that finishes in under 8 minutes on one GPU.
 
-1. ``optimizer``: the grouped step against the per-matrix reference on the device, for every update mode and
-   normalizer, with float32 and bfloat16 parameters (tall, wide, square, mixed), against the reference on the CPU;
-   a bf16 model trained under autocast with LoRDO; and no host read in a step but the CPU step counters.
+1. ``optimizer``: the grouped step (both layouts) against the per-matrix reference on the device, for every update
+   mode and normalizer, with float32 and bfloat16 parameters (tall, wide, square, mixed), against the reference on
+   the CPU; a bf16 model trained under autocast with LoRDO; and no host read in a step but the CPU step counters.
 2. ``fit``: a single-process ``strategy="lordo"`` fit, ``devices=1``, ``precision="bf16-mixed"``.
 3. ``synchronizer``: two processes on the one device over gloo with device tensors (the communicator's polling
    wait), three syncs: replicas bitwise identical after each, bytes counted.
-4. ``speed``: the optimizer step of LoRDO against torch's fused and foreach AdamW on a GPT-2-small-shaped set.
+4. ``speed``: the optimizer step of LoRDO (the device's default layout, and each layout forced: which one a GPU
+   should default to) against torch's fused and foreach AdamW on a GPT-2-small-shaped set.
 
 ``--cpu`` runs the same on the CPU (smaller speed set). Writes ``results/gpu_check.json`` (or
 ``gpu_check-cpu.json``) and exits non-zero if any check failed. Usage: ``python benchmarks/gpu_check.py [--cpu]``
@@ -60,8 +61,20 @@ def _params(device: torch.device, dtype: torch.dtype, seed: int) -> list[nn.Para
     return [nn.Parameter(torch.randn(s, generator=generator).to(device=device, dtype=dtype)) for s in shapes]
 
 
-def _run(params: list[nn.Parameter], knobs: dict[str, Any], foreach: bool, steps: int = 5) -> list[Tensor]:
-    opt = LoRDO(params, lr=0.02, rank=8, error_feedback=True, foreach=foreach, **knobs)
+class _InPlace(LoRDO):
+    in_place = True  # the CPU's layout of the grouped step, on any device
+
+
+class _Stacked(LoRDO):
+    in_place = False  # the accelerators' layout, on any device
+
+
+LAYOUTS: dict[str, type[LoRDO]] = {"in_place": _InPlace, "stacked": _Stacked}
+
+
+def _run(params: list[nn.Parameter], knobs: dict[str, Any], foreach: bool, steps: int = 5,
+         cls: type[LoRDO] = LoRDO) -> list[Tensor]:
+    opt = cls(params, lr=0.02, rank=8, error_feedback=True, foreach=foreach, **knobs)
     generator = torch.Generator().manual_seed(7)
     for _ in range(steps):
         for p in params:
@@ -78,10 +91,13 @@ def check_optimizer(device: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, knobs in CASES.items():
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 4 * 2**-7)):
-            grouped = _run(_params(device, dtype, 0), knobs, True)
             reference = _run(_params(device, dtype, 0), knobs, False)
             cpu = _run(_params(torch.device("cpu"), dtype, 0), knobs, False)
-            errors = {"grouped_vs_reference": _max_rel(grouped, reference), "device_vs_cpu": _max_rel(grouped, cpu)}
+            errors = {}
+            for layout, cls in LAYOUTS.items():
+                grouped = _run(_params(device, dtype, 0), knobs, True, cls=cls)
+                errors[f"{layout}_vs_reference"] = _max_rel(grouped, reference)
+                errors[f"{layout}_vs_cpu"] = _max_rel(grouped, cpu)
             out[f"{name}/{str(dtype).split('.')[1]}"] = {**errors, "ok": max(errors.values()) <= tol}
     out["autocast_bf16_training"] = _autocast_training(device)
     out["host_reads"] = _host_reads(device)
@@ -206,13 +222,14 @@ def check_speed(device: torch.device, layers: int) -> dict[str, Any]:
     rows = []
     for rank in (96, 24):
         optimizers = {}
-        for kind in ("adamw_fused", "adamw_foreach", "lordo"):
+        for kind in ("adamw_fused", "adamw_foreach", "lordo", "lordo_in_place", "lordo_stacked"):
             params, embeddings = gpt2_small(layers)
             params = [nn.Parameter(p.detach().to(device)) for p in params]
             for p in params:
                 p.grad = torch.randn_like(p) * 1e-3
-            if kind == "lordo":
-                optimizers[kind] = LoRDO(params, lr=1e-3, rank=rank, full_rank=params[:embeddings])
+            if kind.startswith("lordo"):  # the device's default layout, then each layout forced
+                cls = LAYOUTS.get(kind.removeprefix("lordo_"), LoRDO)
+                optimizers[kind] = cls(params, lr=1e-3, rank=rank, full_rank=params[:embeddings])
             else:
                 optimizers[kind] = torch.optim.AdamW(params, lr=1e-3, **{kind.split("_")[1]: True})
             optimizers[kind].step()
@@ -249,7 +266,8 @@ def main(argv: list[str]) -> int:
         results[name]["seconds"] = time.perf_counter() - start
         print(f"{name}: {'ok' if results[name]['ok'] else 'FAILED'} ({results[name]['seconds']:.0f} s)", flush=True)
     for row in results["speed"].get("rows", []):
-        print(f"  speed rank {row['rank']}: LoRDO {row['lordo_ms']:.2f} ms, fused AdamW {row['adamw_fused_ms']:.2f} "
+        print(f"  speed rank {row['rank']}: LoRDO {row['lordo_ms']:.2f} ms (in place {row['lordo_in_place_ms']:.2f}, "
+              f"stacked {row['lordo_stacked_ms']:.2f}), fused AdamW {row['adamw_fused_ms']:.2f} "
               f"ms ({row['lordo_over_fused']:.2f}x), foreach AdamW {row['adamw_foreach_ms']:.2f} ms "
               f"({row['lordo_over_foreach']:.2f}x)")
     path = ROOT / "results" / ("gpu_check-cpu.json" if cpu else "gpu_check.json")

@@ -196,12 +196,7 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
                 e.copy_(torch.addmm(a, qi, g, alpha=-1))
         if stats is not None:
             _add_stat(stats, "ef_sq", sum(e.float().square().sum() for e in errors))
-    exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-    torch._foreach_lerp_(exp_avgs, rows, 1 - h.beta1)
-    torch._foreach_mul_(exp_avg_sqs, h.beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, rows, rows, value=1 - h.beta2)
-    v_hat = torch.stack(exp_avg_sqs).div_(bias2)
-    u_hat = torch.stack(exp_avgs).div_(bias1)
+    u_hat, v_hat = _moments_grouped(states, rows, h, bias1, bias2)
     if h.update == "subspace_qh":
         low = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega).div_(v_hat.sqrt().add_(h.eps))
     else:
@@ -249,12 +244,7 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
         torch._foreach_copy_(errors, [r.mT if tall else r for r in residual.unbind(0)])
         if stats is not None:
             _add_stat(stats, "ef_sq", torch.stack(errors).float().square().sum())
-    exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-    torch._foreach_lerp_(exp_avgs, rows, 1 - h.beta1)
-    torch._foreach_mul_(exp_avg_sqs, h.beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, rows, rows, value=1 - h.beta2)
-    v_hat = torch.stack(exp_avg_sqs).div_(bias2)
-    u_hat = torch.stack(exp_avgs).div_(bias1)
+    u_hat, v_hat = _moments_grouped(states, rows, h, bias1, bias2)
     if h.update == "subspace_qh":
         mixed = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega).div_(v_hat.sqrt().add_(h.eps))
         _apply_grouped(params, torch.bmm(*_back(q, mixed, tall)), h)
@@ -283,6 +273,17 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
         _add_stat(stats, "full_sq", (full_input / denom).square().sum() * ((1.0 - h.omega) / h.mu) ** 2)
     update.addcdiv_(full_input, denom, value=(1.0 - h.omega) / h.mu)
     _apply_grouped(params, update, h)
+
+
+def _moments_grouped(states: Sequence[dict[str, Tensor]], rows: Sequence[Tensor], h: Hyper, bias1: float,
+                     bias2: float) -> tuple[Tensor, Tensor]:
+    """Both moments updated in place with the projected gradients ``rows`` (``r x b`` each); returns the stacked,
+    bias-corrected ``u_hat`` and ``v_hat`` (new tensors)."""
+    exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+    torch._foreach_lerp_(exp_avgs, rows, 1 - h.beta1)
+    torch._foreach_mul_(exp_avg_sqs, h.beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, rows, rows, value=1 - h.beta2)
+    return torch.stack(exp_avgs).div_(bias1), torch.stack(exp_avg_sqs).div_(bias2)
 
 
 def _back(q: Tensor, x: Tensor, tall: bool) -> tuple[Tensor, Tensor]:
