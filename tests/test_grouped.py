@@ -9,6 +9,7 @@ from test_optim import RANK, _close, _gen, _hyper, _randomize_state, _ref_step, 
 from torch import nn
 
 from lightning_lordo import LoRDO
+from lightning_lordo.optim import functional
 
 # -------------------------------------------------------------------------------- grouped vs reference
 GROUPED_CASES = {
@@ -19,7 +20,10 @@ GROUPED_CASES = {
     "authors": {"normalizer": "mean_denom", "full_rank_input": "accumulated", "omega": 0.97},
     "subspace_qh": {"update": "subspace_qh", "omega": 0.9},
     "unnormalized": {"update": "unnormalized_lowrank", "normalizer": "mean_denom"},
+    "bf16 error feedback, decayed": {"ef_dtype": "bfloat16", "ef_decay": 0.7, "full_rank_input": "accumulated"},
+    "omega 1": {"omega": 1.0},
 }
+IN_PLACE_CASES = {name for name, knobs in GROUPED_CASES.items() if knobs.get("normalizer") != "factored"}
 
 
 def _mixed_model(seed: int) -> list[nn.Parameter]:
@@ -32,17 +36,37 @@ def _mixed_model(seed: int) -> list[nn.Parameter]:
 
 
 @pytest.fixture(params=[True, False], ids=["in-place", "stacked"])
-def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both layouts of the grouped step on the CPU: in place (the CPU's default) and stacked (the accelerators')."""
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Both layouts of the grouped step on the CPU: in place (the CPU's default) and stacked (the accelerators').
+    Returns how many groups each layout stepped, so a test can check which one ran."""
     monkeypatch.setattr(LoRDO, "in_place", request.param)
-    return request.param
+    calls = {"in_place": 0, "stacked": 0, "requested": request.param}
+    for name in ("in_place", "stacked"):
+        original = getattr(functional, f"_lowrank_{name}")
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(functional, f"_lowrank_{name}", counted)
+    return calls
+
+
+def _check_layout(calls: dict[str, int], case: str) -> None:
+    """The requested layout stepped the float32 groups (the bfloat16 and float64 ones and the factored normalizer
+    always take the stacked one)."""
+    if calls["requested"] and case in IN_PLACE_CASES:
+        assert calls["in_place"] > 0 and calls["stacked"] > 0  # the float64 / bfloat16 matrices
+    else:
+        assert calls["in_place"] == 0 and calls["stacked"] > 0
 
 
 @pytest.mark.parametrize("case", list(GROUPED_CASES))
-def test_grouped_step_matches_the_reference_on_mixed_shapes_and_dtypes(case: str, layout: bool) -> None:
+def test_grouped_step_matches_the_reference_on_mixed_shapes_and_dtypes(case: str, layout: dict[str, int]) -> None:
     """The grouped step (in place, or stacked with batched matmuls; foreach math, torch's AdamW) and the per-matrix
     reference agree on random state and gradients, also when a group mixes step counts (one matrix reset) and the
-    model mixes dtypes; each float32 matrix also agrees with the float64 reference of SPEC §3."""
+    model mixes dtypes, and so do the diagnostics of the last step; each float32 matrix also agrees with the
+    float64 reference of SPEC §3."""
     knobs = {"rank": RANK, "omega": 0.6, "error_feedback": True, "weight_decay": 0.05, **GROUPED_CASES[case]}
     runs = {}
     for foreach in (True, False):
@@ -56,8 +80,11 @@ def test_grouped_step_matches_the_reference_on_mixed_shapes_and_dtypes(case: str
                 p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
             if step == 3 and foreach:
                 refs = {i: _ref_step(_snapshot(opt, params[i]), _hyper(opt)) for i in (0, 2, 4)}
+            if step == 3:
+                opt.request_diagnostics()
             opt.step()
         runs[foreach] = (params, opt)
+    _check_layout(layout, case)
     (grouped, g_opt), (reference, r_opt) = runs[True], runs[False]
     for a, b in zip(grouped, reference):
         # a float32 difference of 1e-7 in an update can round a bfloat16 weight the other way: one ulp per step
@@ -67,9 +94,13 @@ def test_grouped_step_matches_the_reference_on_mixed_shapes_and_dtypes(case: str
             _close(g_opt.state[a][key], value, rtol=1e-4)
     for i, ref in refs.items():  # the last step of three float32 matrices (wide, tall, square) in float64
         _close(grouped[i].detach(), ref["W"], rtol=1e-5)
+    diagnostics, expected = g_opt.diagnostics(), r_opt.diagnostics()
+    assert diagnostics.keys() == expected.keys() and diagnostics
+    for key, value in expected.items():
+        assert diagnostics[key] == pytest.approx(value, rel=1e-5), key
 
 
-def test_grouped_step_dispatches_a_fixed_number_of_ops_per_group(layout: bool) -> None:
+def test_grouped_step_dispatches_a_fixed_number_of_ops_per_group(layout: dict[str, int]) -> None:
     """The stacked layout's dispatched ops do not grow with the number of same-shape matrices (the reference's do);
     the in-place layout's grow by its three full-size ops per matrix (projection, addmm_, addcdiv_)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -96,7 +127,7 @@ def test_grouped_step_dispatches_a_fixed_number_of_ops_per_group(layout: bool) -
     grouped = [ops(n, True) for n in (2, 8)]
     reference = [ops(n, False) for n in (2, 8)]
     # per matrix its step counter (add is one foreach op, item each), in place also its three full-size ops
-    assert grouped[1] - grouped[0] == 6 * (1 + 3 * layout)
+    assert grouped[1] - grouped[0] == 6 * (1 + 3 * layout["requested"])
     assert reference[1] - reference[0] >= 6 * 15
 
 
@@ -105,7 +136,8 @@ HOST_READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten
 
 @pytest.mark.parametrize("foreach", [True, False], ids=["grouped", "reference"])
 @pytest.mark.parametrize("case", list(GROUPED_CASES))
-def test_a_step_reads_nothing_on_the_host_but_cpu_step_counters(case: str, foreach: bool) -> None:
+def test_a_step_reads_nothing_on_the_host_but_cpu_step_counters(case: str, foreach: bool,
+                                                                layout: dict[str, int]) -> None:
     """No host synchronization with the parameters' device in ``step``: every scalar read (``.item()``, ``bool()``,
     ``==`` on tensors) a step dispatches reads one of the CPU step counters, and nothing else, also while it
     collects the diagnostics."""
@@ -139,3 +171,24 @@ def test_a_step_reads_nothing_on_the_host_but_cpu_step_counters(case: str, forea
     for func, tensor in mode.reads:
         assert tensor.device.type == "cpu" and tensor.data_ptr() in counters, f"{func} on {tuple(tensor.shape)}"
     assert opt.diagnostics()  # and the diagnostics were collected without any host read
+    if foreach:
+        _check_layout(layout, case)
+
+
+def test_in_place_layout_keeps_non_finite_weights_when_the_decay_zeroes_them(layout: dict[str, int]) -> None:
+    """lr x weight_decay = 1 multiplies the weights by 0: a NaN or inf in them stays non-finite (the reference's
+    W * 0), so the sync's fault check still sees it (a BLAS ``beta=0`` would drop it)."""
+    counts = {}
+    for foreach in (True, False):
+        params = [nn.Parameter(torch.randn(6, 13, generator=_gen(50))) for _ in range(2)]
+        opt = LoRDO(params, lr=1.0, weight_decay=1.0, rank=RANK, foreach=foreach)
+        gen = _gen(51)
+        for step in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if step == 1:
+                with torch.no_grad():
+                    params[0][0, 0], params[1][2, 3] = float("nan"), float("inf")
+            opt.step()
+        counts[foreach] = [int((~p.isfinite()).sum()) for p in params]
+    assert counts[True] == counts[False] == [1, 1]

@@ -168,14 +168,18 @@ def lowrank_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]
 
 
 def _can_write_in_place(p: Tensor, h: Hyper) -> bool:
-    return p.dtype == torch.float32 and h.mu != "auto" and h.normalizer != "factored"
+    # lr * weight_decay == 1 would be addmm_'s beta = 0, which ignores the weights (a NaN in them would vanish)
+    return p.dtype == torch.float32 and h.mu != "auto" and h.normalizer != "factored" and h.lr * h.weight_decay != 1
+
 
 
 def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, t: float,
                       stats: Optional[dict[str, Tensor]]) -> None:
     """The grouped step with the ``r x b`` moments stacked and every full-size tensor left where it is: per matrix
     one matmul reads the gradient (the projection), one ``addmm_`` applies the weight decay and the low-rank term
-    to the weights, and one ``addcdiv_`` the full-rank term. About 6 full-size passes per matrix (AdamW: 7)."""
+    to the weights, and one ``addcdiv_`` the full-rank term. About 6 full-size passes per matrix (AdamW: 7). The
+    full-rank term reads the gradient after the weights were written: a gradient sharing its weight's memory is not
+    supported (autograd never makes one)."""
     tall = is_tall(params[0])
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
     q = torch.stack([s["basis"] for s in states])  # n x a x r
