@@ -21,6 +21,7 @@ from harness import ROOT, load
 NAMES = {"ddp": "DDP (AdamW)", "ddp_qh": "DDP, authors' QH + beta switch", "lowrank_ddp": "low-rank DDP (authors')",
          "lordo_local": "LoRDO-Local (authors')", "lordo_noqhm": "LoRDO-Global w/o QHM",
          "lordo_defaults": "LoRDO, today's defaults", "lordo_authors": "LoRDO, authors' choices",
+         "lordo_authors_colrms": "LoRDO, authors' choices with col_rms",
          "diloco": "DiLoCo", "powersgd4": "DDP + PowerSGD r4", "powersgd16": "DDP + PowerSGD r16",
          "fp16": "DDP + fp16 hook"}
 
@@ -48,7 +49,8 @@ def main_runs(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         reference = authors.continuation(name, "", lr)
         for r in records:
             spec = r["spec"]
-            if r["name"] == name and math.isclose(spec["lr"], lr) and spec["steps"] == reference.steps \
+            if r["name"] in (name, authors.SAME_RUN.get(name)) and math.isclose(spec["lr"], lr) \
+                    and spec["steps"] == reference.steps \
                     and spec["rank"] == reference.rank and spec["batch_size"] == reference.batch_size:
                 out[name].append(r)
     return out
@@ -128,7 +130,7 @@ def optimizer_state(record: dict[str, Any]) -> float:
 
 def targets(runs: dict[str, list[dict[str, Any]]], ppl: dict[str, float], sent: dict[str, float]) -> list[str]:
     out = []
-    for name in ("lordo_defaults", "lordo_authors"):
+    for name in ("lordo_defaults", "lordo_authors", "lordo_authors_colrms"):
         if name not in ppl or "lowrank_ddp" not in ppl:
             out.append(f"- {NAMES[name]}: not measured against low-rank DDP yet.")
             continue
