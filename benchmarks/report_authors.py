@@ -22,6 +22,7 @@ NAMES = {"ddp": "DDP (AdamW)", "ddp_qh": "DDP, authors' QH + beta switch", "lowr
          "lordo_local": "LoRDO-Local (authors')", "lordo_noqhm": "LoRDO-Global w/o QHM",
          "lordo_defaults": "LoRDO, today's defaults", "lordo_authors": "LoRDO, authors' choices",
          "lordo_authors_colrms": "LoRDO, authors' choices with col_rms",
+         "lordo_authors_colrms_power": "LoRDO, authors' with col_rms and a power step",
          "diloco": "DiLoCo", "powersgd4": "DDP + PowerSGD r4", "powersgd16": "DDP + PowerSGD r16",
          "fp16": "DDP + fp16 hook"}
 
@@ -130,7 +131,7 @@ def optimizer_state(record: dict[str, Any]) -> float:
 
 def targets(runs: dict[str, list[dict[str, Any]]], ppl: dict[str, float], sent: dict[str, float]) -> list[str]:
     out = []
-    for name in ("lordo_defaults", "lordo_authors", "lordo_authors_colrms"):
+    for name in ("lordo_defaults", "lordo_authors", "lordo_authors_colrms", "lordo_authors_colrms_power"):
         if name not in ppl or "lowrank_ddp" not in ppl:
             out.append(f"- {NAMES[name]}: not measured against low-rank DDP yet.")
             continue
