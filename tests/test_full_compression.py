@@ -188,3 +188,20 @@ class CheckPreset(L.Callback):
 def test_lordo_compressed_is_a_registered_name_that_trains() -> None:
     torch.manual_seed(0)
     trainer("lordo_compressed_fork", callbacks=[CheckPreset()], max_steps=12).fit(TinyRegressor(), loader())
+
+
+class CheckQuality(L.Callback):
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        strategy: LoRDOStrategy = trainer.strategy
+        knobs, group = PRESETS["lordo_quality"][0], strategy.optimizers[0].param_groups[0]
+        assert strategy.sync_config.average_fullrank_moments is True
+        assert {k: group[k] for k in knobs if k in group} == {k: v for k, v in knobs.items() if k in group}
+        assert all(group[k] == knobs[k] for k in ("omega", "error_feedback", "projection", "full_rank_input"))
+        lowrank = strategy.optimizers[0].lowrank_params()
+        assert lowrank and all("error_feedback" in strategy.optimizers[0].state[p] for p in lowrank)
+        assert torch.equal(*gather(flat_params(module)))
+
+
+def test_lordo_quality_is_a_registered_name_that_trains_with_its_knobs() -> None:
+    torch.manual_seed(0)
+    trainer("lordo_quality_fork", callbacks=[CheckQuality()], max_steps=12).fit(TinyRegressor(), loader())

@@ -264,7 +264,11 @@ PRESETS = {"lordo": dict(lowrank=True, basis_scope="global", average_moments=Tru
            "lordo_local": dict(lowrank=True, basis_scope="local", average_moments=False, synchronous=False),
            "diloco": dict(lowrank=False, basis_scope="global", average_moments=True, synchronous=False),
            "lowrank_ddp": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=True),
-           "lordo_compressed": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=False)}
+           "lordo_compressed": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=False),
+           "lordo_quality": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=False)}
+#: The optimizer knobs a preset sets (the others set none).
+PRESET_OPTIMIZER_KNOBS = {"lordo_quality": {"omega": 0.97, "full_rank_input": "accumulated", "error_feedback": True,
+                                            "projection": "svd", "variance_clamp": True}}
 LAUNCHERS = {"": "popen", "_fork": "fork", "_spawn": "spawn"}
 
 
@@ -281,7 +285,8 @@ def test_preset_names_build_a_trainer_without_launching_anything(name: str, suff
     assert strategy.sync_config.basis_scope == preset["basis_scope"]
     assert strategy.sync_config.average_moments is preset["average_moments"]
     assert strategy.sync_config.synchronous is preset["synchronous"]
-    assert strategy.sync_config.sync_every == 16 and strategy.optimizer_knobs == {}
+    assert strategy.sync_config.sync_every == 16
+    assert strategy.optimizer_knobs == PRESET_OPTIMIZER_KNOBS.get(name, {})
     assert strategy.num_processes == 2 and strategy.launcher is not None
     # nothing was launched: no process group, no child process, no synchronizer yet
     assert not (dist.is_available() and dist.is_initialized())
