@@ -32,6 +32,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from harness import ROOT, provenance
+from speed import LAYOUTS
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -59,17 +60,6 @@ def _params(device: torch.device, dtype: torch.dtype, seed: int) -> list[nn.Para
     generator = torch.Generator().manual_seed(seed)
     shapes = [(48, 96), (48, 96), (96, 48), (64, 64), (33,), (8, 3, 5)]
     return [nn.Parameter(torch.randn(s, generator=generator).to(device=device, dtype=dtype)) for s in shapes]
-
-
-class _InPlace(LoRDO):
-    in_place = True  # the CPU's layout of the grouped step, on any device
-
-
-class _Stacked(LoRDO):
-    in_place = False  # the accelerators' layout, on any device
-
-
-LAYOUTS: dict[str, type[LoRDO]] = {"in_place": _InPlace, "stacked": _Stacked}
 
 
 def _run(params: list[nn.Parameter], knobs: dict[str, Any], foreach: bool, steps: int = 5,

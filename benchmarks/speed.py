@@ -77,8 +77,16 @@ class _MatmulFloor(LoRDO):
             torch.mm(q, torch.mm(q.mT, canonical(p.grad, p)))
 
 
-class _Stacked(LoRDO):
-    in_place = False  # the accelerators' layout (batched matmuls on stacked tensors), here on the CPU
+class InPlace(LoRDO):
+    in_place = True  # the CPU's layout of the grouped step, on any device
+
+
+class Stacked(LoRDO):
+    in_place = False  # the accelerators' layout (batched matmuls on stacked tensors), on any device
+
+
+#: LoRDO with each layout of the grouped step forced (benchmarks/gpu_check.py uses them too).
+LAYOUTS: dict[str, type[LoRDO]] = {"in_place": InPlace, "stacked": Stacked}
 
 
 def _optimizer(kind: str, params: list[Tensor], embeddings: int, rank: int) -> torch.optim.Optimizer:
@@ -86,7 +94,7 @@ def _optimizer(kind: str, params: list[Tensor], embeddings: int, rank: int) -> t
         return torch.optim.AdamW(params, lr=1e-3, foreach=True)
     if kind == "adamw_fused":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
-    cls = {"matmul_floor": _MatmulFloor, "lordo_stacked": _Stacked}.get(kind, LoRDO)
+    cls = {"matmul_floor": _MatmulFloor, "lordo_stacked": Stacked}.get(kind, LoRDO)
     return cls(params, lr=1e-3, rank=rank, full_rank=params[:embeddings], foreach=kind != "lordo_reference")
 
 

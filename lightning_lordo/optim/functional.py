@@ -156,9 +156,10 @@ def lowrank_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]
     """:func:`lowrank_reference` for matrices of one shape, dtype and device at step count ``t``.
 
     Two layouts of the same math. ``in_place`` (the default on the CPU, where memory passes and not kernel launches
-    cost the time; float32 weights, a fixed ``mu``, any normalizer but ``factored``): :func:`_lowrank_in_place`,
-    no full-size tensor stacked or materialized. Otherwise (the default on accelerators, where each launch costs) the
-    stacked layout below: one batched matmul per projection, foreach math, a fixed number of ops per group."""
+    cost the time; float32 weights, a fixed ``mu``, any normalizer but ``factored``): :func:`_lowrank_in_place`, no
+    full-size tensor stacked and no full-size update materialized. Otherwise (the default on accelerators, where
+    each launch costs) the stacked layout: one batched matmul per projection, foreach math, a fixed number of ops
+    per group."""
     if in_place is None:
         in_place = params[0].device.type == "cpu"
     if in_place and _can_write_in_place(params[0], h):
@@ -177,7 +178,8 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
                       stats: Optional[dict[str, Tensor]]) -> None:
     """The grouped step with the ``r x b`` moments stacked and every full-size tensor left where it is: per matrix
     one matmul reads the gradient (the projection), one ``addmm_`` applies the weight decay and the low-rank term
-    to the weights, and one ``addcdiv_`` the full-rank term. About 6 full-size passes per matrix (AdamW: 7). The
+    to the weights, and one ``addcdiv_`` the full-rank term: 6 full-size passes per matrix without error feedback
+    (AdamW: 7; error feedback adds the accumulated gradient and its residual). The
     full-rank term reads the gradient after the weights were written: a gradient sharing its weight's memory is not
     supported (autograd never makes one)."""
     tall = is_tall(params[0])
