@@ -15,7 +15,10 @@ Stages (resumable: a run already in ``results/compressed.jsonl`` is skipped; eac
   2-D parameters' messages), ``moments_every`` 1 or 4 (the averaged moments every K or 4K steps);
 * ``main``: 2 seeds of ``full``, ``lowrank``, ``lowrank`` + int8, the chosen compressed configuration (the
   ``"lordo_compressed"`` preset), DDP, DDP + PowerSGD rank 4 and 16, DDP + fp16 hook; LoRDO's payloads at LoRDO's
-  LR, DDP and its hooks at DDP's.
+  LR, DDP and its hooks at DDP's;
+* ``candidate``: ``full``, ``lowrank`` + int8 and ``lordo_compressed`` with the candidate default of the authors'
+  protocol (``authors.CANDIDATE``): the ``full`` payload at LRs 0.003 and 0.01 (seed 0, extended past a winning
+  edge), then 2 seeds of each at the best of them.
 
 Bytes per worker are payload bytes (what a worker hands to collectives) unless a column says wire (by the
 collectives' algorithms); the plugin's exclude the one-time setup broadcast and Lightning's per-batch flags, as DDP's
@@ -32,25 +35,31 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from authors import CANDIDATE
 from harness import RunSpec, append, done, load, provenance, run
 
 from lightning_lordo.strategy_knobs import PRESETS
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "compressed.jsonl"
-STAGES = ("lr", "choose", "main")
+STAGES = ("lr", "choose", "main", "candidate")
 MODELS: dict[str, dict[str, Any]] = {
     "bytes": {"corpus": "bytes"},
     "words": {"corpus": "words", "vocab": 4096},
 }
 COMMON = {"steps": 640, "workers": 4, "sync_every": 32, "rank": 8, "val_every": 64, "val_batches": 16}
 LORDO_LRS, DDP_LRS = (0.01, 0.03, 0.1), (0.001, 0.003, 0.01)
+#: the candidate (error feedback, omega 0.97) took a 4x lower LR than the defaults in the authors' protocol
+GRIDS = {"lordo": LORDO_LRS, "ddp": DDP_LRS, "candidate_full": (0.003, 0.01)}
 LADDER = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 INT8 = {"payload": "lowrank", "payload_dtype": "int8"}
 CANDIDATES = {f"fullrank_rank={r},moments_every={m}": {**INT8, "fullrank_rank": r, "moments_every": m}
               for r in (4, 16) for m in (1, 4)}
 PAYLOADS = {"full": {}, "lowrank": {"payload": "lowrank"}, "lowrank_int8": INT8,
             "lordo_compressed": PRESETS["lordo_compressed"][0]}
+#: The payloads again with the candidate default of the authors' protocol (authors.CANDIDATE: omega 0.97, G + E,
+#: error feedback, 3 power steps)
+CANDIDATE_PAYLOADS = {f"candidate_{n}": {**CANDIDATE, **knobs} for n, knobs in PAYLOADS.items() if n != "lowrank"}
 PEERS = {"ddp": {}, "powersgd4": {"hook": "powersgd", "hook_rank": 4}, "powersgd16": {"hook": "powersgd",
                                                                                       "hook_rank": 16},
          "fp16": {"hook": "fp16"}}
@@ -60,18 +69,22 @@ def spec(model: str, data: str, name: str, lr: float, seed: int = 0) -> RunSpec:
     extra = {**MODELS[model], **COMMON}
     if name in PEERS:
         return RunSpec(method="ddp", lr=lr, data=data, seed=seed, **extra, **PEERS[name])
-    knobs = PAYLOADS[name] if name in PAYLOADS else CANDIDATES[name]
+    knobs = {**PAYLOADS, **CANDIDATE_PAYLOADS, **CANDIDATES}[name]
     return RunSpec(method="lordo", lr=lr, data=data, seed=seed, knobs=dict(knobs), **extra)
 
 
 def _lr_losses(model: str, family: str) -> dict[float, float]:
+    """Seed 0's final validation loss by learning rate: ``lordo``'s and ``ddp``'s from the ``lr`` stage,
+    ``candidate_full``'s from the ``candidate`` stage."""
+    stage = "candidate" if family == "candidate_full" else "lr"
     return {r["spec"]["lr"]: r["final_val_loss"] for r in load(RESULTS)
-            if r.get("stage") == "lr" and r.get("model") == model and r.get("name") == family}
+            if r.get("stage") == stage and r.get("model") == model and r.get("name") == family
+            and r["spec"]["seed"] == 0}
 
 
 def lr_grid(model: str, family: str) -> list[float]:
     """The family's 3 learning rates, and the next one of :data:`LADDER` past an edge that wins (at most 5 in all)."""
-    grid = sorted(LORDO_LRS if family == "lordo" else DDP_LRS)
+    grid = sorted(GRIDS[family])
     losses = _lr_losses(model, family)
     while set(grid) <= set(losses):
         best = min(grid, key=lambda lr: losses[lr])
@@ -95,6 +108,14 @@ def best_lr(model: str, family: str) -> float:
 
 
 def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec]]:
+    if stage == "candidate":  # the word model (where PowerSGD won) first, its LR grid, then seed 0 of each model
+        models = [m for m in ("words", "bytes") if m in paths]
+        grids = [(m, "candidate_full", spec(m, paths[m], "candidate_full", lr))
+                 for m in models for lr in lr_grid(m, "candidate_full")]
+        if not all(set(lr_grid(m, "candidate_full")) <= set(_lr_losses(m, "candidate_full")) for m in models):
+            return grids
+        return grids + [(m, n, spec(m, paths[m], n, best_lr(m, "candidate_full"), seed))
+                        for seed in (0, 1) for m in models for n in CANDIDATE_PAYLOADS]
     out = []
     for model, data in paths.items():
         if stage == "lr":
