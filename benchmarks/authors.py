@@ -18,6 +18,7 @@ Stages (each appends to ``results/authors.jsonl`` and skips runs already there, 
 * ``claims``: global vs local bases at rank 8 and at 2 sequences per worker, low-rank DDP at rank 8.
 * ``scratch``: the best LoRDO configuration from scratch for 2560 steps (what the warm start buys).
 * ``seed2``: a third seed of the main table's key methods, where time allows.
+* ``recheck``: the reference methods' seed 0 again, from the checkpoint as rebuilt now (recorded as this stage).
 
 Usage: ``python benchmarks/authors.py --data ../shared/data/tinyshakespeare.txt [--stage all]``
 """
@@ -35,7 +36,7 @@ from harness import ROOT, RunSpec, append, done, load, provenance, run
 RESULTS = ROOT / "results" / "authors.jsonl"
 CACHE = ROOT / "cache"
 WARMUP_CKPT = CACHE / "authors-warmup.ckpt"
-STAGES = ("warmup-lr", "warmup", "sweep", "main", "ablations", "claims", "scratch", "seed2")
+STAGES = ("warmup-lr", "warmup", "sweep", "main", "ablations", "claims", "scratch", "seed2", "recheck")
 
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, workers=4, batch_size=8, sync_every=32, rank=16,
              val_batches=32)
@@ -96,6 +97,9 @@ LR_OF = {"lordo_local": "lordo_authors", "lordo_noqhm": "lordo_authors", "lordo_
 #: A method whose seed-0 run is an ablation run of the very same spec (the report counts it as that method's).
 SAME_RUN = {"lordo_authors_colrms": "lordo_authors:normalizer=col_rms"}
 SEED2 = ("ddp", "lowrank_ddp", "lordo_authors", "lordo_defaults", "diloco", "powersgd4")
+#: Rerun from a rebuilt warm-up checkpoint (the cache is not committed; a rebuild after a change to the optimizer's
+#: floating-point layout is not bitwise the original): how far the figures move, for the new runs' comparisons.
+RECHECK = ("lowrank_ddp", "diloco")
 
 
 # ------------------------------------------------------------------------------------------ specs
@@ -239,6 +243,9 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
         return claims_specs(data)
     if stage == "scratch":
         return scratch_specs(data)
+    if stage == "recheck":
+        base = warmup_lr()
+        return [(n, continuation(n, data, base * best_scale(n))) for n in RECHECK]
     if stage == "seed2":
         base = warmup_lr()
         return [(n, continuation(n, data, base * best_scale(n), seed=2)) for n in SEED2]
@@ -246,7 +253,7 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
 
 
 def run_stage(stage: str, data: str, argv: list[str]) -> None:
-    records = load(RESULTS)
+    records = [r for r in load(RESULTS) if stage != "recheck" or r.get("stage") == "recheck"]
     while True:  # the sweep grows while an edge keeps winning
         pending = [(n, s) for n, s in specs_for(stage, data) if not done(records, s)]
         if stage == "warmup" and not WARMUP_CKPT.exists():  # the checkpoint is not committed: rebuild it

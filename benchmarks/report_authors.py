@@ -23,6 +23,8 @@ NAMES = {"ddp": "DDP (AdamW)", "ddp_qh": "DDP, authors' QH + beta switch", "lowr
          "lordo_defaults": "LoRDO, today's defaults", "lordo_authors": "LoRDO, authors' choices",
          "lordo_authors_colrms": "LoRDO, authors' choices with col_rms",
          "lordo_authors_colrms_power": "LoRDO, authors' with col_rms and a power step",
+         "lordo_candidate": "LoRDO, candidate default", "lordo_candidate_bf16": "candidate, bfloat16 EF and payload",
+         "lordo_candidate_compressed": "candidate, everything compressed",
          "diloco": "DiLoCo", "powersgd4": "DDP + PowerSGD r4", "powersgd16": "DDP + PowerSGD r16",
          "fp16": "DDP + fp16 hook"}
 
@@ -50,7 +52,8 @@ def main_runs(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         reference = authors.continuation(name, "", lr)
         for r in records:
             spec = r["spec"]
-            if r["name"] in (name, authors.SAME_RUN.get(name)) and math.isclose(spec["lr"], lr) \
+            if r["name"] in (name, authors.SAME_RUN.get(name)) and r.get("stage") != "recheck" \
+                    and math.isclose(spec["lr"], lr) \
                     and spec["steps"] == reference.steps \
                     and spec["rank"] == reference.rank and spec["batch_size"] == reference.batch_size:
                 out[name].append(r)
