@@ -253,8 +253,10 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
 
 
 def run_stage(stage: str, data: str, argv: list[str]) -> None:
-    records = [r for r in load(RESULTS) if stage != "recheck" or r.get("stage") == "recheck"]
     while True:  # the sweep grows while an edge keeps winning
+        # read back from the file each round: a record kept in memory holds tuples where the stored spec has lists,
+        # so `done` would miss it and the round would run again
+        records = [r for r in load(RESULTS) if stage != "recheck" or r.get("stage") == "recheck"]
         pending = [(n, s) for n, s in specs_for(stage, data) if not done(records, s)]
         if stage == "warmup" and not WARMUP_CKPT.exists():  # the checkpoint is not committed: rebuild it
             pending = [(n, s) for n, s in specs_for(stage, data)]
@@ -266,7 +268,6 @@ def run_stage(stage: str, data: str, argv: list[str]) -> None:
             record = {"stage": stage, "name": name, **run(spec)}
             if not (stage == "warmup" and done(records, spec)):
                 append(RESULTS, record)
-            records.append(record)
             print(f"{stage}: {name:<48} lr={spec.lr:<8.3g} seed={spec.seed} val_loss={record['final_val_loss']:.4f} "
                   f"bytes={record['bytes_sent']:.3e} wall={record['wall_seconds']:.0f}s", flush=True)
         if stage != "sweep":
