@@ -43,6 +43,7 @@ from peers import HOOKS, HookedDDP
 
 from lightning_lordo import LoRDO, LoRDOStrategy
 from lightning_lordo.comm.wire import ddp_wire_bytes
+from lightning_lordo.config import LEAN_KNOBS
 from lightning_lordo.lightning.convert import track_step_calls
 from lightning_lordo.models import ByteDataModule, GPTLightningModule
 from lightning_lordo.sync.report import breakdown
@@ -265,6 +266,11 @@ def _strategy(spec: RunSpec) -> Any:
     knobs = {**presets[spec.method], **spec.knobs}
     if knobs.get("lowrank", True):
         knobs.setdefault("rank", spec.rank)
+        # every recorded LoRDO run is a spec over the optimizer's defaults of its day: the lean ones (the defaults
+        # before the authors' protocol), pinned so that a stored spec keeps meaning what it meant
+        lean = {k: v for k, v in LEAN_KNOBS.items() if not (k == "full_rank_input" and
+                                                           knobs.get("update") == "subspace_qh")}
+        knobs = {**lean, **knobs}
     return LoRDOStrategy(sync_every=spec.sync_every, start_method="fork", seed=spec.seed, monitor=False, **knobs)
 
 

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_lordo import LoRDO
 from lightning_lordo._tensors import canonical
+from lightning_lordo.config import LEAN_KNOBS
 from lightning_lordo.lightning.convert import full_rank_params
 from lightning_lordo.models import CharGPT
 from lightning_lordo.optim.projection import compute_basis
@@ -95,7 +96,10 @@ def _optimizer(kind: str, params: list[Tensor], embeddings: int, rank: int) -> t
     if kind == "adamw_fused":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
     cls = {"matmul_floor": _MatmulFloor, "lordo_stacked": Stacked}.get(kind, LoRDO)
-    return cls(params, lr=1e-3, rank=rank, full_rank=params[:embeddings], foreach=kind != "lordo_reference")
+    # the lean knobs (no error-feedback buffer), as results/speed.json was measured; the default's buffer adds
+    # its passes (functional.lowrank_grouped)
+    return cls(params, lr=1e-3, rank=rank, full_rank=params[:embeddings], foreach=kind != "lordo_reference",
+               **LEAN_KNOBS)
 
 
 def _copies(make: Callable[[], tuple[list[Tensor], int]], kinds: tuple[str, ...], rank: int

@@ -8,24 +8,29 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig, check_knob_combinations, check_optimizer_knobs
+from lightning_lordo.config import (
+    LEAN_KNOBS,
+    OPTIMIZER_DEFAULTS,
+    SyncConfig,
+    check_knob_combinations,
+    check_optimizer_knobs,
+)
 
 #: The registered strategy names (the Trainer's and Fabric's): name -> (knobs, description). Each is registered as
 #: is and with the suffixes of :data:`LAUNCH_SUFFIXES`.
 PRESETS: dict[str, tuple[dict[str, Any], str]] = {
-    "lordo": ({}, "LoRDO: global basis from the averaged pseudo-gradient + full-rank QHM term"),
+    "lordo": ({}, "LoRDO: global basis from the averaged pseudo-gradient + full-rank QHM term, error feedback"),
     "lordo_local": ({"basis_scope": "local", "average_moments": False},
                     "LoRDO-Local: each worker computes its own basis"),
     "diloco": ({"lowrank": False}, "DiLoCo: the user's optimizer locally, averaged every K steps"),
-    "lordo_compressed": ({"payload": "lowrank", "payload_dtype": "int8", "fullrank_rank": 16, "moments_every": 4},
+    "lordo_lean": (dict(LEAN_KNOBS), "LoRDO without the error-feedback buffer: rank-r optimizer state only, at "
+                                     "some loss"),
+    "lordo_compressed": ({**LEAN_KNOBS, "payload": "lowrank", "payload_dtype": "int8", "fullrank_rank": 16,
+                          "moments_every": 4},
                          "LoRDO with everything compressed: int8 low-rank messages for every weight matrix, moments "
-                         "every 4th sync"),
+                         "every 4th sync (lean optimizer knobs)"),
     "lowrank_ddp": ({"synchronous": True}, "low-rank DDP: gradients averaged every step, LoRDO's low-rank "
                                            "moments, bases from the averaged gradient every K steps"),
-    "lordo_quality": ({"omega": 0.97, "full_rank_input": "accumulated", "error_feedback": True, "projection": "svd",
-                       "average_fullrank_moments": True, "variance_clamp": True},
-                      "LoRDO with the authors' choices and error feedback (exact SVD bases): the lowest loss measured, "
-                      "at about 3x the optimizer memory of lordo"),
 }
 #: Suffix of a registered name -> its start method (as Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``).
 LAUNCH_SUFFIXES = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))

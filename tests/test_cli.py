@@ -24,7 +24,7 @@ BASE = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.max_steps
         "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false"]
 KNOBS = {"rank": 8, "omega": 0.9, "normalizer": "mean_denom", "payload": "lowrank", "payload_dtype": "int8",
          "warmup_steps": 2, "switch_betas": [0.99, 0.99], "switch_lr_scale": 0.5, "timeout": 60.0, "seed": 3,
-         "anchor_device": "cpu", "error_feedback": True, "full_rank_input": "accumulated"}
+         "anchor_device": "cpu", "error_feedback": False, "full_rank_input": "gradient", "power_iters": 2}
 
 
 def _cli(args: list[str]) -> LightningCLI:
@@ -34,7 +34,7 @@ def _cli(args: list[str]) -> LightningCLI:
 def _check(strategy: Any) -> None:
     assert isinstance(strategy, LoRDOStrategy)
     assert strategy.optimizer_knobs == {k: KNOBS[k] for k in ("rank", "omega", "normalizer", "error_feedback",
-                                                              "full_rank_input")}
+                                                              "full_rank_input", "power_iters")}
     config = strategy.sync_config
     assert (config.payload, config.payload_dtype, config.warmup_steps, config.switch_betas) == (
         "lowrank", "int8", 2, (0.99, 0.99))
@@ -45,7 +45,8 @@ def _check(strategy: Any) -> None:
 def _flags(knobs: dict[str, Any]) -> list[str]:
     out = ["--trainer.strategy=lightning_lordo.LoRDOStrategy"]
     for k, v in knobs.items():
-        value = "true" if v is True else str(v).replace(" ", "")
+        value = {True: "true", False: "false"}.get(v, str(v).replace(" ", "")) if isinstance(v, bool) \
+            else str(v).replace(" ", "")
         out.append(f"--trainer.strategy.{k}={value}")
     return out
 

@@ -480,16 +480,26 @@ def _svd(trainer: L.Trainer, module: L.LightningModule) -> None:
 
 
 def _mu_auto(trainer: L.Trainer, module: L.LightningModule) -> None:
-    # both terms get the same RMS per matrix, so omega alone sets their ratio: (1 - 0.7) / 0.7
-    ratio = trainer.strategy.synchronizer.optimizer.diagnostics()["term_ratio"]
-    assert math.isclose(ratio, 0.3 / 0.7, rel_tol=1e-3), ratio
+    # both terms get the same RMS per matrix, so omega alone sets their ratio: (1 - omega) / omega
+    optimizer = trainer.strategy.synchronizer.optimizer
+    omega = optimizer.param_groups[0]["omega"]
+    ratio = optimizer.diagnostics()["term_ratio"]
+    assert omega < 1 and math.isclose(ratio, (1 - omega) / omega, rel_tol=1e-3), (ratio, omega)
+
+
+def _no_error_feedback(trainer: L.Trainer, module: L.LightningModule) -> None:
+    optimizer: LoRDO = trainer.strategy.synchronizer.optimizer
+    assert optimizer.lowrank_params()
+    assert not any("error_feedback" in optimizer.state[p] for p in optimizer.lowrank_params())
+    assert optimizer.memory_report()["error_feedback"] == 0
 
 
 OPTIONS: dict[str, tuple[dict[str, Any], Check]] = {
     "nesterov": ({"outer_optimizer": "nesterov"}, _nesterov),
     "random initial basis": ({"initial_basis": "random"}, _random_basis),
     "broadcast bases": ({"broadcast_bases": True}, _broadcast_bases),
-    "error feedback": ({"error_feedback": True}, _error_feedback),
+    "error feedback (the default)": ({}, _error_feedback),
+    "no error feedback": ({"error_feedback": False}, _no_error_feedback),
     "factored": ({"normalizer": "factored"}, _factored),
     "svd": ({"projection": "svd"}, _svd),
     "mu auto": ({"mu": "auto"}, _mu_auto),

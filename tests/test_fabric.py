@@ -171,11 +171,13 @@ def _load_and_continue(fabric: Fabric, model: nn.Module, path: Path) -> dict[str
 
 @pytest.mark.timeout(120)
 def test_save_at_a_boundary_and_load_resume_the_same_run(tmp_path: Path) -> None:
-    """With every optimizer state averaged at each sync, the resumed run is bit-identical to the uninterrupted one."""
+    """With every optimizer state averaged at each sync (the error-feedback buffers too), the resumed run is
+    bit-identical to the uninterrupted one."""
     path, result = tmp_path / "fabric.ckpt", tmp_path / "uninterrupted.pt"
-    fabric_for(average_fullrank_moments=True).launch(_train_and_save, regression_model(0), path, result)
+    averaged = dict(average_fullrank_moments=True, average_error_feedback=True)
+    fabric_for(**averaged).launch(_train_and_save, regression_model(0), path, result)
     assert "lordo" in torch.load(path, weights_only=True)
-    resumed = fabric_for(average_fullrank_moments=True).launch(_load_and_continue, regression_model(1), path)
+    resumed = fabric_for(**averaged).launch(_load_and_continue, regression_model(1), path)
     uninterrupted = torch.load(result, weights_only=False)
     assert resumed["params"] == uninterrupted["params"].tolist()
     for key in ("syncs", "optimizer_steps", "ddp_equivalent_bytes"):

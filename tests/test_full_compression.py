@@ -180,7 +180,9 @@ class CheckPreset(L.Callback):
         strategy: LoRDOStrategy = trainer.strategy
         config, preset = strategy.sync_config, PRESETS["lordo_compressed"][0]
         assert (config.payload, config.payload_dtype) == ("lowrank", "int8") and config.fullrank_rank > 0
-        assert {k: getattr(config, k) for k in preset} == preset
+        synced = {k: v for k, v in preset.items() if k in SyncConfig.__dataclass_fields__}
+        assert synced and {k: getattr(config, k) for k in synced} == synced
+        assert strategy.optimizer_knobs == {k: v for k, v in preset.items() if k not in synced}
         assert strategy.accountant.totals["pseudo_gradients"] < sum(p.numel() for p in module.parameters()) * 3
         assert torch.equal(*gather(flat_params(module)))
 
@@ -190,18 +192,33 @@ def test_lordo_compressed_is_a_registered_name_that_trains() -> None:
     trainer("lordo_compressed_fork", callbacks=[CheckPreset()], max_steps=12).fit(TinyRegressor(), loader())
 
 
-class CheckQuality(L.Callback):
+class CheckLean(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         strategy: LoRDOStrategy = trainer.strategy
-        knobs, group = PRESETS["lordo_quality"][0], strategy.optimizers[0].param_groups[0]
-        assert strategy.sync_config.average_fullrank_moments is True
-        assert {k: group[k] for k in knobs if k in group} == {k: v for k, v in knobs.items() if k in group}
-        assert all(group[k] == knobs[k] for k in ("omega", "error_feedback", "projection", "full_rank_input"))
-        lowrank = strategy.optimizers[0].lowrank_params()
-        assert lowrank and all("error_feedback" in strategy.optimizers[0].state[p] for p in lowrank)
+        optimizer = strategy.optimizers[0]
+        group = optimizer.param_groups[0]
+        assert (group["omega"], group["full_rank_input"], group["error_feedback"], group["power_iters"]) == \
+            (0.7, "gradient", False, 1)
+        lowrank = optimizer.lowrank_params()
+        assert lowrank and not any("error_feedback" in optimizer.state[p] for p in lowrank)
         assert torch.equal(*gather(flat_params(module)))
 
 
-def test_lordo_quality_is_a_registered_name_that_trains_with_its_knobs() -> None:
+class CheckDefaults(L.Callback):
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        optimizer = trainer.strategy.optimizers[0]
+        group = optimizer.param_groups[0]
+        assert (group["omega"], group["full_rank_input"], group["error_feedback"], group["power_iters"]) == \
+            (0.97, "accumulated", True, 3)
+        lowrank = optimizer.lowrank_params()
+        assert lowrank and all("error_feedback" in optimizer.state[p] for p in lowrank)
+
+
+def test_lordo_trains_with_error_feedback_by_default() -> None:
     torch.manual_seed(0)
-    trainer("lordo_quality_fork", callbacks=[CheckQuality()], max_steps=12).fit(TinyRegressor(), loader())
+    trainer("lordo_fork", callbacks=[CheckDefaults()], max_steps=12).fit(TinyRegressor(), loader())
+
+
+def test_lordo_lean_is_a_registered_name_that_trains_without_the_buffer() -> None:
+    torch.manual_seed(0)
+    trainer("lordo_lean_fork", callbacks=[CheckLean()], max_steps=12).fit(TinyRegressor(), loader())

@@ -176,11 +176,9 @@ def test_strategy_refuses_unknown_keywords_with_type_error(name: str) -> None:
 IGNORED_COMBINATIONS: list[tuple[dict[str, Any], str]] = [
     ({"update": "subspace_qh", "normalizer": "scalar"}, "normalizer='scalar'"),
     ({"update": "subspace_qh", "mu": "auto"}, "mu='auto'"),
-    ({"update": "subspace_qh", "full_rank_input": "accumulated", "error_feedback": True},
-     "full_rank_input='accumulated'"),
-    ({"ef_dtype": "bfloat16"}, "ef_dtype='bfloat16'"),
-    ({"ef_decay": 0.5}, "ef_decay=0.5"),
-    ({"full_rank_input": "accumulated"}, "full_rank_input='accumulated'"),
+    ({"update": "subspace_qh", "full_rank_input": "gradient"}, "full_rank_input='gradient'"),
+    ({"error_feedback": False, "ef_dtype": "bfloat16"}, "ef_dtype='bfloat16'"),
+    ({"error_feedback": False, "ef_decay": 0.5}, "ef_decay=0.5"),
     ({"switch_lr_scale": 2.0}, "switch_lr_scale=2.0"),
     ({"switch_betas": (0.99, 0.99)}, "switch_betas=(0.99, 0.99)"),
     ({"switch_reset_moments": True}, "switch_reset_moments=True"),
@@ -190,6 +188,17 @@ IGNORED_COMBINATIONS: list[tuple[dict[str, Any], str]] = [
     ({"synchronous": True, "basis_scope": "local"}, "basis_scope='local'"),
     ({"broadcast_bases": True, "basis_scope": "local"}, "broadcast_bases=True"),
 ]
+
+
+def test_the_accumulated_input_without_error_feedback_is_refused_by_the_optimizer() -> None:
+    """``full_rank_input="accumulated"`` is the default, so a strategy cannot tell it was passed; the optimizer can."""
+    w = nn.Parameter(torch.randn(8, 8))
+    for given in ({"error_feedback": False, "full_rank_input": "accumulated"},):
+        with pytest.raises(ValueError, match=r"full_rank_input='accumulated' with error_feedback=False"):
+            LoRDO([w], rank=2, **given)
+        with pytest.raises(ValueError, match=r"full_rank_input='accumulated' with error_feedback=False"):
+            LoRDO([{"params": [w], **given}], rank=2)
+    LoRDO([w], rank=2, error_feedback=False)  # the default input with the buffer off is the gradient: accepted
 
 
 @pytest.mark.parametrize(("knobs", "shown"), IGNORED_COMBINATIONS, ids=[s for _, s in IGNORED_COMBINATIONS])
@@ -265,10 +274,10 @@ PRESETS = {"lordo": dict(lowrank=True, basis_scope="global", average_moments=Tru
            "diloco": dict(lowrank=False, basis_scope="global", average_moments=True, synchronous=False),
            "lowrank_ddp": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=True),
            "lordo_compressed": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=False),
-           "lordo_quality": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=False)}
-#: The optimizer knobs a preset sets (the others set none).
-PRESET_OPTIMIZER_KNOBS = {"lordo_quality": {"omega": 0.97, "full_rank_input": "accumulated", "error_feedback": True,
-                                            "projection": "svd", "variance_clamp": True}}
+           "lordo_lean": dict(lowrank=True, basis_scope="global", average_moments=True, synchronous=False)}
+#: The optimizer knobs a preset sets (the others set none): the lean ones, spelled out (not read from the package).
+LEAN = {"omega": 0.7, "full_rank_input": "gradient", "error_feedback": False, "power_iters": 1}
+PRESET_OPTIMIZER_KNOBS = {"lordo_lean": LEAN, "lordo_compressed": LEAN}
 LAUNCHERS = {"": "popen", "_fork": "fork", "_spawn": "spawn"}
 
 

@@ -69,8 +69,9 @@ def test_knobs_changed_on_resume_win_and_one_warning_lists_them(tmp_path: Path) 
     """rank 4 -> 8, omega 0.7 -> 0.3, normalizer col_rms -> factored, error feedback off -> on, at a mid-round
     checkpoint: the resumed run uses the new knobs (a different trajectory from an unchanged resume), the state is
     converted (bases of rank 8, error-feedback buffers), and one warning lists all four."""
-    ckpt = _first_fit(tmp_path, BatchNormRegressor(scheduler=True), lordo(sync_every=K)) / "step=6.ckpt"
-    same, none = _resume(tmp_path, ckpt, BatchNormRegressor(scheduler=True), lordo(sync_every=K), "same")
+    lean = {"omega": 0.7, "error_feedback": False}  # the first run without the default's buffer
+    ckpt = _first_fit(tmp_path, BatchNormRegressor(scheduler=True), lordo(sync_every=K, **lean)) / "step=6.ckpt"
+    same, none = _resume(tmp_path, ckpt, BatchNormRegressor(scheduler=True), lordo(sync_every=K, **lean), "same")
     assert none == []  # nothing changed: no warning
     changed = {"rank": 8, "omega": 0.3, "normalizer": "factored", "error_feedback": True}
     new, messages = _resume(tmp_path, ckpt, BatchNormRegressor(scheduler=True), lordo(sync_every=K, **changed), "new")

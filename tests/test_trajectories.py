@@ -3,6 +3,7 @@ reordered (``tests/trajectory_cases.py``, fixture ``tests/fixtures/trajectories.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,13 @@ def assert_matches(actual: Any, expected: Any, rtol: float, where: str = "") -> 
 @pytest.mark.parametrize("case", list(OPTIMIZER_CASES))
 def test_optimizer_reproduces_the_recorded_trajectory(case: str, implementation: str, recorded: dict[str, Any]) -> None:
     actual = run_optimizer_case(dict(OPTIMIZER_CASES[case]), foreach=implementation == "grouped")
-    assert_matches(actual, recorded["optimizer"][case], TOLERANCE.get(implementation, 0.0), case)
+    expected = copy.deepcopy(recorded["optimizer"][case])
+    if OPTIMIZER_CASES[case].get("update") == "subspace_qh":
+        # that update has no full-rank term, so its groups' full_rank_input (refused if given) is today's default
+        for state in (actual, expected):
+            for group in state["optimizer"]["param_groups"]:
+                group.pop("full_rank_input")
+    assert_matches(actual, expected, TOLERANCE.get(implementation, 0.0), case)
 
 
 STRATEGY_RUNS = [(case, implementation) for case in STRATEGY_CASES for implementation in ("reference", "grouped")

@@ -38,6 +38,20 @@ OPTIMIZER_CASES: dict[str, dict[str, Any]] = {
     "keep_power3": {"transition": "keep", "power_iters": 3, "rank": 0.25},
 }
 
+#: The optimizer's defaults when the fixture was recorded (no error feedback, omega 0.7, the gradient into the
+#: full-rank term, one power step). Every case is over them (:func:`recorded_knobs`), so the fixture keeps its meaning
+#: whatever today's defaults are.
+RECORDED_DEFAULTS: dict[str, Any] = {"omega": 0.7, "full_rank_input": "gradient", "error_feedback": False,
+                                     "power_iters": 1}
+
+
+def recorded_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
+    """``knobs`` over :data:`RECORDED_DEFAULTS` (``subspace_qh`` has no full-rank term, so no input for it)."""
+    base = {k: v for k, v in RECORDED_DEFAULTS.items()
+            if not (k == "full_rank_input" and knobs.get("update") == "subspace_qh")}
+    return {**base, **knobs}
+
+
 STRATEGY_CASES: dict[str, dict[str, Any]] = {
     "local_moments": {"average_moments": False, "error_feedback": True, "normalizer": "factored",
                       "outer_optimizer": "nesterov"},
@@ -64,7 +78,8 @@ def run_optimizer_case(knobs: dict[str, Any], steps: int = 12, **implementation:
     full_rank = [params[8]]
     groups = [{"params": params[:6] + params[9:]}, {"params": params[6:9], "weight_decay": 0.0}]
     rank = knobs.pop("rank", 4)
-    opt = LoRDO(groups, lr=1e-2, rank=rank, weight_decay=0.05, full_rank=full_rank, **knobs, **implementation)
+    opt = LoRDO(groups, lr=1e-2, rank=rank, weight_decay=0.05, full_rank=full_rank, **recorded_knobs(knobs),
+                **implementation)
     generator = torch.Generator().manual_seed(1)
     for step in range(1, steps + 1):
         for p in params:
@@ -151,6 +166,7 @@ def _fit_case(knobs: dict[str, Any], path: str, LoRDOStrategy: Any, loader: Any,
 
     knobs = dict(knobs)
     if knobs.get("lowrank", True):
+        knobs = recorded_knobs(knobs)
         knobs.setdefault("rank", 4)
     os.environ["LORDO_TRAJECTORY_OUT"] = path
     torch.manual_seed(0)
