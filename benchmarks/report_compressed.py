@@ -129,11 +129,29 @@ def figure(means: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
                   [f"{model} model, 4 workers, K = 32" for model in means], path)
 
 
+def table_candidate() -> list[str]:
+    """The payloads with the authors'-protocol candidate default (``compressed.CANDIDATE_PAYLOADS``), beside the
+    main table's same payloads with the lean knobs at the same seeds."""
+    rows = ["| model | payload | lr | seed | val loss | lean knobs, their LR | MB per worker |",
+            "|---|---|---|---|---|---|---|"]
+    records = load(compressed.RESULTS)
+    for r in _runs("candidate"):
+        payload = r["name"].removeprefix("candidate_")
+        twin = compressed.spec(r["model"], r["spec"]["data"], payload, compressed.best_lr(r["model"], "lordo"),
+                               r["spec"]["seed"])
+        found = done(records, twin)  # at LoRDO's LR, whichever stage ran it
+        other = found["final_val_loss"] if found else None
+        rows.append(f"| {r['model']} | {payload} | {r['spec']['lr']:g} | {r['spec']['seed']} | "
+                    f"{r['final_val_loss']:.4f} | {'' if other is None else f'{other:.4f}'} | {_mb(r['bytes_sent'])} |")
+    return rows
+
+
 def main() -> int:
     means = main_means()
     lines = ["### Learning rates (seed 0)", "", *table_lr(), "", "### Candidates for `lordo_compressed` (seed 0)", "",
              *table_choose(), "", "### Main table (mean over seeds)", "", *table_main(means), "### Targets", "",
-             *targets(means), ""]
+             *targets(means), "", "### The payloads with the new defaults (`compressed.py --stage candidate`)", "",
+             *table_candidate(), ""]
     out = ROOT / "results" / "compressed.md"
     out.write_text("\n".join(lines))
     if means:
