@@ -20,11 +20,11 @@ from harness import ROOT, load
 
 NAMES = {"ddp": "DDP (AdamW)", "ddp_qh": "DDP, authors' QH + beta switch", "lowrank_ddp": "low-rank DDP (authors')",
          "lordo_local": "LoRDO-Local (authors')", "lordo_noqhm": "LoRDO-Global w/o QHM",
-         "lordo_defaults": "LoRDO, today's defaults", "lordo_authors": "LoRDO, authors' choices",
+         "lordo_defaults": "LoRDO, earlier defaults (lordo_lean)", "lordo_authors": "LoRDO, authors' choices",
          "lordo_authors_colrms": "LoRDO, authors' choices with col_rms",
          "lordo_authors_colrms_power": "LoRDO, authors' with col_rms and a power step",
-         "lordo_candidate": "LoRDO, candidate default", "lordo_candidate_bf16": "candidate, bfloat16 EF and payload",
-         "lordo_candidate_compressed": "candidate, everything compressed",
+         "lordo_candidate": "LoRDO, new defaults", "lordo_candidate_bf16": "new defaults, bfloat16 EF and payload",
+         "lordo_candidate_compressed": "new defaults, everything compressed",
          "diloco": "DiLoCo", "powersgd4": "DDP + PowerSGD r4", "powersgd16": "DDP + PowerSGD r16",
          "fp16": "DDP + fp16 hook"}
 
@@ -105,7 +105,23 @@ def report(path: Path) -> str:
                      f"| {versus} | {sent[name] / 1e6:,.0f} | {fewer} | {optimizer_state(rs[0]) / 1e6:.2f} |")
     lines += ["", "### Targets", ""] + targets(runs, ppl, sent)
     lines += ablations(records, runs)
+    lines += recheck(records, runs)
     return "\n".join(lines) + "\n"
+
+
+def recheck(records: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The reference methods' seed 0 from the rebuilt warm-up checkpoint against their recorded runs."""
+    again = [r for r in records if r["stage"] == "recheck"]
+    if not again:
+        return []
+    lines = ["", "### Recheck: seed 0 again from the rebuilt warm-up checkpoint", "",
+             "| method | recorded | from the rebuilt checkpoint | difference |", "|---|---|---|---|"]
+    for r in again:
+        before = next((x for x in runs.get(r["name"], []) if x["spec"]["seed"] == 0), None)
+        if before is not None:
+            lines.append(f"| {NAMES[r['name']]} | {before['final_val_loss']:.4f} | {r['final_val_loss']:.4f} "
+                         f"| {r['final_val_loss'] - before['final_val_loss']:+.4f} |")
+    return lines
 
 
 def ablations(records: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -134,7 +150,8 @@ def optimizer_state(record: dict[str, Any]) -> float:
 
 def targets(runs: dict[str, list[dict[str, Any]]], ppl: dict[str, float], sent: dict[str, float]) -> list[str]:
     out = []
-    for name in ("lordo_defaults", "lordo_authors", "lordo_authors_colrms", "lordo_authors_colrms_power"):
+    for name in ("lordo_candidate", "lordo_candidate_bf16", "lordo_candidate_compressed", "lordo_defaults",
+                 "lordo_authors", "lordo_authors_colrms"):
         if name not in ppl or "lowrank_ddp" not in ppl:
             out.append(f"- {NAMES[name]}: not measured against low-rank DDP yet.")
             continue
