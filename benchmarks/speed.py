@@ -1,6 +1,7 @@
 """Speed and memory of the optimizer itself, in one process, as ratios measured side by side.
 
-1. Optimizer step: LoRDO (grouped; its CPU layout, and ``lordo_stacked``, the accelerators' layout run here) vs
+1. Optimizer step: LoRDO with the lean knobs (``lordo``: no error feedback; grouped, its CPU layout, and
+   ``lordo_stacked``, the accelerators' layout run here; ``lordo_default``: the defaults, error feedback on) vs
    torch's AdamW (foreach and fused) on the same parameters and gradients, on the 3.2 M-parameter GPT (rank 32) and
    on a 12-layer GPT-2-small-shaped parameter set (ranks 96 = d/8 and 24 = d/32), 1 and 2 threads, interleaved
    repeats (medians); ``matmul_floor``, the two matmuls per low-rank matrix that any LoRDO step computes, timed
@@ -39,7 +40,8 @@ from lightning_lordo.models import CharGPT
 from lightning_lordo.optim.projection import compute_basis
 
 SIZES = {"small (d64, 2L)": (64, 2), "medium (d128, 4L)": (128, 4), "large (d256, 4L)": (256, 4)}
-OPTIMIZERS = ("adamw_foreach", "adamw_fused", "lordo", "lordo_stacked", "matmul_floor", "lordo_reference")
+OPTIMIZERS = ("adamw_foreach", "adamw_fused", "lordo", "lordo_stacked", "matmul_floor", "lordo_reference",
+              "lordo_default")
 VIEWS = ("aten.t.", "aten.transpose", "aten.permute", "aten.view", "aten._unsafe_view", "aten.unbind", "aten.expand",
          "aten.select", "aten.slice", "aten.alias", "aten.as_strided", "aten.detach", "aten.unsqueeze", "aten.squeeze",
          "aten.lift_fresh", "profiler.", "aten._local_scalar_dense")
@@ -96,10 +98,11 @@ def _optimizer(kind: str, params: list[Tensor], embeddings: int, rank: int) -> t
     if kind == "adamw_fused":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
     cls = {"matmul_floor": _MatmulFloor, "lordo_stacked": Stacked}.get(kind, LoRDO)
-    # the lean knobs (no error-feedback buffer), as results/speed.json was measured; the default's buffer adds
-    # its passes (functional.lowrank_grouped)
+    # the lean knobs (no error-feedback buffer), as the earlier results were measured; "lordo_default" is the
+    # default, whose buffer adds its passes (functional.lowrank_grouped)
+    knobs = {} if kind == "lordo_default" else LEAN_KNOBS
     return cls(params, lr=1e-3, rank=rank, full_rank=params[:embeddings], foreach=kind != "lordo_reference",
-               **LEAN_KNOBS)
+               **knobs)
 
 
 def _copies(make: Callable[[], tuple[list[Tensor], int]], kinds: tuple[str, ...], rank: int
@@ -131,7 +134,9 @@ def optimizer_step(name: str, make: Callable[[], tuple[list[Tensor], int]], rank
     return {"set": name, "rank": rank, "threads": threads, **{f"{k}_ms": v for k, v in ms.items()},
             "lordo_over_foreach": ms["lordo"] / ms["adamw_foreach"],
             "lordo_over_fused": ms["lordo"] / ms["adamw_fused"],
-            "floor_over_fused": ms["matmul_floor"] / ms["adamw_fused"]}
+            "floor_over_fused": ms["matmul_floor"] / ms["adamw_fused"],
+            **({"default_over_foreach": ms["lordo_default"] / ms["adamw_foreach"],
+                "default_over_fused": ms["lordo_default"] / ms["adamw_fused"]} if "lordo_default" in ms else {})}
 
 
 class _Ops(TorchDispatchMode):
@@ -207,7 +212,7 @@ def training_step(repeats: int = 20) -> list[dict[str, Any]]:
         torch.manual_seed(0)
         base = CharGPT(d_model=d, n_layers=layers, n_heads=4, seq_len=64)
         models, optimizers = {}, {}
-        for kind in ("adamw_foreach", "adamw_fused", "lordo"):
+        for kind in ("adamw_foreach", "adamw_fused", "lordo", "lordo_default"):
             models[kind] = CharGPT(d_model=d, n_layers=layers, n_heads=4, seq_len=64)
             models[kind].load_state_dict(base.state_dict())
             params = list(models[kind].parameters())
@@ -224,7 +229,9 @@ def training_step(repeats: int = 20) -> list[dict[str, Any]]:
         ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         rows.append({"model": name, "params": sum(p.numel() for p in base.parameters()),
                      **{f"{k}_ms": v for k, v in ms.items()}, "lordo_over_foreach": ms["lordo"] / ms["adamw_foreach"],
-                     "lordo_over_fused": ms["lordo"] / ms["adamw_fused"]})
+                     "lordo_over_fused": ms["lordo"] / ms["adamw_fused"],
+                     "default_over_foreach": ms["lordo_default"] / ms["adamw_foreach"],
+                     "default_over_fused": ms["lordo_default"] / ms["adamw_fused"]})
     return rows
 
 
@@ -281,9 +288,10 @@ def main(argv: list[str]) -> int:
     gpt2 = partial(gpt2_small, layers)
     steps = [optimizer_step("GPT d256 4L (3.2 M)", _gpt(256, 4), 32, threads, 20) for threads in (1, 2)]
     steps += [optimizer_step(f"GPT-2 small shapes ({layers} layers)", gpt2, rank, threads, 3 if quick else 5,
-                             kinds=OPTIMIZERS[:5])
+                             kinds=tuple(k for k in OPTIMIZERS if k != "lordo_reference"))
               for rank in (96, 24) for threads in (1, 2)]
-    ops = dispatch_counts(gpt2, 96, 768 * 3072, 2 * layers, kinds=OPTIMIZERS[:4])
+    ops = dispatch_counts(gpt2, 96, 768 * 3072, 2 * layers, kinds=("adamw_foreach", "adamw_fused", "lordo",
+                                                                   "lordo_stacked", "lordo_default"))
     passes = dispatch_counts(lambda: ([torch.nn.Parameter(torch.randn(3072, 768)) for _ in range(8)], 0), 96,
                              768 * 3072, 8)
     results = {"header": provenance("python benchmarks/speed.py " + " ".join(argv)), "optimizer_step": steps,
