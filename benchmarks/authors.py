@@ -19,6 +19,7 @@ Stages (each appends to ``results/authors.jsonl`` and skips runs already there, 
 * ``scratch``: the best LoRDO configuration from scratch for 2560 steps (what the warm start buys).
 * ``seed2``: a third seed of the main table's key methods, where time allows.
 * ``recheck``: the reference methods' seed 0 again, from the checkpoint as rebuilt now (recorded as this stage).
+* ``frontier``: the new defaults at K = 8 (4x the bytes, toward PowerSGD rank 16's budget), seed 0.
 
 Usage: ``python benchmarks/authors.py --data ../shared/data/tinyshakespeare.txt [--stage all]``
 """
@@ -36,7 +37,7 @@ from harness import ROOT, RunSpec, append, done, load, provenance, run
 RESULTS = ROOT / "results" / "authors.jsonl"
 CACHE = ROOT / "cache"
 WARMUP_CKPT = CACHE / "authors-warmup.ckpt"
-STAGES = ("warmup-lr", "warmup", "sweep", "main", "ablations", "claims", "scratch", "seed2", "recheck")
+STAGES = ("warmup-lr", "warmup", "sweep", "main", "ablations", "claims", "scratch", "seed2", "recheck", "frontier")
 
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, workers=4, batch_size=8, sync_every=32, rank=16,
              val_batches=32)
@@ -244,6 +245,10 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
         return claims_specs(data)
     if stage == "scratch":
         return scratch_specs(data)
+    if stage == "frontier":
+        return [("lordo_candidate:sync_every=8", continuation("lordo_candidate", data,
+                                                              warmup_lr() * best_scale("lordo_candidate"),
+                                                              sync_every=8))]
     if stage == "recheck":
         base = warmup_lr()
         return [(n, continuation(n, data, base * best_scale(n))) for n in RECHECK]
