@@ -108,7 +108,8 @@ def report(path: Path) -> str:
     lines += recheck(records, runs)
     more = [r for r in records if r["stage"] == "frontier"]
     if more:
-        lines += ["", "### More bytes (seed 0)", "", "| run | val loss | MB sent | optimizer state MB |", "|---|---|---|---|"]
+        lines += ["", "### More bytes (seed 0)", "", "| run | val loss | MB sent | optimizer state MB |",
+                  "|---|---|---|---|"]
         lines += [f"| {r['name']} | {r['final_val_loss']:.4f} | {r['bytes_sent'] / 1e6:,.0f} "
                   f"| {optimizer_state(r) / 1e6:.2f} |" for r in more]
     return "\n".join(lines) + "\n"
