@@ -236,6 +236,8 @@ def test_names_are_registered_with_fabric() -> None:
     assert Fabric(strategy="lowrank_ddp", accelerator="cpu", devices=1).strategy.sync_config.synchronous is True
     local = Fabric(strategy="lordo_local_fork", accelerator="cpu", devices=1).strategy.sync_config
     assert local.basis_scope == "local" and local.average_moments is False
+    lean = Fabric(strategy="lordo_lean", accelerator="cpu", devices=1).strategy.optimizer_knobs
+    assert lean == {"omega": 0.7, "full_rank_input": "gradient", "error_feedback": False, "power_iters": 1}
 
 
 def _launched(**knobs: Any) -> Fabric:
