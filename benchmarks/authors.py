@@ -19,7 +19,7 @@ Stages (each appends to ``results/authors.jsonl`` and skips runs already there, 
 * ``scratch``: the best LoRDO configuration from scratch for 2560 steps (what the warm start buys).
 * ``seed2``: a third seed of the main table's key methods, where time allows.
 * ``recheck``: the reference methods' seed 0 again, from the checkpoint as rebuilt now (recorded as this stage).
-* ``frontier``: the new defaults at K = 8 (4x the bytes, toward PowerSGD rank 16's budget), seed 0.
+* ``frontier``: the new defaults at K = 8 and 6 (4x and 5.3x the bytes: PowerSGD rank 16's budget), seed 0.
 
 Usage: ``python benchmarks/authors.py --data ../shared/data/tinyshakespeare.txt [--stage all]``
 """
@@ -246,9 +246,9 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
     if stage == "scratch":
         return scratch_specs(data)
     if stage == "frontier":
-        return [("lordo_candidate:sync_every=8", continuation("lordo_candidate", data,
-                                                              warmup_lr() * best_scale("lordo_candidate"),
-                                                              sync_every=8))]
+        lr = warmup_lr() * best_scale("lordo_candidate")
+        return [(f"lordo_candidate:sync_every={k}", continuation("lordo_candidate", data, lr, sync_every=k))
+                for k in (8, 6)]
     if stage == "recheck":
         base = warmup_lr()
         return [(n, continuation(n, data, base * best_scale(n))) for n in RECHECK]
