@@ -25,7 +25,9 @@ def test_demo_console_command_tiny_run(tmp_path: Path) -> None:
     command = shutil.which("lordo-demo", path=str(Path(sys.executable).parent))
     assert command is not None, "the console script `lordo-demo` is not installed"
     out = tmp_path / "demo.json"
-    done = subprocess.run([command, "--tiny", "--steps", "16", "--sync-every", "4", "--json", str(out)],
+    # rank d/8, as the full demo's 16 of 128 (the default 16 of the tiny model's 32 would make the default's
+    # full-size error-feedback buffer outweigh what the low-rank moments save)
+    done = subprocess.run([command, "--tiny", "--steps", "16", "--sync-every", "4", "--rank", "4", "--json", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path, env=_clean_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = {r["method"]: r for r in json.loads(out.read_text())["results"]}
@@ -35,11 +37,8 @@ def test_demo_console_command_tiny_run(tmp_path: Path) -> None:
         assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-3)
     assert results["lordo"]["syncs"] == 4
     assert results["lordo"]["bytes_sent"] < results["ddp"]["bytes_sent"] / 2
-    # the default's error-feedback buffer is full-size (on this tiny model, rank 16 of 32 x 32 matrices, it takes
-    # the total past AdamW's); the rest of the state, the low-rank moments and bases, is below AdamW's
-    lordo = results["lordo"]
-    assert lordo["error_feedback_bytes"] > 0
-    assert lordo["optimizer_state_bytes"] - lordo["error_feedback_bytes"] < results["ddp"]["optimizer_state_bytes"]
+    assert results["lordo"]["error_feedback_bytes"] > 0  # the default keeps the buffer, counted in the state
+    assert results["lordo"]["optimizer_state_bytes"] < results["ddp"]["optimizer_state_bytes"]
     assert "val ppl" in done.stdout and "lordo" in done.stdout and "ddp" in done.stdout
 
 

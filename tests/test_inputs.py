@@ -193,11 +193,11 @@ IGNORED_COMBINATIONS: list[tuple[dict[str, Any], str]] = [
 def test_the_accumulated_input_without_error_feedback_is_refused_by_the_optimizer() -> None:
     """``full_rank_input="accumulated"`` is the default, so a strategy cannot tell it was passed; the optimizer can."""
     w = nn.Parameter(torch.randn(8, 8))
-    for given in ({"error_feedback": False, "full_rank_input": "accumulated"},):
-        with pytest.raises(ValueError, match=r"full_rank_input='accumulated' with error_feedback=False"):
-            LoRDO([w], rank=2, **given)
-        with pytest.raises(ValueError, match=r"full_rank_input='accumulated' with error_feedback=False"):
-            LoRDO([{"params": [w], **given}], rank=2)
+    given = {"error_feedback": False, "full_rank_input": "accumulated"}
+    with pytest.raises(ValueError, match=r"full_rank_input='accumulated' with error_feedback=False"):
+        LoRDO([w], rank=2, **given)
+    with pytest.raises(ValueError, match=r"full_rank_input='accumulated' with error_feedback=False"):
+        LoRDO([{"params": [w], **given}], rank=2)
     LoRDO([w], rank=2, error_feedback=False)  # the default input with the buffer off is the gradient: accepted
 
 
