@@ -20,6 +20,9 @@ Stages (each appends to ``results/authors.jsonl`` and skips runs already there, 
 * ``seed2``: a third seed of the main table's key methods, where time allows.
 * ``recheck``: the reference methods' seed 0 again, from the checkpoint as rebuilt now (recorded as this stage).
 * ``frontier``: the new defaults at K = 8 and 6 (4x and 5.3x the bytes: PowerSGD rank 16's budget), seed 0.
+* ``budget``: PowerSGD rank 16's byte budget spent on syncs instead: the new defaults with bfloat16 error feedback
+  and payload at K = 4 (about 0.8x its bytes), LR scales 1 and 2 (seed 0), then seeds 1 and 2 at the better one,
+  and PowerSGD rank 16's third seed (its two differ by 0.028).
 
 Usage: ``python benchmarks/authors.py --data ../shared/data/tinyshakespeare.txt [--stage all]``
 """
@@ -37,7 +40,8 @@ from harness import ROOT, RunSpec, append, done, load, provenance, run
 RESULTS = ROOT / "results" / "authors.jsonl"
 CACHE = ROOT / "cache"
 WARMUP_CKPT = CACHE / "authors-warmup.ckpt"
-STAGES = ("warmup-lr", "warmup", "sweep", "main", "ablations", "claims", "scratch", "seed2", "recheck", "frontier")
+STAGES = ("warmup-lr", "warmup", "sweep", "main", "ablations", "claims", "scratch", "seed2", "recheck", "frontier",
+          "budget")
 
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, workers=4, batch_size=8, sync_every=32, rank=16,
              val_batches=32)
@@ -230,6 +234,27 @@ def scratch_specs(data: str) -> list[tuple[str, RunSpec]]:
     return [(f"{name}:scratch", spec)]
 
 
+BUDGET_K, BUDGET_SCALES, BUDGET_SEEDS = 4, (1.0, 2.0), (1, 2)
+
+
+def budget_specs(data: str) -> list[tuple[str, RunSpec]]:
+    """The bfloat16 defaults at K = 4: both LR scales at seed 0 first, then the other seeds at the better one."""
+    base = warmup_lr()
+    name, label = "lordo_candidate_bf16", f"lordo_candidate_bf16:sync_every={BUDGET_K}"
+
+    def spec(scale: float, seed: int = 0) -> RunSpec:
+        return continuation(name, data, base * scale, seed=seed, sync_every=BUDGET_K)
+
+    specs = [(label, spec(s)) for s in BUDGET_SCALES]
+    losses = {round(r["spec"]["lr"] / base, 6): r["final_val_loss"] for r in _records("budget")
+              if r["name"] == label and r["spec"]["seed"] == 0}
+    if set(BUDGET_SCALES) <= set(losses):
+        best = min(losses, key=losses.get)
+        specs += [(label, spec(best, seed)) for seed in BUDGET_SEEDS]
+        specs.append(("powersgd16", continuation("powersgd16", data, base * best_scale("powersgd16"), seed=2)))
+    return specs
+
+
 def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
     if stage == "warmup-lr":
         return [("lowrank_ddp", warmup_spec(data, lr, steps=WARMUP_STEPS // 2, save=False)) for lr in WARMUP_LRS]
@@ -249,6 +274,8 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
         lr = warmup_lr() * best_scale("lordo_candidate")
         return [(f"lordo_candidate:sync_every={k}", continuation("lordo_candidate", data, lr, sync_every=k))
                 for k in (8, 6)]
+    if stage == "budget":
+        return budget_specs(data)
     if stage == "recheck":
         base = warmup_lr()
         return [(n, continuation(n, data, base * best_scale(n))) for n in RECHECK]
@@ -259,7 +286,7 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
 
 
 def run_stage(stage: str, data: str, argv: list[str]) -> None:
-    while True:  # the sweep grows while an edge keeps winning
+    while True:  # the sweep grows while an edge keeps winning; the budget stage adds seeds once its LR is known
         # read back from the file each round: a record kept in memory holds tuples where the stored spec has lists,
         # so `done` would miss it and the round would run again
         records = [r for r in load(RESULTS) if stage != "recheck" or r.get("stage") == "recheck"]
@@ -276,7 +303,7 @@ def run_stage(stage: str, data: str, argv: list[str]) -> None:
                 append(RESULTS, record)
             print(f"{stage}: {name:<48} lr={spec.lr:<8.3g} seed={spec.seed} val_loss={record['final_val_loss']:.4f} "
                   f"bytes={record['bytes_sent']:.3e} wall={record['wall_seconds']:.0f}s", flush=True)
-        if stage != "sweep":
+        if stage not in ("sweep", "budget"):
             return
 
 
