@@ -3,6 +3,7 @@ norms and seeds. Pure torch: no distributed, no Lightning, no other module of th
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
@@ -57,6 +58,21 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
 def nbytes(tensors: Iterable[Tensor]) -> int:
     """numel x itemsize, summed."""
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def digest(tensors: Iterable[Tensor], chunk_bytes: int = 64 * 1024 * 1024) -> bytes:
+    """The SHA-256 digest of the tensors' dtypes, shapes and raw bytes, in order (equal digests: bitwise-equal
+    tensors). A device tensor is read through host memory ``chunk_bytes`` at a time."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+        raw = t.detach().reshape(-1)
+        if raw.numel() == 0:
+            continue
+        raw = raw.contiguous().view(torch.uint8)
+        for start in range(0, raw.numel(), chunk_bytes):
+            h.update(raw[start : start + chunk_bytes].cpu().numpy().tobytes())
+    return h.digest()
 
 
 def total_norm(tensors: Sequence[Tensor]) -> float:

@@ -65,11 +65,29 @@ def test_replicas_differ_between_syncs_and_match_after(accumulate: int) -> None:
             accumulate_grad_batches=accumulate).fit(TinyRegressor(), loader())
 
 
+class RankPerturbed(TinyRegressor):
+    """Rank 1 shifts its weights in ``setup`` (before the strategy's setup broadcast): the replicas start different
+    and must get rank 0's weights, which rank 0 records."""
+
+    def setup(self, stage: str) -> None:
+        if self.trainer.global_rank == 1:
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.add_(0.5)
+        self.at_setup = flat_params(self).clone()
+
+
 class ByteChecker(L.Callback):
-    """Bytes counted per purpose equal numel x itemsize of what SPEC §4-5 says travels."""
+    """Bytes counted per purpose equal numel x itemsize of what SPEC §4-5 says travels. The setup broadcast is a
+    32-byte digest per worker, then (only when some replica differs) the model, counted on rank 0, the sender."""
 
     def __init__(self, steps: int, k: int, batches: int) -> None:
         self.steps, self.k, self.batches = steps, k, batches
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if isinstance(module, RankPerturbed):  # every replica now holds rank 0's weights
+            assert torch.equal(*gather(flat_params(module)))
+            assert torch.equal(gather(module.at_setup)[0], flat_params(module))
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         strategy: LoRDOStrategy = trainer.strategy
@@ -84,17 +102,23 @@ class ByteChecker(L.Callback):
             "moments": syncs * moments,
             "lightning_sigterm_check": (self.batches + 1) * 8,  # two float32 flags before every batch and at the end
         }
-        if trainer.global_rank == 0:  # broadcasts count on the sender
-            expected["setup_broadcast"] = sum(t.numel() * t.element_size() for t in [*params, *module.buffers()])
+        model_bytes = sum(t.numel() * t.element_size() for t in [*params, *module.buffers()])
+        broadcast = isinstance(module, RankPerturbed)
+        # the digest's all-gather: 32 bytes from every worker; the broadcast counts on the sender (rank 0), its wire
+        # bytes ((M-1)/M = half the model at M = 2) on every worker
+        expected["setup_broadcast"] = 32 + (model_bytes if broadcast and trainer.global_rank == 0 else 0)
         assert dict(strategy.accountant.totals) == expected
+        assert strategy.accountant.wire_totals["setup_broadcast"] == 32 + (model_bytes // 2 if broadcast else 0)
         assert sum(r.bytes_sent for r in strategy.sync_reports) == expected["pseudo_gradients"] + expected["moments"]
         assert strategy.ddp_equivalent_bytes == self.steps * sum(p.numel() * 4 for p in params)
         assert len(lowrank) == 2  # the (3, 16) head is smaller than the rank: it runs AdamW
 
 
-def test_bytes_counted_are_what_travels() -> None:
+@pytest.mark.parametrize("module", [TinyRegressor, RankPerturbed])
+def test_bytes_counted_are_what_travels(module: type) -> None:
+    """Forked replicas start identical (the digest shows it: no broadcast); a perturbed one gets rank 0's model."""
     checker = ByteChecker(steps=10, k=4, batches=10)
-    trainer(lordo(sync_every=4), callbacks=[checker], max_steps=10).fit(TinyRegressor(), loader())
+    trainer(lordo(sync_every=4), callbacks=[checker], max_steps=10).fit(module(), loader())
 
 
 class SaveParams(L.Callback):

@@ -5,7 +5,8 @@ on the same pieces (the knobs of :mod:`lightning_lordo.config`, the Adam/AdamW c
 :class:`~lightning_lordo.comm.communicator.Communicator` and the :class:`~lightning_lordo.sync.synchronizer.
 Synchronizer`). Fabric's own ``DDPStrategy`` keeps the launchers, the process group and the distributed sampler.
 
-* ``fabric.setup(model, optimizer)`` broadcasts rank 0's parameters and buffers to every rank and returns the model
+* ``fabric.setup(model, optimizer)`` broadcasts rank 0's parameters and buffers to every rank (unless a digest shows
+  they are already identical) and returns the model
   *unwrapped*: there is no ``DistributedDataParallel``, so ``fabric.backward`` all-reduces nothing
   (``fabric.no_backward_sync`` is accepted and has nothing to skip). The user's Adam/AdamW becomes
   :class:`~lightning_lordo.LoRDO` (``lowrank=False``, the ``"diloco"`` preset: any optimizer, kept as it is), and
@@ -151,7 +152,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         assert self.communicator is not None, "setup_environment runs first (fabric.launch())"
         self.communicator.context = "setup"
         state = list(module.parameters()) + list(module.buffers())
-        self.communicator.broadcast([t.data for t in state], "setup_broadcast")
+        self.communicator.broadcast_unless_identical([t.data for t in state], "setup_broadcast")
         self._last_module = module
         return module
 

@@ -2,8 +2,9 @@
 
 Each rank trains its own replica with local LoRDO steps; every ``sync_every`` optimizer steps (and at the end
 of ``fit``) the ranks synchronize (``lightning_lordo.sync``). The model is never wrapped in
-``DistributedDataParallel``: parameters and buffers are broadcast from rank 0 once at setup, and each rank
-draws its own data through Lightning's usual distributed sampler.
+``DistributedDataParallel``: parameters and buffers are broadcast from rank 0 once at setup (skipped when a
+32-byte digest shows every rank already holds rank 0's, e.g. a seeded model), and each rank draws its own data
+through Lightning's usual distributed sampler.
 
 Validation during ``fit`` and every checkpoint see the *synchronized* model (the anchor), identical on all
 ranks and free to produce; it lags the local replicas by the steps since the last sync.
@@ -249,7 +250,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """No DistributedDataParallel wrapper: replicas start identical (broadcast from rank 0), then run free."""
+        """No DistributedDataParallel wrapper: replicas start identical (rank 0's, broadcast unless
+        every rank already holds them), then run free."""
         assert isinstance(self.model, LightningModule)
         if not self.model.automatic_optimization:
             raise RuntimeError(
@@ -262,7 +264,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         self._overlap_comm = side_communicator(self.accountant, self.sync_config.timeout) \
             if self.sync_config.overlap_steps and self.world_size > 1 else None
         state = list(self.model.parameters()) + list(self.model.buffers())
-        self.communicator.broadcast([t.data for t in state], "setup_broadcast")
+        self.communicator.broadcast_unless_identical([t.data for t in state], "setup_broadcast")
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
