@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,60 @@ def figure(results: dict[str, Any], path: Path) -> None:
     finish_panels(fig, axes, "wall seconds", "validation loss", [f"2 workers, {rate}" for rate in rates], path)
 
 
+LABELS = {"ddp": "DDP", "powersgd4": "DDP + PowerSGD r4", "diloco": "DiLoCo", "lordo": "`lordo` (blocking)",
+          "lordo_overlap": "`lordo`, `overlap_steps=8`", "lordo_compressed": "`lordo_compressed`",
+          "lordo_compressed_overlap": "`lordo_compressed`, `overlap_steps=8`", "compute": "compute only"}
+
+
+def summarize(results: dict[str, Any], rates: list[str], target: float) -> list[str]:
+    """Each run's ratios to the compute-only run of its rate and repeat (a run of another invocation, which has no
+    repeat of its own, to repeat 0's), its time to ``target``; printed, and returned as a markdown table whose
+    figures are medians over the repeats (with each repeat's ratio beside them when there are several)."""
+    table = {}
+    for rate in rates:
+        runs = [r for r in results["runs"] if r["rate"] == rate]
+        computes = {r.get("repeat", 0): r for r in runs if r["name"] == "compute"}
+        ddp = [r["wall_seconds"] for r in runs if r["name"] == "ddp"]
+        compute_wall = statistics.median(r["wall_seconds"] for r in computes.values())
+        if ddp:
+            share = 1 - compute_wall / statistics.median(ddp)
+            results.setdefault("communication_share_of_ddp", {})[rate] = share
+            print(f"{rate}: communication is {100 * share:.0f} % of DDP's wall time")
+        for r in runs:
+            reference = computes.get(r.get("repeat", 0), computes[0])
+            r["seconds_to_target"] = time_to(r["curve"], target)
+            r["x_compute"] = r["wall_seconds"] / reference["wall_seconds"]
+            r["loop_x_compute"] = r["train_seconds"] / reference["train_seconds"]
+            reach = "never" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f} s"
+            print(f"  {r['name']:<24} repeat {r.get('repeat', 0)} wall {r['wall_seconds']:7.1f} s "
+                  f"({r['x_compute']:.2f}x compute), training loop {r['train_seconds']:7.1f} s "
+                  f"({r['loop_x_compute']:.2f}x), to loss {target:.3f}: {reach}")
+        for name in LABELS:
+            mine = [r for r in runs if r["name"] == name]
+            if mine:
+                table.setdefault(name, {})[rate] = mine
+    lines = [f"| method | {' | '.join(f'{rate} wall | x compute | loop x | to {target:.3f}' for rate in rates)} "
+             "| MB per worker | final loss |", "|---|" + "---|" * (4 * len(rates) + 2)]
+    for name, per_rate in table.items():
+        cells = []
+        for rate in rates:
+            rs = per_rate.get(rate, [])
+            if not rs:
+                cells += ["", "", "", ""]
+                continue
+            ratios = [r["x_compute"] for r in rs]
+            each = f" ({', '.join(f'{x:.2f}' for x in ratios)})" if len(rs) > 1 else ""
+            reach = [r["seconds_to_target"] for r in rs if r["seconds_to_target"] is not None]
+            cells += [f"{statistics.median(r['wall_seconds'] for r in rs):.1f} s",
+                      f"{statistics.median(ratios):.2f}x{each}",
+                      f"{statistics.median(r['loop_x_compute'] for r in rs):.2f}x",
+                      f"{statistics.median(reach):.1f} s" if reach else "never"]
+        first = next(iter(per_rate.values()))[0]
+        lines.append(f"| {LABELS[name]} | {' | '.join(cells)} | {first['bytes_sent'] / 1e6:,.1f} | "
+                     f"{first['final_val_loss']:.4f} |")
+    return lines
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True)
@@ -124,7 +179,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--target", type=float, default=None, help="validation loss for the time-to-target column")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated; runs of other methods already "
                         "in results/netlink.json (same steps) are kept")
+    parser.add_argument("--repeat", type=int, default=1, help="run the methods this many times per rate, in turn "
+                        "(each ratio is to the compute-only run of its own repeat: this machine's speed drifts)")
     args = parser.parse_args(argv)
+    if args.repeat < 1 or ("compute" not in args.methods.split(",") and args.repeat > 1):
+        raise SystemExit(f"--repeat={args.repeat}: use 1 or more, and with more than 1 include compute in --methods")
     if os.geteuid() != 0 or not has_namespaces():
         print("netlink.py needs root with network namespaces and tc (ip netns add, tc qdisc): not available here.",
               file=sys.stderr)
@@ -139,37 +198,31 @@ def main(argv: list[str]) -> int:
                                "runs": kept}
     model = {"steps": args.steps, "workers": 2, "d_model": 512, "n_layers": 2, "seq_len": 32, "batch_size": 4,
              "rank": 32, "sync_every": 32, "val_every": args.steps // 8, "val_batches": 2}
+    rates = args.rates.split(",")
     try:
-        for rate in args.rates.split(","):
+        for rate in rates:
             setup_namespace(rate)
-            for name in methods:
-                method = METHODS[name]
-                lr = 3e-3 if method["method"] == "ddp" else 1e-2
-                spec = RunSpec(lr=lr, data=str(Path(args.data).resolve()), **{**model, **method})
-                copies = model["workers"] if name == "compute" else 1
-                record = {"name": name, "rate": rate, **run_in_namespace(spec, copies)}
-                results["runs"].append(record)
-                print(f"{rate:>8} {name:<14} wall={record['wall_seconds']:.1f}s loss={record['final_val_loss']:.4f} "
-                      f"bytes={record['bytes_sent']:.3e}", flush=True)
+            for repeat in range(args.repeat):
+                for name in methods:
+                    method = METHODS[name]
+                    lr = 3e-3 if method["method"] == "ddp" else 1e-2
+                    spec = RunSpec(lr=lr, data=str(Path(args.data).resolve()), **{**model, **method})
+                    copies = model["workers"] if name == "compute" else 1
+                    record = {"name": name, "rate": rate, "repeat": repeat, **run_in_namespace(spec, copies)}
+                    results["runs"].append(record)
+                    print(f"{rate:>8} {name:<14} repeat {repeat} wall={record['wall_seconds']:.1f}s "
+                          f"loss={record['final_val_loss']:.4f} bytes={record['bytes_sent']:.3e}", flush=True)
     finally:
         teardown_namespace()
     target = args.target if args.target is not None else max(r["final_val_loss"] for r in results["runs"])
     results["target"] = target
-    for rate in args.rates.split(","):
-        runs = {r["name"]: r for r in results["runs"] if r["rate"] == rate}
-        share = 1 - runs["compute"]["wall_seconds"] / runs["ddp"]["wall_seconds"]
-        results.setdefault("communication_share_of_ddp", {})[rate] = share
-        print(f"{rate}: communication is {100 * share:.0f} % of DDP's wall time")
-        for name, r in runs.items():
-            reach = time_to(r["curve"], target)
-            r["seconds_to_target"] = reach
-            ratio = r["wall_seconds"] / runs["compute"]["wall_seconds"]
-            loop = r["train_seconds"] / runs["compute"]["train_seconds"]
-            print(f"  {name:<24} wall {r['wall_seconds']:7.1f} s ({ratio:.2f}x compute), training loop "
-                  f"{r['train_seconds']:7.1f} s ({loop:.2f}x), to loss {target:.3f}: "
-                  f"{'never' if reach is None else f'{reach:.1f} s'}")
+    lines = summarize(results, rates, target)
     (ROOT / "results").mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=2))
+    commits = ", ".join(sorted({h["commit"][:7] for h in results["headers"]}))
+    (ROOT / "results" / "netlink.md").write_text("\n".join([
+        "## A real bandwidth-limited link", "", f"Made by `python benchmarks/netlink.py` at commits {commits} "
+        f"({'; '.join(h['command'] for h in results['headers'])}).", "", "### Wall time", "", *lines, ""]))
     figure(results, ROOT / "results" / "netlink_loss_time.png")
     return 0
 
