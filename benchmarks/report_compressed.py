@@ -146,12 +146,49 @@ def table_candidate() -> list[str]:
     return rows
 
 
+def table_frequent(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """``--stage frequent`` (K = 8): each payload's mean over seeds, and the targets against the main table's
+    PowerSGD rank 4 and DDP (K does not change them) and the ``full`` payload at K = 8 (the same steps)."""
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in _runs("frequent"):
+        grouped[(r["model"], r["name"].split(":")[0])].append(r)
+    rows = ["| model | payload | seeds | val loss (mean) | MB per worker (payload) | MB (wire) | DDP / this "
+            "(everything) |", "|---|---|---|---|---|---|---|"]
+    result: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+    for (model, name), runs in grouped.items():
+        m = {k: _mean([r[f] for r in runs]) for k, f in (("loss", "final_val_loss"), ("bytes", "bytes_sent"),
+                                                         ("wire", "wire_bytes"), ("everything", "bytes_everything"))}
+        result[model][name] = m
+        ddp = means.get(model, {}).get("ddp", {}).get("bytes")
+        ratio = f"{ddp / m['everything']:.0f}x" if ddp else "n/a"
+        rows.append(f"| {model} | {NAMES[name]} | {len(runs)} | {m['loss']:.4f} | {_mb(m['bytes'])} | "
+                    f"{_mb(m['wire'])} | {ratio} |")
+    rows.append("")
+    for model, methods in result.items():
+        psgd, ddp, full = means.get(model, {}).get("powersgd4"), means.get(model, {}).get("ddp"), methods.get("full")
+        for name in ("lowrank_int8", "lordo_compressed"):
+            m = methods.get(name)
+            if not (m and psgd and ddp and full):
+                continue
+            fewer = m["bytes"] < psgd["bytes"] and m["wire"] < psgd["wire"]
+            ratio, gap = ddp["bytes"] / m["everything"], 100 * (m["loss"] / full["loss"] - 1)
+            rows.append(f"- {model}, {NAMES[name]} at K = {compressed.FREQUENT_K}: {_mb(m['bytes'])} MB (wire "
+                        f"{_mb(m['wire'])}) at {m['loss']:.4f} vs PowerSGD r4 {_mb(psgd['bytes'])} MB at "
+                        f"{psgd['loss']:.4f}: fewer bytes {'holds' if fewer else 'missed'}, equal or lower loss "
+                        f"{'holds' if m['loss'] <= psgd['loss'] else 'missed'} "
+                        f"({100 * (m['loss'] / psgd['loss'] - 1):+.2f} %); DDP / this = {ratio:.0f}x "
+                        f"({'holds' if ratio >= 100 else 'missed'} >= 100x); loss {gap:+.2f} % against `full` at "
+                        f"K = {compressed.FREQUENT_K} ({'holds' if gap <= 1 else 'missed'} <= 1 %).")
+    return rows
+
+
 def main() -> int:
     means = main_means()
     lines = ["### Learning rates (seed 0)", "", *table_lr(), "", "### Candidates for `lordo_compressed` (seed 0)", "",
              *table_choose(), "", "### Main table (mean over seeds)", "", *table_main(means), "### Targets", "",
              *targets(means), "", "### The payloads with the new defaults (`compressed.py --stage candidate`)", "",
-             *table_candidate(), ""]
+             *table_candidate(), "", f"### Syncing every {compressed.FREQUENT_K} steps "
+             "(`compressed.py --stage frequent`)", "", *table_frequent(means), ""]
     out = ROOT / "results" / "compressed.md"
     out.write_text("\n".join(lines))
     if means:
