@@ -91,7 +91,11 @@ def test_grouped_step_matches_the_reference_on_mixed_shapes_and_dtypes(case: str
         tol = 4 * 2**-7 if a.dtype == torch.bfloat16 else 1e-5
         _close(a.detach(), b.detach(), rtol=tol)
         for key, value in r_opt.state[b].items():
-            _close(g_opt.state[a][key], value, rtol=1e-4)
+            # the 3 x 4 matrix runs at rank 3, its full rank: its error feedback (G + E minus its projection) is zero
+            # in exact arithmetic, float32 residue of the O(1) gradients that CPU kernels round differently (seen:
+            # 2.4e-7 apart on one Xeon); compared at the gradients' scale
+            scale = 1.0 if key == "error_feedback" else 0.0
+            _close(g_opt.state[a][key], value, rtol=1e-4, scale=scale)
     for i, ref in refs.items():  # the last step of three float32 matrices (wide, tall, square) in float64
         _close(grouped[i].detach(), ref["W"], rtol=1e-5)
     diagnostics, expected = g_opt.diagnostics(), r_opt.diagnostics()
