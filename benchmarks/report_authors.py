@@ -112,7 +112,34 @@ def report(path: Path) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {r['name']} | {r['final_val_loss']:.4f} | {r['bytes_sent'] / 1e6:,.0f} "
                   f"| {optimizer_state(r) / 1e6:.2f} |" for r in more]
+    lines += budget(records, runs)
     return "\n".join(lines) + "\n"
+
+
+def budget(records: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """``--stage budget``: PowerSGD rank 16's bytes spent on syncs (the bfloat16 defaults at K = 4), against
+    PowerSGD rank 16 over all its seeds."""
+    mine = [r for r in records if r["stage"] == "budget" and r["name"].startswith("lordo_")]
+    if not mine:
+        return []
+    base = authors.warmup_lr()
+    lines = ["", f"### PowerSGD rank 16's budget spent on syncs (`--stage budget`: {NAMES['lordo_candidate_bf16']}, "
+             f"K = {authors.BUDGET_K})", "", "| LR scale | seed | val loss | MB sent |", "|---|---|---|---|"]
+    lines += [f"| x{r['spec']['lr'] / base:g} | {r['spec']['seed']} | {r['final_val_loss']:.4f} | "
+              f"{r['bytes_sent'] / 1e6:,.0f} |" for r in mine]
+    seed0 = {r["spec"]["lr"]: r["final_val_loss"] for r in mine if r["spec"]["seed"] == 0}
+    psgd = runs.get("powersgd16", [])
+    if seed0 and psgd:
+        lr = min(seed0, key=seed0.get)
+        at_best = [r for r in mine if r["spec"]["lr"] == lr]
+        loss, peer = (statistics.fmean(x["final_val_loss"] for x in rs) for rs in (at_best, psgd))
+        mb, peer_mb = (statistics.fmean(x["bytes_sent"] for x in rs) / 1e6 for rs in (at_best, psgd))
+        lines += ["", f"- At LR x{lr / base:g}: {_mean([r['final_val_loss'] for r in at_best])} ({len(at_best)} "
+                  f"seeds) at {mb:,.0f} MB against DDP + PowerSGD r16's {_mean([r['final_val_loss'] for r in psgd])} "
+                  f"({len(psgd)} seeds) at {peer_mb:,.0f} MB: no worse at no more bytes "
+                  f"{'holds' if loss <= peer and mb <= peer_mb else 'missed'} ({loss - peer:+.4f}; "
+                  f"{100 * (math.exp(loss - peer) - 1):+.2f} % perplexity)."]
+    return lines
 
 
 def recheck(records: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> list[str]:
