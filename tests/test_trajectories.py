@@ -25,6 +25,16 @@ from trajectory_cases import FIXTURE, OPTIMIZER_CASES, STRATEGY_CASES, run_optim
 #: * the grouped step with the int8 payload is not compared: a 1e-7 difference moves a value across an int8
 #:   rounding boundary (one step is 1/127 of a row's largest value), so the two runs diverge by design.
 TOLERANCE: dict[str, float] = {"grouped": 1e-6, "strategy/local_moments": 1e-5, "strategy-grouped": 1e-4}
+#: These hold on CPUs whose kernels round as the recording machine's did. Elsewhere (seen: an AMX Xeon, where the
+#: per-matrix reference step differs from the recording in the last bits) the same code drifts by float32 rounding
+#: that 12 steps of basis recomputation amplify: measured there up to 3.0e-5 relative (optimizer cases) and 1.7e-5
+#: (two-process runs). Reduced-precision state turns a last-bit difference into a whole rounding step: a bfloat16
+#: error-feedback buffer moves by one (2**-8 relative) and carries it into the moments (the ``factored`` case: 9.8e-4
+#: relative), and the int8 payload diverges by design (a value crosses an int8 rounding boundary). So there every case
+#: is compared within CROSS_MACHINE (bfloat16 tensors within two of their rounding steps; a case with a bfloat16
+#: buffer within CROSS_MACHINE_BF16_STATE), and the int8 payload case is skipped. A change of the math moves these
+#: trajectories by far more (1e-2 and up).
+CROSS_MACHINE, CROSS_MACHINE_BF16_STATE = 1e-4, 3e-3
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +42,30 @@ def recorded() -> dict[str, Any]:
     return torch.load(FIXTURE, weights_only=True)
 
 
+@pytest.fixture(scope="module")
+def same_kernels(recorded: dict[str, Any]) -> bool:
+    """Whether this CPU reproduces the recording bitwise: the per-matrix step of the ``default`` case is the recorded
+    math, so a difference there comes from the CPU's kernels (and a change of the math fails every case anyway)."""
+    try:
+        assert_matches(run_optimizer_case(dict(OPTIMIZER_CASES["default"]), foreach=False),
+                       recorded["optimizer"]["default"], 0.0)
+    except AssertionError:
+        return False
+    return True
+
+
+def _tolerance(rtol: float, same: bool, knobs: dict[str, Any]) -> float:
+    if same:
+        return rtol
+    return max(rtol, CROSS_MACHINE_BF16_STATE if knobs.get("ef_dtype") == "bfloat16" else CROSS_MACHINE)
+
+
 def assert_matches(actual: Any, expected: Any, rtol: float, where: str = "") -> None:
     if isinstance(expected, torch.Tensor):
         assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, f"{where}: dtype"
         assert actual.shape == expected.shape, f"{where}: shape"
+        if rtol and expected.dtype == torch.bfloat16:  # at least two of bfloat16's rounding steps
+            rtol = max(rtol, 2**-7)
         if rtol == 0:
             assert torch.equal(actual, expected), f"{where} differs"
         elif expected.numel():
@@ -56,7 +86,8 @@ def assert_matches(actual: Any, expected: Any, rtol: float, where: str = "") -> 
 
 @pytest.mark.parametrize("implementation", ["reference", "grouped"])
 @pytest.mark.parametrize("case", list(OPTIMIZER_CASES))
-def test_optimizer_reproduces_the_recorded_trajectory(case: str, implementation: str, recorded: dict[str, Any]) -> None:
+def test_optimizer_reproduces_the_recorded_trajectory(case: str, implementation: str, recorded: dict[str, Any],
+                                                      same_kernels: bool) -> None:
     actual = run_optimizer_case(dict(OPTIMIZER_CASES[case]), foreach=implementation == "grouped")
     expected = copy.deepcopy(recorded["optimizer"][case])
     if OPTIMIZER_CASES[case].get("update") == "subspace_qh":
@@ -64,7 +95,8 @@ def test_optimizer_reproduces_the_recorded_trajectory(case: str, implementation:
         for state in (actual, expected):
             for group in state["optimizer"]["param_groups"]:
                 group.pop("full_rank_input")
-    assert_matches(actual, expected, TOLERANCE.get(implementation, 0.0), case)
+    rtol = _tolerance(TOLERANCE.get(implementation, 0.0), same_kernels, OPTIMIZER_CASES[case])
+    assert_matches(actual, expected, rtol, case)
 
 
 STRATEGY_RUNS = [(case, implementation) for case in STRATEGY_CASES for implementation in ("reference", "grouped")
@@ -73,8 +105,11 @@ STRATEGY_RUNS = [(case, implementation) for case in STRATEGY_CASES for implement
 
 @pytest.mark.parametrize(("case", "implementation"), STRATEGY_RUNS)
 def test_strategy_reproduces_the_recorded_trajectory(case: str, implementation: str, recorded: dict[str, Any],
-                                                     tmp_path: Path) -> None:
+                                                     tmp_path: Path, same_kernels: bool) -> None:
+    if not same_kernels and STRATEGY_CASES[case].get("payload_dtype") == "int8":
+        pytest.skip("this CPU's kernels round differently from the recording machine's, and the int8 payload turns a "
+                    "last-bit difference into a different int8 code (CROSS_MACHINE above)")
     grouped = implementation == "grouped"
     actual = run_strategy_case(STRATEGY_CASES[case], str(tmp_path / case), foreach=grouped)
     rtol = TOLERANCE["strategy-grouped"] if grouped else TOLERANCE.get(f"strategy/{case}", 0.0)
-    assert_matches(actual, recorded["strategy"][case], rtol, case)
+    assert_matches(actual, recorded["strategy"][case], _tolerance(rtol, same_kernels, STRATEGY_CASES[case]), case)
