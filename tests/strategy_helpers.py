@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -112,6 +114,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def gloo_worker(rank: int, world: int, port: int, out: str, body: Callable[[int, int], dict[str, Any]]) -> None:
+    """A :func:`run_fork_job` worker (bind ``body`` with ``functools.partial``): one thread, a gloo process group,
+    then ``body(rank, world)``'s results saved (a failure as its traceback under ``_error``), and an exit without
+    teardown (after a failed collective, ``destroy_process_group`` would wait)."""
+    results: dict[str, Any] = {}
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=30))
+        results = body(rank, world)
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results["_error"] = traceback.format_exc()
+    finally:
+        torch.save(results, Path(out, f"rank{rank}.pt"))
+        os._exit(0)
 
 
 def run_fork_job(worker: Callable[..., None], world: int, out: Path, timeout: float) -> list[dict[str, Any]]:

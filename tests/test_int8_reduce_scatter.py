@@ -9,16 +9,12 @@ chunk). Each collective has a timeout; the workers are joined with a timeout and
 from __future__ import annotations
 
 import math
-import os
-import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from strategy_helpers import run_fork_job
+from strategy_helpers import gloo_worker, run_fork_job
 from torch import Tensor
 
 import lightning_lordo.comm.communicator as communicator_module
@@ -209,17 +205,10 @@ def _scenarios(rank: int, comm: Communicator) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    results: dict[str, Any] = {}
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=30))
-        results = _scenarios(rank, Communicator(CommAccountant(), timedelta(seconds=20)))
-    except BaseException:  # noqa: BLE001 - reported to the test
-        results["_error"] = traceback.format_exc()
-    finally:
-        torch.save(results, Path(out, f"rank{rank}.pt"))
-        os._exit(0)  # no teardown: a failed collective would make destroy_process_group wait
+    def body(rank: int, world: int) -> dict[str, Any]:
+        return _scenarios(rank, Communicator(CommAccountant(), timedelta(seconds=20)))
+
+    gloo_worker(rank, world, port, out, body)
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"M{m}" for m in WORLDS])

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import traceback
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from strategy_helpers import run_fork_job
+from strategy_helpers import gloo_worker, run_fork_job
 
 from lightning_lordo._tensors import digest
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
@@ -47,30 +45,22 @@ def test_digest_is_equal_for_equal_tensors_and_differs_on_any_change() -> None:
     assert digest(_tensors()[:2]) != base  # the number of tensors counts too
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    results: dict[str, Any] = {}
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=30))
-        for case in ("identical", "rank1_differs", "last_rank_differs"):
-            comm = Communicator(CommAccountant(), timedelta(seconds=20))
-            tensors = _tensors()
-            if (case == "rank1_differs" and rank == 1) or (case == "last_rank_differs" and rank == world - 1):
-                tensors[1].add_(1)  # one bfloat16 tensor differs
-            sent = comm.broadcast_unless_identical(tensors, "setup_broadcast")
-            results[case] = {"sent": sent, "tensors": tensors, "bytes": comm.accountant.totals["setup_broadcast"],
-                             "wire": comm.accountant.wire_totals["setup_broadcast"]}
-    except BaseException:  # noqa: BLE001 - reported to the test
-        results["_error"] = traceback.format_exc()
-    finally:
-        torch.save(results, Path(out, f"rank{rank}.pt"))
-        os._exit(0)
+def _scenarios(rank: int, world: int) -> dict[str, Any]:
+    results = {}
+    for case in ("identical", "rank1_differs", "last_rank_differs"):
+        comm = Communicator(CommAccountant(), timedelta(seconds=20))
+        tensors = _tensors()
+        if (case == "rank1_differs" and rank == 1) or (case == "last_rank_differs" and rank == world - 1):
+            tensors[1].add_(1)  # one bfloat16 tensor differs
+        sent = comm.broadcast_unless_identical(tensors, "setup_broadcast")
+        results[case] = {"sent": sent, "tensors": tensors, "bytes": comm.accountant.totals["setup_broadcast"],
+                         "wire": comm.accountant.wire_totals["setup_broadcast"]}
+    return results
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_broadcast_runs_only_when_a_worker_differs(world: int, tmp_path: Path) -> None:
-    ranks = run_fork_job(_worker, world, tmp_path, timeout=120)
+    ranks = run_fork_job(partial(gloo_worker, body=_scenarios), world, tmp_path, timeout=120)
     model_bytes = sum(t.numel() * t.element_size() for t in _tensors())
     for case in ("identical", "rank1_differs", "last_rank_differs"):
         sent = {r[case]["sent"] for r in ranks}
