@@ -3,9 +3,10 @@
 The project's benchmark model (byte-level GPT, d 64 x 2 layers) on ``--data`` (tinyshakespeare), 4 workers, K = 32,
 640 steps, LR 0.01 (LoRDO's best at K = 32 in ``benchmarks/compressed.py``), compared seed by seed. Resumable:
 runs already in ``results/overlap.jsonl`` are skipped. Prints each overlap's final validation loss against the
-blocking run of the same seed. About 8 minutes on 2 idle cores.
+blocking run of the same seed. About 8 minutes on 2 idle cores per ``--knobs`` set: ``lean`` (the harness's pinned
+knobs, the earlier defaults) or ``defaults`` (today's defaults, ``authors.CANDIDATE``: error feedback, omega 0.97).
 
-    python benchmarks/overlap.py --data ../shared/data/tinyshakespeare.txt
+    python benchmarks/overlap.py --data ../shared/data/tinyshakespeare.txt [--knobs lean|defaults]
 """
 
 from __future__ import annotations
@@ -15,34 +16,38 @@ import statistics
 import sys
 from pathlib import Path
 
+from authors import CANDIDATE
 from harness import ROOT, RunSpec, append, done, load, provenance, run
 
 RESULTS = ROOT / "results" / "overlap.jsonl"
 TAUS = (0, 8, 16)
 SEEDS = (0, 1)
+KNOBS = {"lean": {}, "defaults": CANDIDATE}
 
 
-def spec(data: str, tau: int, seed: int) -> RunSpec:
+def spec(data: str, tau: int, seed: int, knobs: str = "lean") -> RunSpec:
     return RunSpec(method="lordo", lr=0.01, data=data, seed=seed, steps=640, workers=4, sync_every=32, rank=8,
-                   knobs={"overlap_steps": tau} if tau else {})
+                   knobs={**KNOBS[knobs], **({"overlap_steps": tau} if tau else {})})
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True)
+    parser.add_argument("--knobs", default="lean", choices=tuple(KNOBS))
     args = parser.parse_args(argv)
     data = str(Path(args.data).resolve())
     records = load(RESULTS)
-    pending = [(tau, seed) for tau in TAUS for seed in SEEDS if not done(records, spec(data, tau, seed))]
+    pending = [(tau, seed) for tau in TAUS for seed in SEEDS if not done(records, spec(data, tau, seed, args.knobs))]
     if pending:
         append(RESULTS, {"header": provenance("python benchmarks/overlap.py " + " ".join(argv))})
     for tau, seed in pending:
-        record = {"overlap_steps": tau, **run(spec(data, tau, seed))}
+        record = {"overlap_steps": tau, "knobs": args.knobs, **run(spec(data, tau, seed, args.knobs))}
         append(RESULTS, record)
         print(f"overlap_steps={tau:<3} seed={seed} val_loss={record['final_val_loss']:.4f} "
               f"wall={record['wall_seconds']:.0f}s", flush=True)
-    records = [r for r in load(RESULTS) if "spec" in r]
+    records = [r for r in load(RESULTS) if "spec" in r and r.get("knobs", "lean") == args.knobs]
     loss = {(r["overlap_steps"], r["spec"]["seed"]): r["final_val_loss"] for r in records}
+    print(f"knobs: {args.knobs}")
     for tau in TAUS[1:]:
         gaps = [100 * (loss[(tau, s)] / loss[(0, s)] - 1) for s in SEEDS if (tau, s) in loss and (0, s) in loss]
         if gaps:
