@@ -21,7 +21,9 @@ Stages (resumable: a run already in ``results/compressed.jsonl`` is skipped; eac
   edge), then 2 seeds of each at the best of them;
 * ``frequent``: ``full``, ``lowrank`` + int8 and ``lordo_compressed`` at K = 8 (4x the syncs, still fewer bytes than
   PowerSGD rank 4), 2 seeds per model at LoRDO's LR: the local steps' loss gap is what kept the word model behind
-  PowerSGD, and the compressed payloads have bytes to spare.
+  PowerSGD, and the compressed payloads have bytes to spare;
+* ``frequent_seeds``: the word model, where PowerSGD rank 4's two seeds differ by 0.085: seeds 2-4 of it and of the
+  ``frequent`` payloads, and ``lowrank`` + int8 at K = 4 (seeds 0-4).
 
 Bytes per worker are payload bytes (what a worker hands to collectives) unless a column says wire (by the
 collectives' algorithms); the plugin's exclude the one-time setup broadcast and Lightning's per-batch flags, as DDP's
@@ -46,8 +48,8 @@ from lightning_lordo.strategy_knobs import PRESETS
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "compressed.jsonl"
-STAGES = ("lr", "choose", "main", "candidate", "frequent")
-FREQUENT_K = 8
+STAGES = ("lr", "choose", "main", "candidate", "frequent", "frequent_seeds")
+FREQUENT_K, FREQUENT_PAYLOADS, MORE_SEEDS = 8, ("lowrank_int8", "lordo_compressed", "full"), (2, 3, 4)
 MODELS: dict[str, dict[str, Any]] = {
     "bytes": {"corpus": "bytes"},
     "words": {"corpus": "words", "vocab": 4096},
@@ -114,6 +116,11 @@ def best_lr(model: str, family: str) -> float:
     return min(grid, key=lambda lr: losses[lr])
 
 
+def frequent_spec(model: str, data: str, name: str, seed: int, k: int = FREQUENT_K) -> tuple[str, str, RunSpec]:
+    """Payload ``name`` at K = ``k`` at LoRDO's LR: (model, label, spec)."""
+    return model, f"{name}:sync_every={k}", spec(model, data, name, best_lr(model, "lordo"), seed, sync_every=k)
+
+
 def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec]]:
     if stage == "candidate":  # the word model (where PowerSGD won) first, its LR grid, then seed 0 of each model
         models = [m for m in ("words", "bytes") if m in paths]
@@ -126,9 +133,13 @@ def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec
     out = []
     if stage == "frequent":
         models = [m for m in ("words", "bytes") if m in paths]  # the word model (where PowerSGD won) first
-        return [(m, f"{n}:sync_every={FREQUENT_K}",
-                 spec(m, paths[m], n, best_lr(m, "lordo"), seed, sync_every=FREQUENT_K))
-                for seed in (0, 1) for m in models for n in ("lowrank_int8", "lordo_compressed", "full")]
+        return [frequent_spec(m, paths[m], n, seed) for seed in (0, 1) for m in models for n in FREQUENT_PAYLOADS]
+    if stage == "frequent_seeds":
+        data = paths["words"]
+        out = [("words", "powersgd4", spec("words", data, "powersgd4", best_lr("words", "ddp"), seed))
+               for seed in MORE_SEEDS]
+        out += [frequent_spec("words", data, n, seed) for seed in MORE_SEEDS for n in FREQUENT_PAYLOADS]
+        return out + [frequent_spec("words", data, "lowrank_int8", seed, k=4) for seed in (0, 1, *MORE_SEEDS)]
     for model, data in paths.items():
         if stage == "lr":
             out += [(model, "lordo", spec(model, data, "lowrank_int8", lr)) for lr in lr_grid(model, "lordo")]
