@@ -238,6 +238,10 @@ class SyncConfig:
         moments_every: average the moments (the low-rank ones, and the full-rank ones with
             ``average_fullrank_moments``) at every ``moments_every``-th sync only (DES-LOC-style); between, each
             worker keeps its own, rotated into the shared bases. ``1``: at every sync.
+        basis_every: recompute the low-rank bases at every ``basis_every``-th sync only, from the averaged
+            pseudo-gradients summed over the rounds since the last refresh (one float32 copy of the low-rank
+            matrices holds that sum); between, the moments stay in their basis. Frequent syncs then keep a basis
+            as stable as infrequent ones. ``1``: at every sync, from that round's pseudo-gradient.
         overlap_steps: ``0`` (the default): every sync blocks. ``tau`` in ``[1, sync_every)``: a round's collectives
             run on a thread (a side process group) while the worker takes ``tau`` more local steps; the averaged
             result then lands on every worker at the same step, each keeping its local progress since the round
@@ -268,6 +272,7 @@ class SyncConfig:
     anchor_device: str = "param"
     fullrank_rank: int = 0
     moments_every: int = 1
+    basis_every: int = 1
     overlap_steps: int = 0
     max_skipped_syncs: int = 3
 
@@ -294,6 +299,11 @@ class SyncConfig:
         check_positive_int("max_skipped_syncs", self.max_skipped_syncs)
         check_positive_int("fullrank_rank", self.fullrank_rank, minimum=0)
         check_positive_int("moments_every", self.moments_every)
+        check_positive_int("basis_every", self.basis_every)
+        if self.basis_every > 1 and self.basis_scope == "local":
+            raise _fail("basis_every", self.basis_every, "it must be 1 with basis_scope='local' (each worker computes "
+                        "its own bases from its own pseudo-gradient at every sync)", "Drop basis_every, or use "
+                        "basis_scope='global'.")
         check_positive_int("overlap_steps", self.overlap_steps, minimum=0)
         if self.overlap_steps >= self.sync_every:
             raise _fail("overlap_steps", self.overlap_steps, f"it must be below sync_every={self.sync_every} (a round "
@@ -351,7 +361,7 @@ _SWITCH_KNOBS = ("switch_betas", "switch_reset_moments", "switch_lr_scale")
 #: Knobs that only shape the local rounds (no such round exists with ``synchronous=True``).
 _LOCAL_ROUND_KNOBS = ("outer_optimizer", "outer_lr", "outer_momentum", "basis_scope", "payload", "payload_dtype",
                       "average_fullrank_moments", "average_error_feedback", "fullrank_rank", "moments_every",
-                      "overlap_steps")
+                      "basis_every", "overlap_steps")
 
 
 def resolve_rank(rank: Union[int, float], smaller_side: int) -> int:

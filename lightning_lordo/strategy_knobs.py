@@ -68,6 +68,9 @@ def split_strategy_knobs(owner: str, knobs: Mapping[str, Any], accepted: Sequenc
     check_optimizer_knobs(optimizer_knobs, in_group=False)
     check_knob_combinations(optimizer_knobs, {**OPTIMIZER_DEFAULTS, **optimizer_knobs})
     config = SyncConfig(**{k: knobs[k] for k in SyncConfig.__dataclass_fields__ if k in knobs})
+    if config.basis_every > 1 and lowrank is False:
+        raise ValueError(f"Invalid basis_every={config.basis_every} with lowrank=False ('diloco'): there are no "
+                         "low-rank bases to refresh. Drop basis_every, or use a LoRDO preset.")
     if config.payload == "lowrank" and lowrank is False:
         raise ValueError("Invalid payload='lowrank' with lowrank=False ('diloco'): the low-rank payload sends the "
                          "low-rank matrices of the LoRDO optimizer. Use payload='full' (payload_dtype may be "

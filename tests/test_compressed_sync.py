@@ -128,7 +128,7 @@ class ReducedPrecision(L.Callback):
         strategy = trainer.strategy
         params = list(module.parameters())
         assert strategy.accountant.totals["pseudo_gradients"] == 3 * sum(p.numel() * 2 for p in params)
-        assert strategy.synchronizer.payload_error_norm() > 0
+        assert strategy.synchronizer.payloads.error_norm() > 0
         assert torch.equal(*gather(flat_params(module)))
         assert math.isfinite(float(flat_params(module).sum()))
 

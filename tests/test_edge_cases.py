@@ -425,7 +425,7 @@ def test_lordo_local_preset_with_the_lowrank_int8_payload() -> None:
             q0, q1 = gather(optimizer.state[p]["basis"])
             assert (q0.mT @ q1).square().sum().item() / q0.shape[1] < 0.999
         assert strategy.synchronizer.payloads.lowrank_payload is not None
-        assert strategy.synchronizer.payload_error_norm() > 0 and "moments" not in strategy.accountant.totals
+        assert strategy.synchronizer.payloads.error_norm() > 0 and "moments" not in strategy.accountant.totals
 
     strategy = lordo(sync_every=16, basis_scope="local", average_moments=False, payload="lowrank",
                      payload_dtype="int8")

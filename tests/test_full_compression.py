@@ -119,7 +119,7 @@ class CheckCompressedBytes(L.Callback):
         assert sum(sum(r.bytes_by_part.values()) for r in reports) + accountant.totals["setup_broadcast"] + \
             sum(accountant.parts.values()) == accountant.total_bytes
         assert reports[0].bytes_by_part["initial_gradients"] > 0
-        state = strategy.synchronizer.payload_state_dict()
+        state = strategy.synchronizer.payloads.state_dict()
         assert set(state) == {"lowrank", "fullrank_matrices", "averager"}
         assert [tuple(e.shape) for e in state["fullrank_matrices"]["errors"]] == [tuple(sorted(p.shape))
                                                                                    for p in squeezed]

@@ -82,6 +82,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("anchor_device", "gpu", "'gpu'"), ("anchor_device", None, "None"),
     ("fullrank_rank", -1, "-1"), ("fullrank_rank", 2.0, "2.0"), ("fullrank_rank", True, "True"),
     ("moments_every", 0, "0"), ("moments_every", 1.5, "1.5"), ("moments_every", None, "None"),
+    ("basis_every", 0, "0"), ("basis_every", 2.0, "2.0"), ("basis_every", True, "True"),
     ("overlap_steps", -1, "-1"), ("overlap_steps", 16, "16"), ("overlap_steps", 1.0, "1.0"),
     # the strategy's own arguments
     ("lowrank", 1, "1"), ("lowrank", "yes", "'yes'"),
@@ -107,6 +108,7 @@ GOOD: list[tuple[Any, ...]] = [
     ("switch_reset_moments", True, {"warmup_steps": 8}), ("switch_lr_scale", 0.5, {"warmup_steps": 8}),
     ("anchor_device", "cpu"), ("anchor_device", "param"),
     ("fullrank_rank", 0), ("fullrank_rank", 4), ("moments_every", 1), ("moments_every", 4),
+    ("basis_every", 1), ("basis_every", 8),
     ("overlap_steps", 0), ("overlap_steps", 15),
     ("sync_every", 1), ("sync_every", 1000), ("outer_optimizer", "nesterov"), ("outer_lr", 1.0), ("outer_lr", 2),
     ("outer_momentum", 0.0), ("outer_momentum", 0.95), ("average_moments", False), ("basis_scope", "local"),

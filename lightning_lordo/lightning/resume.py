@@ -60,7 +60,7 @@ def local_state(strategy: Any) -> dict[str, Any]:
     e.g. BatchNorm's), its optimizer state (not rank 0's: that is Lightning's ``optimizer_states`` entry) and,
     mid-round, its replica."""
     sync = strategy.synchronizer
-    local: dict[str, Any] = {"comm": strategy.accountant.state_dict(), "payload": to_cpu(sync.payload_state_dict()),
+    local: dict[str, Any] = {"comm": strategy.accountant.state_dict(), "payload": to_cpu(sync.payloads.state_dict()),
                              "buffers": to_cpu(sync.buffers)}
     if strategy.global_rank != 0:
         local["optimizer"] = to_cpu(strategy.optimizers[0].state_dict())
@@ -152,7 +152,7 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
     if same_params:
         self.synchronizer.load_state_dict(restored["sync"])
     else:  # at a sync (refused otherwise): the model Lightning loaded is the synchronized one
-        sync_state = {**restored["sync"], "anchor": [], "outer": {"momentum": []}}
+        sync_state = {**restored["sync"], "anchor": [], "outer": {"momentum": []}, "basis_window": []}
         self.synchronizer.load_state_dict(sync_state)
         self.synchronizer.anchor.take()
         notes.append("the trainable parameters changed: the anchor is the loaded model, the outer momentum "
@@ -176,7 +176,7 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
         if payload_changed:
             notes.append("the payload changed: its sync-level error feedback restarts")
         elif "payload" in mine:
-            self.synchronizer.load_payload_state_dict(mine["payload"])
+            self.synchronizer.payloads.load_state_dict(mine["payload"])
         if "overlap" in mine:  # a round was in flight: its collectives are redone, it lands at its step
             if payload_changed:
                 raise ValueError("Cannot change the payload (payload, payload_dtype, fullrank_rank) when resuming a "

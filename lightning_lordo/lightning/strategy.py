@@ -106,6 +106,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         anchor_device: where the anchor lives: ``param`` (the parameters' device) or ``cpu`` (pinned on a GPU).
         fullrank_rank: rank of the full-rank 2-D parameters' pseudo-gradient messages (0: sent in full).
         moments_every: average the moments at every n-th sync only.
+        basis_every: recompute the bases at every n-th sync only, from the pseudo-gradients summed since.
         overlap_steps: 0 (blocking syncs), or tau < sync_every: a round's collectives overlap tau local steps.
         max_skipped_syncs: consecutive non-finite rounds after which the run stops.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend:
@@ -160,6 +161,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         anchor_device: Literal["param", "cpu"] = SyncConfig.anchor_device,
         fullrank_rank: int = SyncConfig.fullrank_rank,
         moments_every: int = SyncConfig.moments_every,
+        basis_every: int = SyncConfig.basis_every,
         overlap_steps: int = SyncConfig.overlap_steps,
         max_skipped_syncs: int = SyncConfig.max_skipped_syncs,
         accelerator: Optional[Any] = None,

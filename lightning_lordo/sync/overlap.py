@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo.comm.communicator import CollectiveTimeout, CommAccountant, Communicator
 from lightning_lordo.sync import exchange as ex
+from lightning_lordo.sync.basis_window import BasisWindow
 from lightning_lordo.sync.report import SyncReport
 
 Entries = dict[str, list[tuple[Tensor, list[Tensor]]]]
@@ -150,6 +151,7 @@ class OverlappedRounds:
     which owns every attribute used here: the communicators, the anchor, the optimizer, the counters)."""
 
     in_flight: Optional[Launch]
+    window: BasisWindow
     comm: Communicator
     overlap_comm: Communicator
 
@@ -169,7 +171,7 @@ class OverlappedRounds:
         comm.context = f"sync {launched.sync_index} (launched at optimizer step {launched.step}, overlapped)"
 
         def run(r: Launch) -> ex.Exchange:
-            return self.exchange(comm, r.deltas, r.buffers, r.copies, r.step)
+            return self.exchange(comm, r.deltas, r.buffers, r.copies, r.step, self.window.due(r.sync_index))
 
         (run_now if comm.group is self.comm.group else start)(launched, run)
 

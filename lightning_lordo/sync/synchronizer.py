@@ -47,6 +47,7 @@ from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync import exchange as ex
 from lightning_lordo.sync import overlap
+from lightning_lordo.sync.basis_window import BasisWindow
 from lightning_lordo.sync.faults import (
     NonFiniteTraining,
     reset_moments,
@@ -92,6 +93,8 @@ class Synchronizer(overlap.OverlappedRounds):
         if not self.synchronous_now:  # the synchronous phase needs no anchor: it is taken at the switch
             self.anchor.take()
         self.outer = OuterStep(config.outer_optimizer, config.outer_lr, config.outer_momentum)
+        lowrank = set(self.lordo.lowrank_params()) if self.lordo is not None else set()
+        self.window = BasisWindow([p for p in self.params if p in lowrank], config.basis_every)
         self.switch_callbacks: list[Callable[[], None]] = []  # run after the switch (the strategy's LR schedulers)
         self._round = {"seconds": 0.0, "basis_seconds": 0.0, "movement": None}  # synchronous rounds
         # torch's optimizers create a parameter's state at its first step, so clearing it gives fresh state;
@@ -243,7 +246,8 @@ class Synchronizer(overlap.OverlappedRounds):
         self.comm.context = f"sync {self.syncs_done + 1} (optimizer step {self.optimizer_steps})"
         with record_function("lordo.exchange"):
             local = self.anchor.deltas()
-            round_ = self.exchange(self.comm, local, self.buffers, self.averaged_entries(), self.optimizer_steps)
+            round_ = self.exchange(self.comm, local, self.buffers, self.averaged_entries(), self.optimizer_steps,
+                                   self.window.due(self.syncs_done + 1))
         return self.land(round_, start)
 
     def averaged_entries(self) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
@@ -252,9 +256,11 @@ class Synchronizer(overlap.OverlappedRounds):
         return ex.averaged_state(self.optimizer, self.params, self.config, due)
 
     def exchange(self, comm: Communicator, local: list[Tensor], buffers: Sequence[Tensor],
-                 entries: dict[str, list[tuple[Tensor, list[Tensor]]]], generation: int) -> ex.Exchange:
-        """Every collective of a round on ``comm`` and the new bases; reads only its arguments and the payloads'
-        and bases' state (which change only at a commit), so it may run on another thread (``overlap_steps``)."""
+                 entries: dict[str, list[tuple[Tensor, list[Tensor]]]], generation: int,
+                 refresh: bool = True) -> ex.Exchange:
+        """Every collective of a round on ``comm`` and, when ``refresh``, the new bases; reads only its arguments
+        and the payloads', bases' and basis window's state (which change only at a commit), so it may run on
+        another thread (``overlap_steps``)."""
         averaged, rounds = self.payloads.reduce(comm, local)
         buffers = ex.average_buffers(comm, buffers)
         if not all_finite(averaged):  # identical on all workers: they all discard the round
@@ -262,9 +268,10 @@ class Synchronizer(overlap.OverlappedRounds):
         state, reset = ex.average_state(comm, entries, self.config)
         basis_start = time.perf_counter()
         bases = {}
-        if self.lordo is not None:
+        if self.lordo is not None and refresh:
             shared = self.config.basis_scope == "global"
             sources = {p: s for p, s in zip(self.params, averaged if shared else local)}
+            sources = self.window.sources(sources) if self.window else sources
             bases = self._bases(sources, comm, generation) if shared else \
                 self.lordo.compute_bases(sources, generation)
         return ex.Exchange(averaged, rounds, buffers, state, bases, reset, time.perf_counter() - basis_start)
@@ -282,7 +289,7 @@ class Synchronizer(overlap.OverlappedRounds):
             movement = self._commit(round_, progress)
         extra = {"reset_moments": float(len(round_.reset))} if round_.reset else {}
         if self.payloads.compressed:
-            extra["sync_error_feedback_norm"] = self.payload_error_norm()
+            extra["sync_error_feedback_norm"] = self.payloads.error_norm()
         return self._finish(start, round_.basis_seconds, _mean_movement(movement), norm, extra=extra)
 
     def _commit(self, round_: ex.Exchange, progress: Optional[list[Tensor]] = None) -> dict[Tensor, Tensor]:
@@ -290,6 +297,7 @@ class Synchronizer(overlap.OverlappedRounds):
         new = self.outer.apply(self.anchor, round_.averaged)
         ex.commit_state(round_.state)
         movement = self.lordo.set_bases(round_.bases) if self.lordo is not None else {}
+        self.window.commit(dict(zip(self.params, round_.averaged)), refreshed=bool(round_.bases))
         for p in round_.reset:
             reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
         ex.commit_buffers(self.buffers, *round_.buffers)
@@ -299,17 +307,6 @@ class Synchronizer(overlap.OverlappedRounds):
         for p, moved in zip(self.params, progress or []):
             p.detach().add_(moved)
         return movement
-
-    def payload_error_norm(self) -> float:
-        """Norm of this worker's sync-level error feedback (SPEC §5), over all payloads."""
-        return self.payloads.error_norm()
-
-    def payload_state_dict(self) -> dict[str, Any]:
-        """This worker's payload state (error feedback, right factors): per worker, for checkpoints."""
-        return self.payloads.state_dict()
-
-    def load_payload_state_dict(self, state: dict[str, Any]) -> None:
-        self.payloads.load_state_dict(state)
 
     # ------------------------------------------------------------------ non-finite rounds
     def _discard(self, start: float, buffers: tuple[list[Tensor], list[Tensor]]) -> SyncReport:
@@ -376,7 +373,7 @@ class Synchronizer(overlap.OverlappedRounds):
         return {"anchor": self.anchor.state_dict(), "outer": self.outer.state_dict(),
                 "steps_since_sync": self.steps_since_sync, "optimizer_steps": self.optimizer_steps,
                 "syncs_done": self.syncs_done, "skipped_syncs": self.skipped_syncs,
-                "consecutive_skips": self.consecutive_skips}
+                "consecutive_skips": self.consecutive_skips, "basis_window": self.window.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.anchor.load_state_dict(state["anchor"])
@@ -387,11 +384,12 @@ class Synchronizer(overlap.OverlappedRounds):
         self.syncs_done = state["syncs_done"]
         self.skipped_syncs = state["skipped_syncs"]
         self.consecutive_skips = state.get("consecutive_skips", 0)
+        self.window.load_state_dict(state.get("basis_window", []))
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of synchronization buffers (SPEC §8): the anchor, the outer momentum, the payload's state."""
         return {"anchor": self.anchor.nbytes(), "outer_momentum": nbytes(self.outer.momentum_buffers()),
-                **self.payloads.memory_report()}
+                **({"basis_window": self.window.nbytes()} if self.window else {}), **self.payloads.memory_report()}
 
 
 def _mean_movement(moved: dict[Tensor, Tensor]) -> Optional[float]:
