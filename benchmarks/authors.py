@@ -23,6 +23,9 @@ Stages (each appends to ``results/authors.jsonl`` and skips runs already there, 
 * ``budget``: PowerSGD rank 16's byte budget spent on syncs instead: the new defaults with bfloat16 error feedback
   and payload at K = 4 (about 0.8x its bytes), LR scales 1 and 2 (seed 0), then seeds 1 and 2 at the better one,
   and PowerSGD rank 16's third seed (its two differ by 0.028).
+* ``window``: the same budget with ``basis_every`` (the bases refreshed every 32 steps, from the window's summed
+  pseudo-gradients, as at K = 32): the defaults at K = 8 (LR x1) and the bfloat16 defaults at K = 4 (LR x2, the
+  budget stage's best), seed 0; then seeds 1 and 2 of the better one.
 
 Usage: ``python benchmarks/authors.py --data ../shared/data/tinyshakespeare.txt [--stage all]``
 """
@@ -41,7 +44,7 @@ RESULTS = ROOT / "results" / "authors.jsonl"
 CACHE = ROOT / "cache"
 WARMUP_CKPT = CACHE / "authors-warmup.ckpt"
 STAGES = ("warmup-lr", "warmup", "sweep", "main", "ablations", "claims", "scratch", "seed2", "recheck", "frontier",
-          "budget")
+          "budget", "window")
 
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, workers=4, batch_size=8, sync_every=32, rank=16,
              val_batches=32)
@@ -255,6 +258,26 @@ def budget_specs(data: str) -> list[tuple[str, RunSpec]]:
     return specs
 
 
+#: (label, method, K, LR scale): the window stage's candidates, each with basis_every = 32 / K
+WINDOW = (("lordo_candidate:sync_every=8,basis_every=4", "lordo_candidate", 8, 1.0),
+          ("lordo_candidate_bf16:sync_every=4,basis_every=8", "lordo_candidate_bf16", 4, 2.0))
+
+
+def window_specs(data: str) -> list[tuple[str, RunSpec]]:
+    """Seed 0 of each candidate, then seeds 1 and 2 of the better one."""
+    base = warmup_lr()
+
+    def spec(name: str, k: int, scale: float, seed: int = 0) -> RunSpec:
+        return continuation(name, data, base * scale, seed=seed, sync_every=k, knobs={"basis_every": 32 // k})
+
+    specs = [(label, spec(name, k, scale)) for label, name, k, scale in WINDOW]
+    losses = {r["name"]: r["final_val_loss"] for r in _records("window") if r["spec"]["seed"] == 0}
+    if all(label in losses for label, *_ in WINDOW):
+        label, name, k, scale = min(WINDOW, key=lambda w: losses[w[0]])
+        specs += [(label, spec(name, k, scale, seed)) for seed in (1, 2)]
+    return specs
+
+
 def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
     if stage == "warmup-lr":
         return [("lowrank_ddp", warmup_spec(data, lr, steps=WARMUP_STEPS // 2, save=False)) for lr in WARMUP_LRS]
@@ -276,6 +299,8 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
                 for k in (8, 6)]
     if stage == "budget":
         return budget_specs(data)
+    if stage == "window":
+        return window_specs(data)
     if stage == "recheck":
         base = warmup_lr()
         return [(n, continuation(n, data, base * best_scale(n))) for n in RECHECK]
@@ -303,7 +328,7 @@ def run_stage(stage: str, data: str, argv: list[str]) -> None:
                 append(RESULTS, record)
             print(f"{stage}: {name:<48} lr={spec.lr:<8.3g} seed={spec.seed} val_loss={record['final_val_loss']:.4f} "
                   f"bytes={record['bytes_sent']:.3e} wall={record['wall_seconds']:.0f}s", flush=True)
-        if stage not in ("sweep", "budget"):
+        if stage not in ("sweep", "budget", "window"):
             return
 
 

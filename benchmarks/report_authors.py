@@ -117,28 +117,34 @@ def report(path: Path) -> str:
 
 
 def budget(records: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """``--stage budget``: PowerSGD rank 16's bytes spent on syncs (the bfloat16 defaults at K = 4), against
-    PowerSGD rank 16 over all its seeds."""
-    mine = [r for r in records if r["stage"] == "budget" and r["name"].startswith("lordo_")]
+    """``--stage budget`` and ``window``: PowerSGD rank 16's bytes spent on syncs (the defaults at K = 4 to 8, with
+    and without ``basis_every``), each run and each configuration's mean against PowerSGD rank 16 over its seeds."""
+    mine = [r for r in records if r["stage"] in ("budget", "window") and r["name"].startswith("lordo_")]
     if not mine:
         return []
     base = authors.warmup_lr()
-    lines = ["", f"### PowerSGD rank 16's budget spent on syncs (`--stage budget`: {NAMES['lordo_candidate_bf16']}, "
-             f"K = {authors.BUDGET_K})", "", "| LR scale | seed | val loss | MB sent |", "|---|---|---|---|"]
-    lines += [f"| x{r['spec']['lr'] / base:g} | {r['spec']['seed']} | {r['final_val_loss']:.4f} | "
-              f"{r['bytes_sent'] / 1e6:,.0f} |" for r in mine]
-    seed0 = {r["spec"]["lr"]: r["final_val_loss"] for r in mine if r["spec"]["seed"] == 0}
+    lines = ["", "### PowerSGD rank 16's budget spent on syncs (`--stage budget`, `--stage window`)", "",
+             "| configuration | LR scale | seed | val loss | MB sent | subspace movement per sync |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | x{r['spec']['lr'] / base:g} | {r['spec']['seed']} | {r['final_val_loss']:.4f} | "
+              f"{r['bytes_sent'] / 1e6:,.0f} | {r.get('subspace_movement_mean') or 0:.3f} |" for r in mine]
     psgd = runs.get("powersgd16", [])
-    if seed0 and psgd:
-        lr = min(seed0, key=seed0.get)
-        at_best = [r for r in mine if r["spec"]["lr"] == lr]
-        loss, peer = (statistics.fmean(x["final_val_loss"] for x in rs) for rs in (at_best, psgd))
-        mb, peer_mb = (statistics.fmean(x["bytes_sent"] for x in rs) / 1e6 for rs in (at_best, psgd))
-        lines += ["", f"- At LR x{lr / base:g}: {_mean([r['final_val_loss'] for r in at_best])} ({len(at_best)} "
-                  f"seeds) at {mb:,.0f} MB against DDP + PowerSGD r16's {_mean([r['final_val_loss'] for r in psgd])} "
-                  f"({len(psgd)} seeds) at {peer_mb:,.0f} MB: no worse at no more bytes "
-                  f"{'holds' if loss <= peer and mb <= peer_mb else 'missed'} ({loss - peer:+.4f}; "
-                  f"{100 * (math.exp(loss - peer) - 1):+.2f} % perplexity)."]
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
+    for r in mine:
+        groups[(r["name"], r["spec"]["lr"])].append(r)
+    if psgd:
+        peer = statistics.fmean(x["final_val_loss"] for x in psgd)
+        peer_mb = statistics.fmean(x["bytes_sent"] for x in psgd) / 1e6
+        lines.append("")
+        for (name, lr), rs in groups.items():
+            if len(rs) < 2:
+                continue
+            loss, mb = statistics.fmean(x["final_val_loss"] for x in rs), statistics.fmean(x["bytes_sent"] for x in rs)
+            lines.append(f"- {name} at LR x{lr / base:g}: {_mean([r['final_val_loss'] for r in rs])} ({len(rs)} "
+                         f"seeds) at {mb / 1e6:,.0f} MB against DDP + PowerSGD r16's "
+                         f"{_mean([r['final_val_loss'] for r in psgd])} ({len(psgd)} seeds) at {peer_mb:,.0f} MB: no "
+                         f"worse at no more bytes {'holds' if loss <= peer and mb / 1e6 <= peer_mb else 'missed'} "
+                         f"({loss - peer:+.4f}; {100 * (math.exp(loss - peer) - 1):+.2f} % perplexity).")
     return lines
 
 
