@@ -23,7 +23,9 @@ Stages (resumable: a run already in ``results/compressed.jsonl`` is skipped; eac
   PowerSGD rank 4), 2 seeds per model at LoRDO's LR: the local steps' loss gap is what kept the word model behind
   PowerSGD, and the compressed payloads have bytes to spare;
 * ``frequent_seeds``: the word model, where PowerSGD rank 4's two seeds differ by 0.085: seeds 2-4 of it and of the
-  ``frequent`` payloads, and ``lowrank`` + int8 at K = 4 (seeds 0-4).
+  ``frequent`` payloads, and ``lowrank`` + int8 at K = 4 (seeds 0-4);
+* ``window``: the word model's ``lowrank`` + int8 at K = 4 with ``basis_every=8`` (the bases every 32 steps, from
+  the window's summed pseudo-gradients), seeds 0-4.
 
 Bytes per worker are payload bytes (what a worker hands to collectives) unless a column says wire (by the
 collectives' algorithms); the plugin's exclude the one-time setup broadcast and Lightning's per-batch flags, as DDP's
@@ -48,7 +50,7 @@ from lightning_lordo.strategy_knobs import PRESETS
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "compressed.jsonl"
-STAGES = ("lr", "choose", "main", "candidate", "frequent", "frequent_seeds")
+STAGES = ("lr", "choose", "main", "candidate", "frequent", "frequent_seeds", "window")
 FREQUENT_K, FREQUENT_PAYLOADS, MORE_SEEDS = 8, ("lowrank_int8", "lordo_compressed", "full"), (2, 3, 4)
 MODELS: dict[str, dict[str, Any]] = {
     "bytes": {"corpus": "bytes"},
@@ -116,9 +118,14 @@ def best_lr(model: str, family: str) -> float:
     return min(grid, key=lambda lr: losses[lr])
 
 
-def frequent_spec(model: str, data: str, name: str, seed: int, k: int = FREQUENT_K) -> tuple[str, str, RunSpec]:
-    """Payload ``name`` at K = ``k`` at LoRDO's LR: (model, label, spec)."""
-    return model, f"{name}:sync_every={k}", spec(model, data, name, best_lr(model, "lordo"), seed, sync_every=k)
+def frequent_spec(model: str, data: str, name: str, seed: int, k: int = FREQUENT_K,
+                  basis_every: int = 1) -> tuple[str, str, RunSpec]:
+    """Payload ``name`` at K = ``k`` (and ``basis_every``) at LoRDO's LR: (model, label, spec)."""
+    run_spec = spec(model, data, name, best_lr(model, "lordo"), seed, sync_every=k)
+    if basis_every == 1:
+        return model, f"{name}:sync_every={k}", run_spec
+    run_spec.knobs = {**run_spec.knobs, "basis_every": basis_every}
+    return model, f"{name}:sync_every={k},basis_every={basis_every}", run_spec
 
 
 def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec]]:
@@ -140,6 +147,9 @@ def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec
                for seed in MORE_SEEDS]
         out += [frequent_spec("words", data, n, seed) for seed in MORE_SEEDS for n in FREQUENT_PAYLOADS]
         return out + [frequent_spec("words", data, "lowrank_int8", seed, k=4) for seed in (0, 1, *MORE_SEEDS)]
+    if stage == "window":
+        return [frequent_spec("words", paths["words"], "lowrank_int8", seed, k=4, basis_every=8)
+                for seed in (0, 1, *MORE_SEEDS)]
     for model, data in paths.items():
         if stage == "lr":
             out += [(model, "lordo", spec(model, data, "lowrank_int8", lr)) for lr in lr_grid(model, "lordo")]

@@ -152,8 +152,9 @@ def table_frequent(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     at the same K (the same steps)."""
     records = load(compressed.RESULTS)
     grouped: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in _runs("frequent") + _runs("frequent_seeds"):
-        grouped[(r["model"], r["name"])].append(r)
+    for r in _runs("frequent") + _runs("frequent_seeds") + _runs("window"):
+        if ":sync_every=" in r["name"]:  # PowerSGD's extra seeds are counted with its others below
+            grouped[(r["model"], r["name"])].append(r)
     psgd: dict[str, list[dict[str, Any]]] = {}
     for model in {m for m, _ in grouped}:
         data = next(r["spec"]["data"] for (m, _), rs in grouped.items() if m == model for r in rs)
@@ -165,6 +166,7 @@ def table_frequent(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     result: dict[tuple[str, str], dict[str, float]] = {}
     for (model, label), runs in sorted(grouped.items()):
         name, k = label.split(":sync_every=")
+        k = k.replace(",basis_every=", ", basis every ")
         m = {k_: _mean([r[f] for r in runs]) for k_, f in (("loss", "final_val_loss"), ("bytes", "bytes_sent"),
                                                            ("wire", "wire_bytes"), ("everything", "bytes_everything"))}
         m["seeds"] = len(runs)
@@ -180,6 +182,7 @@ def table_frequent(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     rows.append("")
     for (model, label), m in sorted(result.items()):
         name, k = label.split(":sync_every=")
+        k = k.split(",")[0]  # basis_every does not change the `full` payload's steps
         full, ddp = result.get((model, f"full:sync_every={k}")), means.get(model, {}).get("ddp")
         peer = psgd.get(model)
         if name == "full" or not (peer and ddp):
@@ -190,9 +193,9 @@ def table_frequent(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
         versus_full = "" if full is None else (
             f"; loss {100 * (m['loss'] / full['loss'] - 1):+.2f} % against `full` at K = {k} "
             f"({'holds' if m['loss'] <= 1.01 * full['loss'] else 'missed'} <= 1 %)")
-        rows.append(f"- {model}, {NAMES[name]} at K = {k} ({m['seeds']} seeds): {_mb(m['bytes'])} MB (wire "
-                    f"{_mb(m['wire'])}) at {m['loss']:.4f} vs PowerSGD r4 ({len(peer)} seeds) {_mb(p_bytes)} MB at "
-                    f"{p_loss:.4f}: fewer bytes {'holds' if fewer else 'missed'}, equal or lower loss "
+        rows.append(f"- {model}, {NAMES[name]} ({label.split(':', 1)[1]}; {m['seeds']} seeds): {_mb(m['bytes'])} MB "
+                    f"(wire {_mb(m['wire'])}) at {m['loss']:.4f} vs PowerSGD r4 ({len(peer)} seeds) {_mb(p_bytes)} "
+                    f"MB at {p_loss:.4f}: fewer bytes {'holds' if fewer else 'missed'}, equal or lower loss "
                     f"{'holds' if m['loss'] <= p_loss else 'missed'} ({100 * (m['loss'] / p_loss - 1):+.2f} %); "
                     f"DDP / this = {ratio:.0f}x ({'holds' if ratio >= 100 else 'missed'} >= 100x){versus_full}.")
     return rows
