@@ -1,4 +1,5 @@
-"""The loss cost of overlapped syncs: LoRDO blocking vs ``overlap_steps`` 8 and 16, the same steps, 2 seeds.
+"""The loss cost of overlapped syncs: LoRDO blocking vs ``overlap_steps`` (8 and 16, or ``--taus``), the same steps,
+2 seeds.
 
 The project's benchmark model (byte-level GPT, d 64 x 2 layers) on ``--data`` (tinyshakespeare), 4 workers, K = 32,
 640 steps, LR 0.01 (LoRDO's best at K = 32 in ``benchmarks/compressed.py``), compared seed by seed. Resumable:
@@ -6,7 +7,7 @@ runs already in ``results/overlap.jsonl`` are skipped. Prints each overlap's fin
 blocking run of the same seed. About 8 minutes on 2 idle cores per ``--knobs`` set: ``lean`` (the harness's pinned
 knobs, the earlier defaults) or ``defaults`` (today's defaults, ``authors.CANDIDATE``: error feedback, omega 0.97).
 
-    python benchmarks/overlap.py --data ../shared/data/tinyshakespeare.txt [--knobs lean|defaults]
+    python benchmarks/overlap.py --data ../shared/data/tinyshakespeare.txt [--knobs lean|defaults] [--taus 2,4]
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True)
     parser.add_argument("--knobs", default="lean", choices=tuple(KNOBS))
+    parser.add_argument("--taus", default=",".join(map(str, TAUS[1:])), help="overlap_steps to measure (comma-"
+                        "separated; the blocking runs always run)")
     args = parser.parse_args(argv)
+    taus = (0, *(int(t) for t in args.taus.split(",")))
     data = str(Path(args.data).resolve())
     records = load(RESULTS)
-    pending = [(tau, seed) for tau in TAUS for seed in SEEDS if not done(records, spec(data, tau, seed, args.knobs))]
+    pending = [(tau, seed) for tau in taus for seed in SEEDS if not done(records, spec(data, tau, seed, args.knobs))]
     if pending:
         append(RESULTS, {"header": provenance("python benchmarks/overlap.py " + " ".join(argv))})
     for tau, seed in pending:
@@ -48,7 +52,7 @@ def main(argv: list[str]) -> int:
     records = [r for r in load(RESULTS) if "spec" in r and r.get("knobs", "lean") == args.knobs]
     loss = {(r["overlap_steps"], r["spec"]["seed"]): r["final_val_loss"] for r in records}
     print(f"knobs: {args.knobs}")
-    for tau in TAUS[1:]:
+    for tau in sorted({r["overlap_steps"] for r in records} - {0}):
         gaps = [100 * (loss[(tau, s)] / loss[(0, s)] - 1) for s in SEEDS if (tau, s) in loss and (0, s) in loss]
         if gaps:
             print(f"overlap_steps={tau}: {', '.join(f'{g:+.2f} %' for g in gaps)} against blocking "
