@@ -23,7 +23,10 @@ from harness import ROOT, RunSpec, append, done, load, provenance, run
 RESULTS = ROOT / "results" / "overlap.jsonl"
 TAUS = (0, 8, 16)
 SEEDS = (0, 1)
-KNOBS = {"lean": {}, "defaults": CANDIDATE}
+#: lean: the harness's pinned knobs (the earlier defaults); defaults: today's; the other two change one of the two
+#: ways the defaults differ from the lean knobs (omega, error feedback), to see which one overlapping is sensitive to
+KNOBS = {"lean": {}, "defaults": CANDIDATE, "defaults_omega_0.7": {**CANDIDATE, "omega": 0.7},
+         "defaults_no_error_feedback": {**CANDIDATE, "error_feedback": False, "full_rank_input": "gradient"}}
 
 
 def spec(data: str, tau: int, seed: int, knobs: str = "lean") -> RunSpec:
