@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 README = ROOT.parent / "README.md"
-TABLES = {"authors": "### Main table", "compressed": "### "}
+TABLES = {"authors": "### Main table", "compressed": "### ", "netlink": "| method"}
 
 
 def block(name: str, start: str) -> str:
