@@ -40,11 +40,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--knobs", default="lean", choices=tuple(KNOBS))
     parser.add_argument("--taus", default=",".join(map(str, TAUS[1:])), help="overlap_steps to measure (comma-"
                         "separated; the blocking runs always run)")
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds")
     args = parser.parse_args(argv)
     taus = (0, *(int(t) for t in args.taus.split(",")))
+    seeds = tuple(int(s) for s in args.seeds.split(","))
     data = str(Path(args.data).resolve())
     records = load(RESULTS)
-    pending = [(tau, seed) for tau in taus for seed in SEEDS if not done(records, spec(data, tau, seed, args.knobs))]
+    pending = [(tau, seed) for tau in taus for seed in seeds if not done(records, spec(data, tau, seed, args.knobs))]
     if pending:
         append(RESULTS, {"header": provenance("python benchmarks/overlap.py " + " ".join(argv))})
     for tau, seed in pending:
@@ -56,7 +58,8 @@ def main(argv: list[str]) -> int:
     loss = {(r["overlap_steps"], r["spec"]["seed"]): r["final_val_loss"] for r in records}
     print(f"knobs: {args.knobs}")
     for tau in sorted({r["overlap_steps"] for r in records} - {0}):
-        gaps = [100 * (loss[(tau, s)] / loss[(0, s)] - 1) for s in SEEDS if (tau, s) in loss and (0, s) in loss]
+        gaps = [100 * (loss[(tau, s)] / loss[(0, s)] - 1) for s in sorted({s for _, s in loss})
+                if (tau, s) in loss and (0, s) in loss]
         if gaps:
             print(f"overlap_steps={tau}: {', '.join(f'{g:+.2f} %' for g in gaps)} against blocking "
                   f"(mean {statistics.fmean(gaps):+.2f} %)")
