@@ -230,11 +230,22 @@ def frontier(path: Path, figure: Path) -> None:
     authors.RESULTS = path
     runs = main_runs(unique([r for r in load(path) if "spec" in r]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, rs in runs.items():
+    points = [(NAMES[name], rs) for name, rs in runs.items()]
+    more: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)  # the K and basis_every variants
+    for r in unique([r for r in load(path) if "spec" in r]):
+        if r["stage"] in ("frontier", "budget", "window") and r["name"].startswith("lordo_"):
+            more[(r["name"], r["spec"]["lr"])].append(r)
+    best: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+    for (name, _), rs in more.items():  # each variant at its best LR
+        loss = statistics.fmean(r["final_val_loss"] for r in rs)
+        if name not in best or loss < statistics.fmean(r["final_val_loss"] for r in best[name][1]):
+            best[name] = (name.replace("lordo_candidate", "defaults") + f" ({len(rs)} seed{'s' * (len(rs) > 1)})", rs)
+    points += list(best.values())
+    for label, rs in points:
         x = statistics.fmean(r["bytes_sent"] for r in rs) / 1e6
         y = statistics.fmean(r["final_val_loss"] for r in rs)
-        ax.scatter(x, y)
-        ax.annotate(NAMES[name], (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
+        ax.scatter(x, y, marker="o" if label in NAMES.values() else "^")
+        ax.annotate(label, (x, y), fontsize=6, xytext=(4, 2), textcoords="offset points")
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the decade labels only
     ax.set_xlabel("MB sent per worker (log)")
