@@ -25,7 +25,9 @@ Stages (resumable: a run already in ``results/compressed.jsonl`` is skipped; eac
 * ``frequent_seeds``: the word model, where PowerSGD rank 4's two seeds differ by 0.085: seeds 2-4 of it and of the
   ``frequent`` payloads, and ``lowrank`` + int8 at K = 4 (seeds 0-4);
 * ``window``: the word model's ``lowrank`` + int8 at K = 4 with ``basis_every=8`` (the bases every 32 steps, from
-  the window's summed pseudo-gradients), seeds 0-4.
+  the window's summed pseudo-gradients), seeds 0-4;
+* ``k3``: ``lowrank`` + int8 at K = 3, the most frequent syncs whose bytes stay below PowerSGD rank 4's on the word
+  model (5 seeds there, 2 on the byte model).
 
 Bytes per worker are payload bytes (what a worker hands to collectives) unless a column says wire (by the
 collectives' algorithms); the plugin's exclude the one-time setup broadcast and Lightning's per-batch flags, as DDP's
@@ -50,7 +52,7 @@ from lightning_lordo.strategy_knobs import PRESETS
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "compressed.jsonl"
-STAGES = ("lr", "choose", "main", "candidate", "frequent", "frequent_seeds", "window")
+STAGES = ("lr", "choose", "main", "candidate", "frequent", "frequent_seeds", "window", "k3")
 FREQUENT_K, FREQUENT_PAYLOADS, MORE_SEEDS = 8, ("lowrank_int8", "lordo_compressed", "full"), (2, 3, 4)
 MODELS: dict[str, dict[str, Any]] = {
     "bytes": {"corpus": "bytes"},
@@ -147,6 +149,9 @@ def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec
                for seed in MORE_SEEDS]
         out += [frequent_spec("words", data, n, seed) for seed in MORE_SEEDS for n in FREQUENT_PAYLOADS]
         return out + [frequent_spec("words", data, "lowrank_int8", seed, k=4) for seed in (0, 1, *MORE_SEEDS)]
+    if stage == "k3":
+        return [frequent_spec(m, paths[m], "lowrank_int8", seed, k=3) for m in ("words", "bytes") if m in paths
+                for seed in ((0, 1, *MORE_SEEDS) if m == "words" else (0, 1))]
     if stage == "window":
         return [frequent_spec("words", paths["words"], "lowrank_int8", seed, k=4, basis_every=8)
                 for seed in (0, 1, *MORE_SEEDS)]

@@ -152,7 +152,7 @@ def table_frequent(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     at the same K (the same steps)."""
     records = load(compressed.RESULTS)
     grouped: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in _runs("frequent") + _runs("frequent_seeds") + _runs("window"):
+    for r in _runs("frequent") + _runs("frequent_seeds") + _runs("window") + _runs("k3"):
         if ":sync_every=" in r["name"]:  # PowerSGD's extra seeds are counted with its others below
             grouped[(r["model"], r["name"])].append(r)
     psgd: dict[str, list[dict[str, Any]]] = {}
