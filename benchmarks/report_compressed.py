@@ -207,7 +207,7 @@ def main() -> int:
              *table_choose(), "", "### Main table (mean over seeds)", "", *table_main(means), "### Targets", "",
              *targets(means), "", "### The payloads with the new defaults (`compressed.py --stage candidate`)", "",
              *table_candidate(), "", "### Syncing more often (`compressed.py --stage frequent`, "
-             "`frequent_seeds`)", "", *table_frequent(means), ""]
+             "`frequent_seeds`, `window`, `k3`)", "", *table_frequent(means), ""]
     out = ROOT / "results" / "compressed.md"
     out.write_text("\n".join(lines))
     if means:
