@@ -94,3 +94,23 @@ class NoWindow(L.Callback):
 
 def test_basis_every_one_keeps_no_window() -> None:
     trainer(lordo(sync_every=2), callbacks=[NoWindow()], max_steps=4).fit(TinyRegressor(), loader())
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single-tensor", "foreach"])
+def test_nesterov_outer_step_leaves_the_averages_as_they_are(foreach: bool) -> None:
+    """The window adds the round's averages after the outer step: torch's foreach Nesterov SGD (its default on a
+    GPU) adds the momentum into the gradient in place, so the outer step must hand it a copy."""
+    from lightning_lordo.sync.outer import Anchor, OuterStep
+
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    anchor = Anchor(params)
+    anchor.take()
+    outer = OuterStep("nesterov", lr=0.7, momentum=0.9)
+    outer._optimizer(anchor).param_groups[0]["foreach"] = foreach
+    for _ in range(3):  # from the second step on there is momentum to add
+        delta = [torch.randn(p.shape) for p in params]
+        kept = [d.clone() for d in delta]
+        anchor.set(outer.apply(anchor, delta))
+        assert all(torch.equal(d, k) for d, k in zip(delta, kept))
+    assert outer.momentum_buffers() and all(b.abs().sum() > 0 for b in outer.momentum_buffers())
+

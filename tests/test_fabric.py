@@ -142,7 +142,7 @@ def test_synchronous_phase_averages_once_per_step_before_clipping() -> None:
 
 
 def _train_and_save(fabric: Fabric, model: nn.Module, path: Path, result: Path) -> None:
-    data = list(zip(range(12), fabric.setup_dataloaders(loader())))
+    data = list(zip(range(16), fabric.setup_dataloaders(loader())))
     net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     run_steps(fabric, net, optimizer, (b for _, b in data[:9]))
     with pytest.raises(RuntimeError, match=r"optimizer step 9, 1 local step.*fabric.strategy.finish\(\)"):
@@ -156,7 +156,7 @@ def _train_and_save(fabric: Fabric, model: nn.Module, path: Path, result: Path) 
 
 
 def _load_and_continue(fabric: Fabric, model: nn.Module, path: Path) -> dict[str, Any]:
-    data = list(zip(range(12), fabric.setup_dataloaders(loader())))
+    data = list(zip(range(16), fabric.setup_dataloaders(loader())))
     net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     state: dict[str, Any] = {"model": net, "optimizer": optimizer, "step": 0}
     fabric.load(path, state)
@@ -170,11 +170,13 @@ def _load_and_continue(fabric: Fabric, model: nn.Module, path: Path) -> dict[str
 
 
 @pytest.mark.timeout(120)
-def test_save_at_a_boundary_and_load_resume_the_same_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("window", [1, 2], ids=["bases-every-sync", "basis_every-2"])
+def test_save_at_a_boundary_and_load_resume_the_same_run(tmp_path: Path, window: int) -> None:
     """With every optimizer state averaged at each sync (the error-feedback buffers too), the resumed run is
-    bit-identical to the uninterrupted one."""
+    bit-identical to the uninterrupted one; with ``basis_every=2`` the save (after sync 3) holds a window of one
+    round, which the resumed run's next refresh must add."""
     path, result = tmp_path / "fabric.ckpt", tmp_path / "uninterrupted.pt"
-    averaged = dict(average_fullrank_moments=True, average_error_feedback=True)
+    averaged = dict(average_fullrank_moments=True, average_error_feedback=True, basis_every=window)
     fabric_for(**averaged).launch(_train_and_save, regression_model(0), path, result)
     assert "lordo" in torch.load(path, weights_only=True)
     resumed = fabric_for(**averaged).launch(_load_and_continue, regression_model(1), path)

@@ -67,7 +67,8 @@ class SynchronizedCheckpoints:
         return {"optimizer": type(self.optimizer).__name__, "world_size": self.world_size,
                 "optimizer_steps": synchronizer.optimizer_steps, "syncs_done": synchronizer.syncs_done,
                 "skipped_syncs": synchronizer.skipped_syncs, "consecutive_skips": synchronizer.consecutive_skips,
-                "outer": synchronizer.outer.state_dict(), "communication": self.accountant.state_dict()}
+                "outer": synchronizer.outer.state_dict(), "communication": self.accountant.state_dict(),
+                "basis_window": synchronizer.window.state_dict()}
 
     @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
@@ -112,6 +113,7 @@ class SynchronizedCheckpoints:
         synchronizer.skipped_syncs = saved["skipped_syncs"]
         synchronizer.consecutive_skips = saved["consecutive_skips"]
         synchronizer.outer.load_state_dict(saved["outer"])
+        synchronizer.window.load_state_dict(saved.get("basis_window", []))
         self.accountant.load_state_dict(saved["communication"])
 
     def _new_synchronized_point(self) -> None:

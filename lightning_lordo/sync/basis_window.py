@@ -5,7 +5,9 @@ the sum of the n rounds' averaged pseudo-gradients: the movement of the synchron
 plain averaging as the outer step, exactly the anchor's change). Frequent syncs (small K, for a fast network) then
 keep a basis estimated from as many local steps as infrequent ones, and the moments are rotated as rarely. The sum
 is identical on every worker (it adds identical averages), lives in float32 beside each low-rank matrix, and is
-saved in checkpoints with the rest of the synchronizer's shared state.
+saved in checkpoints with the rest of the synchronizer's shared state. A discarded round (non-finite on some worker)
+adds nothing; if it was due to refresh, the refresh waits for the next due sync, n rounds later, and sees the longer
+window.
 """
 
 from __future__ import annotations

@@ -117,12 +117,13 @@ class OuterStep:
         self._buffers: list[Tensor] = []  # restored momentum, installed when the SGD is built on the anchor
 
     def apply(self, anchor: Anchor, delta: Sequence[Tensor]) -> list[Tensor]:
-        """The new synchronized point from the averaged ``delta``; the SGD momentum moves (call it at commit)."""
+        """The new synchronized point from the averaged ``delta`` (left as it is); the SGD momentum moves (call it
+        at commit)."""
         if self.kind == "average":
             return [a.to(device=d.device, dtype=d.dtype) - d for a, d in zip(anchor.tensors, delta)]
         sgd = self._optimizer(anchor)
-        for a, d in zip(anchor.tensors, delta):
-            a.grad = d.to(device=a.device, dtype=a.dtype)
+        for a, d in zip(anchor.tensors, delta):  # a copy: SGD's foreach Nesterov path adds the momentum into grad
+            a.grad = d.to(device=a.device, dtype=a.dtype, copy=True)
         sgd.step()
         for a in anchor.tensors:
             a.grad = None
