@@ -27,7 +27,9 @@ Stages (resumable: a run already in ``results/compressed.jsonl`` is skipped; eac
 * ``window``: the word model's ``lowrank`` + int8 at K = 4 with ``basis_every=8`` (the bases every 32 steps, from
   the window's summed pseudo-gradients), seeds 0-4;
 * ``k3``: ``lowrank`` + int8 at K = 3, the most frequent syncs whose bytes stay below PowerSGD rank 4's on the word
-  model (5 seeds there, 2 on the byte model).
+  model (5 seeds there, 2 on the byte model);
+* ``embedding_moments``: the word model's ``lowrank`` + int8 at K = 8 with its full-rank moments (the embedding's,
+  72 % of the parameters) averaged too, every 2nd sync to stay below PowerSGD rank 4's bytes (5 seeds).
 
 Bytes per worker are payload bytes (what a worker hands to collectives) unless a column says wire (by the
 collectives' algorithms); the plugin's exclude the one-time setup broadcast and Lightning's per-batch flags, as DDP's
@@ -52,7 +54,7 @@ from lightning_lordo.strategy_knobs import PRESETS
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "compressed.jsonl"
-STAGES = ("lr", "choose", "main", "candidate", "frequent", "frequent_seeds", "window", "k3")
+STAGES = ("lr", "choose", "main", "candidate", "frequent", "frequent_seeds", "window", "k3", "embedding_moments")
 FREQUENT_K, FREQUENT_PAYLOADS, MORE_SEEDS = 8, ("lowrank_int8", "lordo_compressed", "full"), (2, 3, 4)
 MODELS: dict[str, dict[str, Any]] = {
     "bytes": {"corpus": "bytes"},
@@ -152,6 +154,13 @@ def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec
     if stage == "k3":
         return [frequent_spec(m, paths[m], "lowrank_int8", seed, k=3) for m in ("words", "bytes") if m in paths
                 for seed in ((0, 1, *MORE_SEEDS) if m == "words" else (0, 1))]
+    if stage == "embedding_moments":
+        out = []
+        for seed in (0, 1, *MORE_SEEDS):
+            model, _, run_spec = frequent_spec("words", paths["words"], "lowrank_int8", seed)
+            run_spec.knobs = {**run_spec.knobs, "average_fullrank_moments": True, "moments_every": 2}
+            out.append((model, "lowrank_int8:sync_every=8,fullrank_moments_every=2", run_spec))
+        return out
     if stage == "window":
         return [frequent_spec("words", paths["words"], "lowrank_int8", seed, k=4, basis_every=8)
                 for seed in (0, 1, *MORE_SEEDS)]

@@ -152,7 +152,7 @@ def table_frequent(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     at the same K (the same steps)."""
     records = load(compressed.RESULTS)
     grouped: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in _runs("frequent") + _runs("frequent_seeds") + _runs("window") + _runs("k3"):
+    for r in [r for stage in ("frequent", "frequent_seeds", "window", "k3", "embedding_moments") for r in _runs(stage)]:
         if ":sync_every=" in r["name"]:  # PowerSGD's extra seeds are counted with its others below
             grouped[(r["model"], r["name"])].append(r)
     psgd: dict[str, list[dict[str, Any]]] = {}
@@ -167,6 +167,7 @@ def table_frequent(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     for (model, label), runs in sorted(grouped.items()):
         name, k = label.split(":sync_every=")
         k = k.replace(",basis_every=", ", basis every ")
+        k = k.replace(",fullrank_moments_every=", ", full-rank moments every ")
         m = {k_: _mean([r[f] for r in runs]) for k_, f in (("loss", "final_val_loss"), ("bytes", "bytes_sent"),
                                                            ("wire", "wire_bytes"), ("everything", "bytes_everything"))}
         m["seeds"] = len(runs)
