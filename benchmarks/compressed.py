@@ -29,7 +29,8 @@ Stages (resumable: a run already in ``results/compressed.jsonl`` is skipped; eac
 * ``k3``: ``lowrank`` + int8 at K = 3, the most frequent syncs whose bytes stay below PowerSGD rank 4's on the word
   model (5 seeds there, 2 on the byte model);
 * ``embedding_moments``: the word model's ``lowrank`` + int8 at K = 8 with its full-rank moments (the embedding's,
-  72 % of the parameters) averaged too, every 2nd sync to stay below PowerSGD rank 4's bytes (5 seeds).
+  72 % of the parameters) averaged too, every 2nd sync to stay below PowerSGD rank 4's bytes (5 seeds); then the
+  same on the byte model and ``lordo_compressed`` with the full-rank moments averaged at K = 32 (2 seeds each).
 
 Bytes per worker are payload bytes (what a worker hands to collectives) unless a column says wire (by the
 collectives' algorithms); the plugin's exclude the one-time setup broadcast and Lightning's per-batch flags, as DDP's
@@ -160,6 +161,14 @@ def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec
             model, _, run_spec = frequent_spec("words", paths["words"], "lowrank_int8", seed)
             run_spec.knobs = {**run_spec.knobs, "average_fullrank_moments": True, "moments_every": 2}
             out.append((model, "lowrank_int8:sync_every=8,fullrank_moments_every=2", run_spec))
+        for seed in (0, 1):
+            model, _, run_spec = frequent_spec("bytes", paths["bytes"], "lowrank_int8", seed)
+            run_spec.knobs = {**run_spec.knobs, "average_fullrank_moments": True, "moments_every": 2}
+            out.append((model, "lowrank_int8:sync_every=8,fullrank_moments_every=2", run_spec))
+            for m in ("words", "bytes"):
+                run_spec = spec(m, paths[m], "lordo_compressed", best_lr(m, "lordo"), seed)
+                run_spec.knobs = {**run_spec.knobs, "average_fullrank_moments": True}
+                out.append((m, "lordo_compressed:sync_every=32,fullrank_moments_every=4", run_spec))
         return out
     if stage == "window":
         return [frequent_spec("words", paths["words"], "lowrank_int8", seed, k=4, basis_every=8)
