@@ -30,7 +30,9 @@ Stages (resumable: a run already in ``results/compressed.jsonl`` is skipped; eac
   model (5 seeds there, 2 on the byte model);
 * ``embedding_moments``: the word model's ``lowrank`` + int8 at K = 8 with its full-rank moments (the embedding's,
   72 % of the parameters) averaged too, every 2nd sync to stay below PowerSGD rank 4's bytes (5 seeds); then the
-  same on the byte model and ``lordo_compressed`` with the full-rank moments averaged at K = 32 (2 seeds each).
+  same on the byte model and ``lordo_compressed`` with the full-rank moments averaged at K = 32 (2 seeds each);
+* ``compressed_k8``: ``lordo_compressed`` with the full-rank moments averaged at K = 8 (5 seeds on the word model,
+  2 on the byte model).
 
 Bytes per worker are payload bytes (what a worker hands to collectives) unless a column says wire (by the
 collectives' algorithms); the plugin's exclude the one-time setup broadcast and Lightning's per-batch flags, as DDP's
@@ -55,7 +57,8 @@ from lightning_lordo.strategy_knobs import PRESETS
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "compressed.jsonl"
-STAGES = ("lr", "choose", "main", "candidate", "frequent", "frequent_seeds", "window", "k3", "embedding_moments")
+STAGES = ("lr", "choose", "main", "candidate", "frequent", "frequent_seeds", "window", "k3", "embedding_moments",
+          "compressed_k8")
 FREQUENT_K, FREQUENT_PAYLOADS, MORE_SEEDS = 8, ("lowrank_int8", "lordo_compressed", "full"), (2, 3, 4)
 MODELS: dict[str, dict[str, Any]] = {
     "bytes": {"corpus": "bytes"},
@@ -169,6 +172,14 @@ def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec
                 run_spec = spec(m, paths[m], "lordo_compressed", best_lr(m, "lordo"), seed)
                 run_spec.knobs = {**run_spec.knobs, "average_fullrank_moments": True}
                 out.append((m, "lordo_compressed:sync_every=32,fullrank_moments_every=4", run_spec))
+        return out
+    if stage == "compressed_k8":
+        out = []
+        for m in ("words", "bytes"):
+            for seed in ((0, 1, *MORE_SEEDS) if m == "words" else (0, 1)):
+                model, _, run_spec = frequent_spec(m, paths[m], "lordo_compressed", seed)
+                run_spec.knobs = {**run_spec.knobs, "average_fullrank_moments": True}
+                out.append((model, "lordo_compressed:sync_every=8,fullrank_moments_every=4", run_spec))
         return out
     if stage == "window":
         return [frequent_spec("words", paths["words"], "lowrank_int8", seed, k=4, basis_every=8)

@@ -152,7 +152,8 @@ def table_frequent(means: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     at the same K (the same steps)."""
     records = load(compressed.RESULTS)
     grouped: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in [r for stage in ("frequent", "frequent_seeds", "window", "k3", "embedding_moments") for r in _runs(stage)]:
+    for r in [r for stage in ("frequent", "frequent_seeds", "window", "k3", "embedding_moments",
+                                                 "compressed_k8") for r in _runs(stage)]:
         if ":sync_every=" in r["name"]:  # PowerSGD's extra seeds are counted with its others below
             grouped[(r["model"], r["name"])].append(r)
     psgd: dict[str, list[dict[str, Any]]] = {}
