@@ -26,9 +26,9 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
     "lordo_lean": (dict(LEAN_KNOBS), "LoRDO without the error-feedback buffer: rank-r optimizer state only, at "
                                      "some loss"),
     "lordo_compressed": ({**LEAN_KNOBS, "payload": "lowrank", "payload_dtype": "int8", "fullrank_rank": 16,
-                          "moments_every": 4},
-                         "LoRDO with everything compressed: int8 low-rank messages for every weight matrix, moments "
-                         "every 4th sync (lean optimizer knobs)"),
+                          "moments_every": 4, "average_fullrank_moments": True},
+                         "LoRDO with everything compressed: int8 low-rank messages for every weight matrix, the "
+                         "moments (the full-rank ones too) every 4th sync (lean optimizer knobs)"),
     "lowrank_ddp": ({"synchronous": True}, "low-rank DDP: gradients averaged every step, LoRDO's low-rank "
                                            "moments, bases from the averaged gradient every K steps"),
 }
