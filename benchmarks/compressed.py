@@ -125,14 +125,18 @@ def best_lr(model: str, family: str) -> float:
     return min(grid, key=lambda lr: losses[lr])
 
 
-def frequent_spec(model: str, data: str, name: str, seed: int, k: int = FREQUENT_K,
-                  basis_every: int = 1) -> tuple[str, str, RunSpec]:
-    """Payload ``name`` at K = ``k`` (and ``basis_every``) at LoRDO's LR: (model, label, spec)."""
+def frequent_spec(model: str, data: str, name: str, seed: int, k: int = FREQUENT_K, tag: str = "",
+                  **knobs: Any) -> tuple[str, str, RunSpec]:
+    """Payload ``name`` at K = ``k`` at LoRDO's LR, with ``knobs`` added: (model, label, spec); ``tag`` names the
+    added knobs in the label."""
     run_spec = spec(model, data, name, best_lr(model, "lordo"), seed, sync_every=k)
-    if basis_every == 1:
-        return model, f"{name}:sync_every={k}", run_spec
-    run_spec.knobs = {**run_spec.knobs, "basis_every": basis_every}
-    return model, f"{name}:sync_every={k},basis_every={basis_every}", run_spec
+    run_spec.knobs = {**run_spec.knobs, **knobs}
+    return model, f"{name}:sync_every={k}" + (f",{tag}" if tag else ""), run_spec
+
+
+#: the full-rank (embedding) moments averaged too: every 2nd sync, or with the preset's moments (every 4th)
+MOMENTS_2 = {"tag": "fullrank_moments_every=2", "average_fullrank_moments": True, "moments_every": 2}
+MOMENTS_4 = {"tag": "fullrank_moments_every=4", "average_fullrank_moments": True}
 
 
 def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec]]:
@@ -158,30 +162,17 @@ def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec
         return [frequent_spec(m, paths[m], "lowrank_int8", seed, k=3) for m in ("words", "bytes") if m in paths
                 for seed in ((0, 1, *MORE_SEEDS) if m == "words" else (0, 1))]
     if stage == "embedding_moments":
-        out = []
-        for seed in (0, 1, *MORE_SEEDS):
-            model, _, run_spec = frequent_spec("words", paths["words"], "lowrank_int8", seed)
-            run_spec.knobs = {**run_spec.knobs, "average_fullrank_moments": True, "moments_every": 2}
-            out.append((model, "lowrank_int8:sync_every=8,fullrank_moments_every=2", run_spec))
+        out = [frequent_spec("words", paths["words"], "lowrank_int8", seed, **MOMENTS_2)
+               for seed in (0, 1, *MORE_SEEDS)]
         for seed in (0, 1):
-            model, _, run_spec = frequent_spec("bytes", paths["bytes"], "lowrank_int8", seed)
-            run_spec.knobs = {**run_spec.knobs, "average_fullrank_moments": True, "moments_every": 2}
-            out.append((model, "lowrank_int8:sync_every=8,fullrank_moments_every=2", run_spec))
-            for m in ("words", "bytes"):
-                run_spec = spec(m, paths[m], "lordo_compressed", best_lr(m, "lordo"), seed)
-                run_spec.knobs = {**run_spec.knobs, "average_fullrank_moments": True}
-                out.append((m, "lordo_compressed:sync_every=32,fullrank_moments_every=4", run_spec))
+            out.append(frequent_spec("bytes", paths["bytes"], "lowrank_int8", seed, **MOMENTS_2))
+            out += [frequent_spec(m, paths[m], "lordo_compressed", seed, k=32, **MOMENTS_4) for m in ("words", "bytes")]
         return out
     if stage == "compressed_k8":
-        out = []
-        for m in ("words", "bytes"):
-            for seed in ((0, 1, *MORE_SEEDS) if m == "words" else (0, 1)):
-                model, _, run_spec = frequent_spec(m, paths[m], "lordo_compressed", seed)
-                run_spec.knobs = {**run_spec.knobs, "average_fullrank_moments": True}
-                out.append((model, "lordo_compressed:sync_every=8,fullrank_moments_every=4", run_spec))
-        return out
+        return [frequent_spec(m, paths[m], "lordo_compressed", seed, **MOMENTS_4) for m in ("words", "bytes")
+                for seed in ((0, 1, *MORE_SEEDS) if m == "words" else (0, 1))]
     if stage == "window":
-        return [frequent_spec("words", paths["words"], "lowrank_int8", seed, k=4, basis_every=8)
+        return [frequent_spec("words", paths["words"], "lowrank_int8", seed, k=4, tag="basis_every=8", basis_every=8)
                 for seed in (0, 1, *MORE_SEEDS)]
     for model, data in paths.items():
         if stage == "lr":
