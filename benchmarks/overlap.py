@@ -2,12 +2,20 @@
 2 seeds.
 
 The project's benchmark model (byte-level GPT, d 64 x 2 layers) on ``--data`` (tinyshakespeare), 4 workers, K = 32,
-640 steps, LR 0.01 (LoRDO's best at K = 32 in ``benchmarks/compressed.py``), compared seed by seed. Resumable:
-runs already in ``results/overlap.jsonl`` are skipped. Prints each overlap's final validation loss against the
-blocking run of the same seed. About 8 minutes on 2 idle cores per ``--knobs`` set: ``lean`` (the harness's pinned
-knobs, the earlier defaults) or ``defaults`` (today's defaults, ``authors.CANDIDATE``: error feedback, omega 0.97).
+640 steps, LR 0.01 (LoRDO's best at K = 32 in ``benchmarks/compressed.py``; ``--lr`` to change it), compared seed by
+seed with the blocking run of the same knobs and LR. Resumable: runs already in ``results/overlap.jsonl`` are
+skipped. About 20-60 s per run on 2 idle cores. ``--knobs``: ``lean`` (the harness's pinned knobs, the earlier
+defaults), ``defaults`` (today's defaults, ``authors.CANDIDATE``: error feedback, omega 0.97), ``compressed`` (the
+``"lordo_compressed"`` preset as it is today), or one of the defaults' changes.
 
-    python benchmarks/overlap.py --data ../shared/data/tinyshakespeare.txt [--knobs lean|defaults] [--taus 2,4]
+``--basis-delay N`` is a diagnostic, not a plugin option: blocking syncs whose new bases (and the rotation of the
+moments into them) are installed N optimizer steps after the sync, as an overlapped round's arrive; the rest of the
+sync is unchanged. It separates the bases' delay from the rest of an overlapped landing (the local steps taken from
+each worker's own point before the average arrives). It patches the plugin in this process, which the forked
+workers inherit.
+
+    python benchmarks/overlap.py --data ../shared/data/tinyshakespeare.txt [--knobs lean|defaults|compressed]
+        [--taus 2,4] [--seeds 0,1] [--lr 0.01] [--basis-delay 8]
 """
 
 from __future__ import annotations
@@ -16,22 +24,77 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+from typing import Any, Optional
 
 from authors import CANDIDATE
 from harness import ROOT, RunSpec, append, done, load, provenance, run
 
+from lightning_lordo.optim.lordo import LoRDO
+from lightning_lordo.strategy_knobs import PRESETS
+from lightning_lordo.sync.synchronizer import Synchronizer
+
 RESULTS = ROOT / "results" / "overlap.jsonl"
 TAUS = (0, 8, 16)
 SEEDS = (0, 1)
-#: lean: the harness's pinned knobs (the earlier defaults); defaults: today's; the other two change one of the two
-#: ways the defaults differ from the lean knobs (omega, error feedback), to see which one overlapping is sensitive to
-KNOBS = {"lean": {}, "defaults": CANDIDATE, "defaults_omega_0.7": {**CANDIDATE, "omega": 0.7},
+LR = 0.01
+#: lean: the harness's pinned knobs (the earlier defaults); defaults: today's; compressed: the "lordo_compressed"
+#: preset today; the other two change one of the two ways the defaults differ from the lean knobs (omega, error
+#: feedback), to see which one overlapping is sensitive to
+KNOBS = {"lean": {}, "defaults": CANDIDATE, "compressed": dict(PRESETS["lordo_compressed"][0]),
+         "defaults_omega_0.7": {**CANDIDATE, "omega": 0.7},
          "defaults_no_error_feedback": {**CANDIDATE, "error_feedback": False, "full_rank_input": "gradient"}}
 
 
-def spec(data: str, tau: int, seed: int, knobs: str = "lean") -> RunSpec:
-    return RunSpec(method="lordo", lr=0.01, data=data, seed=seed, steps=640, workers=4, sync_every=32, rank=8,
+def spec(data: str, tau: int, seed: int, knobs: str = "lean", lr: float = LR) -> RunSpec:
+    return RunSpec(method="lordo", lr=lr, data=data, seed=seed, steps=640, workers=4, sync_every=32, rank=8,
                    knobs={**KNOBS[knobs], **({"overlap_steps": tau} if tau else {})})
+
+
+def delay_bases(steps: int) -> None:
+    """Patch the plugin (this process and the workers it forks): a sync's new bases are installed ``steps``
+    optimizer steps after it (the first bases at once). A diagnostic for blocking syncs only."""
+    install, count = LoRDO.set_bases, Synchronizer.on_optimizer_step
+    pending: dict[int, tuple[LoRDO, Any, int]] = {}  # one entry: (optimizer, bases, steps left)
+
+    def set_bases(self: LoRDO, bases: Any) -> dict:
+        if all("basis" not in self.state.get(p, {}) for p in bases):
+            return install(self, bases)
+        assert not pending, "--basis-delay must be shorter than the sync interval"
+        pending[0] = (self, bases, steps)
+        return {}
+
+    def on_optimizer_step(self: Synchronizer) -> Optional[Any]:
+        report = count(self)
+        if pending:
+            optimizer, bases, left = pending.pop(0)
+            if left > 1:
+                pending[0] = (optimizer, bases, left - 1)
+            else:
+                install(optimizer, bases)
+        return report
+
+    LoRDO.set_bases, Synchronizer.on_optimizer_step = set_bases, on_optimizer_step
+
+
+def _variant(record: dict[str, Any]) -> tuple[str, float, int]:
+    return record.get("knobs", "lean"), record["spec"]["lr"], record.get("basis_delay", 0)
+
+
+def report(records: list[dict[str, Any]]) -> None:
+    """Each variant's gap to the blocking run of the same knobs, LR and seed (no basis delay)."""
+    runs = [r for r in records if "spec" in r]
+    blocking = {(r.get("knobs", "lean"), r["spec"]["lr"], r["spec"]["seed"]): r["final_val_loss"] for r in runs
+                if r["overlap_steps"] == 0 and not r.get("basis_delay")}
+    for knobs, lr, delay in sorted({_variant(r) for r in runs}):
+        mine = [r for r in runs if _variant(r) == (knobs, lr, delay)]
+        for tau in sorted({r["overlap_steps"] for r in mine} - ({0} if not delay else set())):
+            pairs = [(r["final_val_loss"], blocking[(knobs, lr, r["spec"]["seed"])]) for r in mine
+                     if r["overlap_steps"] == tau and (knobs, lr, r["spec"]["seed"]) in blocking]
+            gaps = [100 * (x / b - 1) for x, b in pairs]
+            if gaps:
+                what = f"bases {delay} steps late (blocking)" if delay else f"overlap_steps={tau}"
+                print(f"knobs={knobs} lr={lr:g} {what}: {', '.join(f'{g:+.2f} %' for g in gaps)} against "
+                      f"blocking (mean {statistics.fmean(gaps):+.2f} %; {', '.join(f'{x:.4f}' for x, _ in pairs)})")
 
 
 def main(argv: list[str]) -> int:
@@ -41,28 +104,30 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--taus", default=",".join(map(str, TAUS[1:])), help="overlap_steps to measure (comma-"
                         "separated; the blocking runs always run)")
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds")
+    parser.add_argument("--lr", type=float, default=LR)
+    parser.add_argument("--basis-delay", type=int, default=0, help="diagnostic: blocking syncs whose bases arrive "
+                        "this many steps late (beside the blocking runs; --taus is then ignored)")
     args = parser.parse_args(argv)
-    taus = (0, *(int(t) for t in args.taus.split(",")))
+    if not 0 <= args.basis_delay < 32:
+        raise SystemExit(f"--basis-delay={args.basis_delay}: use 0 (off) to 31 (below the sync interval, 32)")
+    taus = (0,) if args.basis_delay else (0, *(int(t) for t in args.taus.split(",")))
     seeds = tuple(int(s) for s in args.seeds.split(","))
     data = str(Path(args.data).resolve())
     records = load(RESULTS)
-    pending = [(tau, seed) for tau in taus for seed in seeds if not done(records, spec(data, tau, seed, args.knobs))]
+    by_delay = {d: [r for r in records if "spec" in r and r.get("basis_delay", 0) == d] for d in {0, args.basis_delay}}
+    pending = [(d, tau, seed) for d in sorted(by_delay) for tau in (taus if not d else (0,)) for seed in seeds
+               if not done(by_delay[d], spec(data, tau, seed, args.knobs, args.lr))]
     if pending:
         append(RESULTS, {"header": provenance("python benchmarks/overlap.py " + " ".join(argv))})
-    for tau, seed in pending:
-        record = {"overlap_steps": tau, "knobs": args.knobs, **run(spec(data, tau, seed, args.knobs))}
+    for delay, tau, seed in pending:
+        if delay:
+            delay_bases(delay)  # after the undelayed runs (pending is sorted): the patch stays for this process
+        record = {"overlap_steps": tau, "knobs": args.knobs, **({"basis_delay": delay} if delay else {}),
+                  **run(spec(data, tau, seed, args.knobs, args.lr))}
         append(RESULTS, record)
-        print(f"overlap_steps={tau:<3} seed={seed} val_loss={record['final_val_loss']:.4f} "
+        print(f"overlap_steps={tau:<3} basis_delay={delay} seed={seed} val_loss={record['final_val_loss']:.4f} "
               f"wall={record['wall_seconds']:.0f}s", flush=True)
-    records = [r for r in load(RESULTS) if "spec" in r and r.get("knobs", "lean") == args.knobs]
-    loss = {(r["overlap_steps"], r["spec"]["seed"]): r["final_val_loss"] for r in records}
-    print(f"knobs: {args.knobs}")
-    for tau in sorted({r["overlap_steps"] for r in records} - {0}):
-        gaps = [100 * (loss[(tau, s)] / loss[(0, s)] - 1) for s in sorted({s for _, s in loss})
-                if (tau, s) in loss and (0, s) in loss]
-        if gaps:
-            print(f"overlap_steps={tau}: {', '.join(f'{g:+.2f} %' for g in gaps)} against blocking "
-                  f"(mean {statistics.fmean(gaps):+.2f} %)")
+    report(load(RESULTS))
     return 0
 
 
