@@ -61,6 +61,34 @@ def _check_layout(calls: dict[str, int], case: str) -> None:
         assert calls["in_place"] == 0 and calls["stacked"] > 0
 
 
+def test_error_feedback_is_laid_out_like_its_weight_and_an_older_contiguous_buffer_steps_the_same(
+        layout: dict[str, int]) -> None:
+    """A tall matrix's error feedback is its canonical (transposed) view of a buffer laid out like the weight, so
+    the step reads it in the gradient's memory order; a contiguous buffer (as checkpoints of earlier versions hold
+    it) gives the same step."""
+    runs = []
+    for contiguous in (False, True):
+        params = _mixed_model(40)
+        opt = LoRDO(params, lr=0.05, rank=RANK, error_feedback=True, full_rank_input="accumulated", omega=0.9)
+        _randomize_state(opt, _gen(41))
+        ef = opt.state[params[2]]["error_feedback"]  # (11, 5): tall
+        assert ef.shape == (5, 11) and ef.mT.is_contiguous() and not ef.is_contiguous()
+        if contiguous:
+            for p in opt.lowrank_params():
+                opt.state[p]["error_feedback"] = opt.state[p]["error_feedback"].contiguous()
+        gen = _gen(42)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            opt.step()
+        runs.append((params, opt))
+    (new, new_opt), (old, old_opt) = runs
+    for a, b in zip(new, old):
+        _close(a.detach(), b.detach(), rtol=1e-6)
+        for key, value in old_opt.state[b].items():
+            _close(new_opt.state[a][key], value, rtol=1e-5, scale=1.0 if key == "error_feedback" else 0.0)
+
+
 @pytest.mark.parametrize("case", list(GROUPED_CASES))
 def test_grouped_step_matches_the_reference_on_mixed_shapes_and_dtypes(case: str, layout: dict[str, int]) -> None:
     """The grouped step (in place, or stacked with batched matmuls; foreach math, torch's AdamW) and the per-matrix
