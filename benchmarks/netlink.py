@@ -7,8 +7,10 @@ so and exits with status 2.
 
 For each rate the same model, data and steps are trained with ``ddp``, ``powersgd4`` (DDP + PowerSGD rank 4),
 ``diloco``, ``lordo`` (blocking syncs) and ``lordo_overlap`` (``overlap_steps``), also ``lordo_compressed`` with
-and without overlap; ``compute`` is the limit: each worker's local steps with no communication at all, as one
-single-worker run per worker, all at once (so they share the cores as the workers of the other runs do). The script
+and without overlap (``lordo_compressed``: the preset's knobs before it averaged the full-rank moments too;
+``lordo_compressed_preset``: the preset as it is today); ``compute`` is the limit: each worker's local steps with
+no communication at all, as one single-worker run per worker, all at once (so they share the cores as the workers
+of the other runs do). The script
 prints wall times (the whole ``fit``: launch and the setup broadcast included) and the training loop's times (from
 the first step to the last), each as a ratio to ``compute``, the share of DDP's step that is communication
 (1 - compute / ddp), each method's time to a target validation loss (``--target``; default: the
@@ -32,6 +34,7 @@ from typing import Any, Optional
 from harness import ROOT, RunSpec, finish_panels, panels, provenance
 
 from lightning_lordo.config import LEAN_KNOBS
+from lightning_lordo.strategy_knobs import PRESETS
 
 NAMESPACE = "lordo_bw"
 
@@ -83,6 +86,7 @@ def run_in_namespace(spec: RunSpec, copies: int = 1) -> dict[str, Any]:
 
 #: ``"lordo_compressed"`` as measured here, before the preset averaged the full-rank moments too
 COMPRESSED = {**LEAN_KNOBS, "payload": "lowrank", "payload_dtype": "int8", "fullrank_rank": 16, "moments_every": 4}
+PRESET = PRESETS["lordo_compressed"][0]
 METHODS: dict[str, dict[str, Any]] = {
     "ddp": {"method": "ddp"},
     "powersgd4": {"method": "ddp", "hook": "powersgd", "hook_rank": 4},
@@ -91,6 +95,9 @@ METHODS: dict[str, dict[str, Any]] = {
     "lordo_overlap": {"method": "lordo", "knobs": {"overlap_steps": 8}},
     "lordo_compressed": {"method": "lordo", "knobs": dict(COMPRESSED)},
     "lordo_compressed_overlap": {"method": "lordo", "knobs": {**COMPRESSED, "overlap_steps": 8}},
+    # the preset as it is today (the full-rank moments averaged too), blocking and overlapped by 2 steps
+    "lordo_compressed_preset": {"method": "lordo", "knobs": dict(PRESET)},
+    "lordo_compressed_preset_overlap2": {"method": "lordo", "knobs": {**PRESET, "overlap_steps": 2}},
     "compute": {"method": "lordo", "workers": 1},  # each worker's steps alone: 2 single-worker runs side by side
 }
 
@@ -120,8 +127,10 @@ def figure(results: dict[str, Any], path: Path) -> None:
 
 
 LABELS = {"ddp": "DDP", "powersgd4": "DDP + PowerSGD r4", "diloco": "DiLoCo", "lordo": "`lordo` (blocking)",
-          "lordo_overlap": "`lordo`, `overlap_steps=8`", "lordo_compressed": "`lordo_compressed`",
-          "lordo_compressed_overlap": "`lordo_compressed`, `overlap_steps=8`", "compute": "compute only"}
+          "lordo_overlap": "`lordo`, `overlap_steps=8`", "lordo_compressed": "`lordo_compressed` (earlier)",
+          "lordo_compressed_overlap": "`lordo_compressed` (earlier), `overlap_steps=8`",
+          "lordo_compressed_preset": "`lordo_compressed`", "lordo_compressed_preset_overlap2":
+          "`lordo_compressed`, `overlap_steps=2`", "compute": "compute only"}
 
 
 def summarize(results: dict[str, Any], rates: list[str], target: float) -> list[str]:
