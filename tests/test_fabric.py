@@ -145,9 +145,12 @@ def _train_and_save(fabric: Fabric, model: nn.Module, path: Path, result: Path) 
     data = list(zip(range(16), fabric.setup_dataloaders(loader())))
     net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     run_steps(fabric, net, optimizer, (b for _, b in data[:9]))
-    with pytest.raises(RuntimeError, match=r"optimizer step 9, 1 local step.*fabric.strategy.finish\(\)"):
+    why = r"optimizer step 9, 1 local step" if not fabric.strategy.sync_config.overlap_steps else \
+        r"optimizer step 9 the round launched at step 8 is still in flight"  # it lands at step 10
+    with pytest.raises(RuntimeError, match=why + r".*fabric.strategy.finish\(\)"):
         fabric.save(path, {"model": net, "optimizer": optimizer})
-    fabric.strategy.finish()  # a synchronization at step 9: now it can be saved
+    fabric.strategy.finish()  # a synchronization at step 9 (a round in flight lands first): now it can be saved
+    assert fabric.strategy.synchronizer.in_flight is None
     fabric.save(path, {"model": net, "optimizer": optimizer, "step": 9})
     run_steps(fabric, net, optimizer, (b for _, b in data[9:]))
     fabric.strategy.finish()
@@ -170,13 +173,16 @@ def _load_and_continue(fabric: Fabric, model: nn.Module, path: Path) -> dict[str
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("window", [1, 2], ids=["bases-every-sync", "basis_every-2"])
-def test_save_at_a_boundary_and_load_resume_the_same_run(tmp_path: Path, window: int) -> None:
+@pytest.mark.parametrize(("window", "overlap"), [(1, 0), (2, 0), (1, 2)],
+                         ids=["bases-every-sync", "basis_every-2", "overlap_steps-2"])
+def test_save_at_a_boundary_and_load_resume_the_same_run(tmp_path: Path, window: int, overlap: int) -> None:
     """With every optimizer state averaged at each sync (the error-feedback buffers too), the resumed run is
     bit-identical to the uninterrupted one; with ``basis_every=2`` the save (after sync 3) holds a window of one
-    round, which the resumed run's next refresh must add."""
+    round, which the resumed run's next refresh must add; with ``overlap_steps`` a save while a round is in flight
+    is refused, and after ``finish()`` (which lands it) the resumed run overlaps its rounds as the uninterrupted one."""
     path, result = tmp_path / "fabric.ckpt", tmp_path / "uninterrupted.pt"
-    averaged = dict(average_fullrank_moments=True, average_error_feedback=True, basis_every=window)
+    averaged = dict(average_fullrank_moments=True, average_error_feedback=True, basis_every=window,
+                    overlap_steps=overlap)
     fabric_for(**averaged).launch(_train_and_save, regression_model(0), path, result)
     assert "lordo" in torch.load(path, weights_only=True)
     resumed = fabric_for(**averaged).launch(_load_and_continue, regression_model(1), path)
@@ -201,11 +207,13 @@ class _WriteResults(L.Callback):
 
 
 @pytest.mark.timeout(180)
-def test_same_syncs_bytes_and_model_as_the_trainer_strategy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [0, 2], ids=["blocking", "overlap_steps-2"])
+def test_same_syncs_bytes_and_model_as_the_trainer_strategy(tmp_path: Path, overlap: int) -> None:
+    """Overlapped, rounds launch at steps 4 and 8 and land at 6 and 10, then ``finish()`` syncs the last 2 steps."""
     torch.manual_seed(0)
     module = TinyRegressor()  # AdamW(lr=1e-2, weight_decay=0.01), as below
-    trainer(lordo(sync_every=K), callbacks=[_WriteResults(tmp_path / "trainer.pt")], max_steps=10).fit(
-        module, loader())
+    trainer(lordo(sync_every=K, overlap_steps=overlap), callbacks=[_WriteResults(tmp_path / "trainer.pt")],
+            max_steps=10).fit(module, loader())
     expected = torch.load(tmp_path / "trainer.pt", weights_only=False)
 
     def work(fabric: Fabric) -> dict[str, Any]:
@@ -215,11 +223,13 @@ def test_same_syncs_bytes_and_model_as_the_trainer_strategy(tmp_path: Path) -> N
         data = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=8, shuffle=True))
         run_steps(fabric, net, optimizer, (b for _, b in zip(range(10), data)))
         fabric.strategy.finish()
+        assert ranks_identical(flat_params(model))
         s = fabric.strategy
         return {"params": flat_params(model).tolist(), "totals": dict(s.accountant.totals),
                 "reports": [(r.step, r.bytes_by_purpose) for r in s.sync_reports]}
 
-    got = fabric_for().launch(work)
+    got = fabric_for(overlap_steps=overlap).launch(work)
+    assert len(got["reports"]) == 3  # overlapped: the landings at 6 and 10, and the final sync
     assert got["reports"] == expected["reports"]  # syncs at steps 4, 8 and 10, the same bytes for each purpose
     ours = {k: v for k, v in got["totals"].items() if k != "step_count_check"}  # finish()'s check
     theirs = {k: v for k, v in expected["totals"].items() if k != "lightning_sigterm_check"}  # Lightning's per batch

@@ -3,8 +3,9 @@
 Between two synchronizations every rank holds its own model, and Fabric writes rank 0's objects only. So a save
 that includes the synchronized model or its optimizer must come at a synchronization boundary (right after a
 synchronization, i.e. a step count that is a multiple of ``sync_every``, or after ``fabric.strategy.finish()``;
-any step in the synchronous phase); elsewhere it raises, saying so. At a boundary the model and buffers are
-identical on every rank. The file then holds, besides your own keys:
+any step in the synchronous phase); elsewhere it raises, saying so. With ``overlap_steps`` a round is in flight at
+every multiple of ``sync_every``, so save after ``finish()``: it lands the round, and the save *waits* for it. At a
+boundary the model and buffers are identical on every rank. The file then holds, besides your own keys:
 
 * your ``"model"`` and ``"optimizer"`` entries as Fabric writes them (rank 0's optimizer state: the low-rank
   moments are averaged at each synchronization, the full-rank moments are rank 0's);
@@ -52,7 +53,13 @@ class SynchronizedCheckpoints:
         model, optimizer_key = self._ours(state)
         if model or optimizer_key is not None:
             synchronizer = self.synchronizer
-            if synchronizer.steps_since_sync > 0:  # the same on every rank: all raise, none waits in a barrier
+            if synchronizer.in_flight is not None:  # the same on every rank: all raise, none waits in a barrier
+                raise RuntimeError(
+                    f"fabric.save with strategy='lordo' saves the synchronized model, but at optimizer step "
+                    f"{synchronizer.optimizer_steps} the round launched at step {synchronizer.in_flight.step} is "
+                    "still in flight (overlap_steps) and every rank holds its own model. Call "
+                    "fabric.strategy.finish() on every rank first: it lands the round (training may go on after).")
+            if synchronizer.steps_since_sync > 0:
                 raise RuntimeError(
                     f"fabric.save with strategy='lordo' saves the synchronized model, but this is optimizer step "
                     f"{synchronizer.optimizer_steps}, {synchronizer.steps_since_sync} local step(s) after the last "
@@ -121,6 +128,9 @@ class SynchronizedCheckpoints:
         synchronizer = self.synchronizer
         if synchronizer is None:
             return
+        if synchronizer.in_flight is not None:  # a round launched before the load: its result no longer applies
+            synchronizer.wait_in_flight()
+            synchronizer.in_flight = None
         synchronizer.steps_since_sync = 0
         if not synchronizer.synchronous_now:
             synchronizer.anchor.take()

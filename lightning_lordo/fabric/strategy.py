@@ -17,6 +17,8 @@ Synchronizer`). Fabric's own ``DDPStrategy`` keeps the launchers, the process gr
   ``fabric.clip_gradients`` before the step sees what the step will use, as in the Trainer.
 * the final synchronization is **the user's call**: ``fabric.strategy.finish()`` on every rank after the loop.
   Fabric has no end-of-training hook (it never calls ``Strategy.teardown``), so nothing runs it for you.
+* ``overlap_steps``: the rounds overlap with local steps as under the Trainer (:mod:`lightning_lordo.sync.overlap`);
+  ``finish()`` lands the round in flight first.
 * :meth:`communication_summary` returns the byte figures of the Trainer's ``CommunicationMonitor``.
 
 Only the plugin's collectives are counted; ``fabric.all_reduce``/``fabric.barrier`` calls of your own loop are not.
@@ -38,7 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lordo._tensors import nbytes
-from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.comm.communicator import CommAccountant, Communicator, side_communicator
 from lightning_lordo.config import SyncConfig, check_choice
 from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
 from lightning_lordo.lightning.convert import (
@@ -108,9 +110,6 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
             optimizer_source="the optimizer you pass to fabric.setup (and your LR scheduler keeps driving lr)")
         if not isinstance(lowrank, bool):
             raise ValueError(f"Invalid lowrank={lowrank!r}: it must be True or False.")
-        if self.sync_config.overlap_steps:
-            raise ValueError(f"Invalid overlap_steps={self.sync_config.overlap_steps!r}: LoRDOFabricStrategy does not "
-                             "overlap syncs yet. Use overlap_steps=0 (blocking syncs), or the Trainer's LoRDOStrategy.")
         check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
         self._full_rank_patterns = compile_patterns(full_rank_params)
         self.lowrank = lowrank
@@ -121,6 +120,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         self._backward_sync_control = _NothingToSkip()
         self.accountant = CommAccountant()
         self.communicator: Optional[Communicator] = None
+        self._overlap_comm: Optional[Communicator] = None  # overlap_steps: the side group's communicator
         self.synchronizer: Optional[Synchronizer] = None
         self.sync_reports: list[SyncReport] = []
         self.module: Optional[nn.Module] = None  # the model whose optimizer is synchronized
@@ -145,6 +145,8 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # the process group, with the collectives' timeout
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)
+        if self.sync_config.overlap_steps and self.world_size > 1:  # every rank creates the side group together
+            self._overlap_comm = side_communicator(self.accountant, self.sync_config.timeout)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -204,7 +206,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         trainable = [p for p in module.parameters() if p.requires_grad]
         self._ddp_bytes_per_step = nbytes(trainable)
         self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
-                                         self.communicator)
+                                         self.communicator, self._overlap_comm)
         self.synchronizer.switch_callbacks.append(self._scale_scheduler)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         return optimizer
@@ -280,12 +282,13 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         """The final synchronization: call it on every rank after the training loop (Fabric has no hook that would).
 
         First every rank's optimizer step count is compared (one small counted all-reduce): ranks that took
-        different numbers of steps raise here, together, instead of pairing mismatched collectives. Then, if any
-        local step was taken since the last synchronization, one more round runs. Afterwards every rank holds the
-        same model. Training may go on after it (it is a synchronization like the others).
+        different numbers of steps raise here, together, instead of pairing mismatched collectives. Then a round in
+        flight (``overlap_steps``) lands, and if any local step was taken since, one more (blocking) round runs.
+        Afterwards every rank holds the same model. Training may go on after it (it is a synchronization like the
+        others).
 
         Returns:
-            The round's report, or ``None`` when the ranks were already synchronized.
+            The last round's report, or ``None`` when the ranks were already synchronized.
         """
         synchronizer = self._require_setup("finish()")
         assert self.communicator is not None
@@ -299,11 +302,9 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
                 f"LoRDO finish(): the ranks took different numbers of optimizer steps (this rank {int(steps)}, the "
                 f"mean {mean:g}). Every rank must call optimizer.step() equally often: give every rank the same "
                 "number of batches (fabric.setup_dataloaders adds a DistributedSampler; use drop_last=True).")
-        if synchronizer.steps_since_sync == 0:
-            return None
-        report = synchronizer.sync()
-        self.sync_reports.append(report)
-        return report
+        reports = synchronizer.finish()
+        self.sync_reports += reports
+        return reports[-1] if reports else None
 
     @property
     def ddp_equivalent_bytes(self) -> int:
