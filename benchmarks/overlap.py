@@ -50,9 +50,17 @@ def spec(data: str, tau: int, seed: int, knobs: str = "lean", lr: float = LR) ->
                    knobs={**KNOBS[knobs], **({"overlap_steps": tau} if tau else {})})
 
 
+_DELAY: list[int] = []  # the delay patched in (at most one: patching twice would stack the delays)
+
+
 def delay_bases(steps: int) -> None:
-    """Patch the plugin (this process and the workers it forks): a sync's new bases are installed ``steps``
-    optimizer steps after it (the first bases at once). A diagnostic for blocking syncs only."""
+    """Patch the plugin (this process and the workers it forks) once: a sync's new bases are installed in the
+    optimizer-step hook ``steps`` steps after the sync's own (where an overlapped round launched at that sync would
+    land); the first bases at once. A diagnostic for blocking syncs only."""
+    if _DELAY:
+        assert _DELAY == [steps], "one --basis-delay per process"
+        return
+    _DELAY.append(steps)
     install, count = LoRDO.set_bases, Synchronizer.on_optimizer_step
     pending: dict[int, tuple[LoRDO, Any, int]] = {}  # one entry: (optimizer, bases, steps left)
 
@@ -64,8 +72,9 @@ def delay_bases(steps: int) -> None:
         return {}
 
     def on_optimizer_step(self: Synchronizer) -> Optional[Any]:
+        queued_before = bool(pending)  # bases queued by this step's own sync wait for the next steps
         report = count(self)
-        if pending:
+        if queued_before:
             optimizer, bases, left = pending.pop(0)
             if left > 1:
                 pending[0] = (optimizer, bases, left - 1)
