@@ -81,6 +81,7 @@ class SynchronizedCheckpoints:
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         base = super()  # type: ignore[misc]
+        self._drop_round_in_flight()
         if state is not None and not isinstance(state, dict) and state is self.module:  # fabric.load_raw(model)
             remainder = base.load_checkpoint(path, state, strict=strict, weights_only=weights_only)
             self._new_synchronized_point()
@@ -123,14 +124,19 @@ class SynchronizedCheckpoints:
         synchronizer.window.load_state_dict(saved.get("basis_window", []))
         self.accountant.load_state_dict(saved["communication"])
 
+    def _drop_round_in_flight(self) -> None:
+        """A round launched before the load (``overlap_steps``) no longer applies: its thread finishes (it counts
+        bytes and reads the bases, so before anything is restored), and it is dropped."""
+        synchronizer = self.synchronizer
+        if synchronizer is not None and synchronizer.in_flight is not None:
+            synchronizer.wait_in_flight()
+            synchronizer.in_flight = None
+
     def _new_synchronized_point(self) -> None:
         """Every rank loaded the same model: it is the synchronized point (the anchor) from now on."""
         synchronizer = self.synchronizer
         if synchronizer is None:
             return
-        if synchronizer.in_flight is not None:  # a round launched before the load: its result no longer applies
-            synchronizer.wait_in_flight()
-            synchronizer.in_flight = None
         synchronizer.steps_since_sync = 0
         if not synchronizer.synchronous_now:
             synchronizer.anchor.take()

@@ -316,8 +316,9 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
     def communication_summary(self) -> dict[str, Any]:
         """This rank's traffic so far: ``bytes_sent_total`` (every collective of the plugin, setup included),
         ``bytes_by_purpose``, ``ddp_equivalent_bytes``, ``bytes_saving_vs_ddp`` (their ratio, ``None`` when
-        nothing was sent), ``syncs``, ``skipped_syncs``, ``optimizer_steps``, ``steps_since_sync`` and
-        ``world_size``. The same figures as the Trainer's ``CommunicationMonitor``."""
+        nothing was sent), ``syncs``, ``skipped_syncs``, ``optimizer_steps``, ``steps_since_sync``,
+        ``round_in_flight`` (``overlap_steps``: a round launched and not landed yet) and ``world_size``. The same
+        figures as the Trainer's ``CommunicationMonitor``."""
         total, ddp = self.accountant.total_bytes, self.ddp_equivalent_bytes
         synchronizer = self.synchronizer
         return {
@@ -329,6 +330,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
             "skipped_syncs": synchronizer.skipped_syncs if synchronizer is not None else 0,
             "optimizer_steps": synchronizer.optimizer_steps if synchronizer is not None else 0,
             "steps_since_sync": synchronizer.steps_since_sync if synchronizer is not None else 0,
+            "round_in_flight": synchronizer is not None and synchronizer.in_flight is not None,
             "world_size": self.world_size,
         }
 
