@@ -262,8 +262,7 @@ class LoRDO(Optimizer):
             state["exp_avg"] = torch.zeros(r, b, dtype=torch.float32, device=p.device)
             state["exp_avg_sq"] = torch.zeros(r, b, dtype=torch.float32, device=p.device)
         if group["error_feedback"] and "error_feedback" not in state:
-            ef = torch.zeros(p.shape, dtype=EF_DTYPES[group["ef_dtype"]], device=p.device)
-            state["error_feedback"] = canonical(ef, p)  # a x b, laid out like p.grad (tall: a transposed view)
+            state["error_feedback"] = canonical(torch.zeros_like(p, dtype=EF_DTYPES[group["ef_dtype"]]), p)  # as p.grad
         if group["normalizer"] == "factored" and "factored_row" not in state:
             state["factored_row"] = torch.zeros(a, dtype=torch.float32, device=p.device)
             state["factored_col"] = torch.zeros(b, dtype=torch.float32, device=p.device)
