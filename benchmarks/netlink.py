@@ -95,9 +95,10 @@ METHODS: dict[str, dict[str, Any]] = {
     "lordo_overlap": {"method": "lordo", "knobs": {"overlap_steps": 8}},
     "lordo_compressed": {"method": "lordo", "knobs": dict(COMPRESSED)},
     "lordo_compressed_overlap": {"method": "lordo", "knobs": {**COMPRESSED, "overlap_steps": 8}},
-    # the preset as it is today (the full-rank moments averaged too), blocking and overlapped by 2 steps
+    # the preset as it is today (the full-rank moments averaged too), blocking and overlapped by 2 and 4 steps
     "lordo_compressed_preset": {"method": "lordo", "knobs": dict(PRESET)},
     "lordo_compressed_preset_overlap2": {"method": "lordo", "knobs": {**PRESET, "overlap_steps": 2}},
+    "lordo_compressed_preset_overlap4": {"method": "lordo", "knobs": {**PRESET, "overlap_steps": 4}},
     "compute": {"method": "lordo", "workers": 1},  # each worker's steps alone: 2 single-worker runs side by side
 }
 
@@ -130,7 +131,8 @@ LABELS = {"ddp": "DDP", "powersgd4": "DDP + PowerSGD r4", "diloco": "DiLoCo", "l
           "lordo_overlap": "`lordo`, `overlap_steps=8`", "lordo_compressed": "`lordo_compressed` (earlier)",
           "lordo_compressed_overlap": "`lordo_compressed` (earlier), `overlap_steps=8`",
           "lordo_compressed_preset": "`lordo_compressed`", "lordo_compressed_preset_overlap2":
-          "`lordo_compressed`, `overlap_steps=2`", "compute": "compute only"}
+          "`lordo_compressed`, `overlap_steps=2`", "lordo_compressed_preset_overlap4":
+          "`lordo_compressed`, `overlap_steps=4`", "compute": "compute only"}
 
 
 def summarize(results: dict[str, Any], rates: list[str], target: float) -> list[str]:
