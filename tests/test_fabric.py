@@ -166,6 +166,9 @@ def _load_and_continue(fabric: Fabric, model: nn.Module, path: Path) -> dict[str
     if strategy.sync_config.overlap_steps:  # load while a round is in flight: it finishes and is dropped
         run_steps(fabric, net, optimizer, (b for _, b in data[:K]))
         assert strategy.communication_summary()["round_in_flight"]
+        other = path.with_name("counter.ckpt")  # a file without the synchronized model: the round goes on
+        fabric.save(other, {"counter": 4})
+        assert fabric.load(other, {"counter": 0}) == {} and strategy.communication_summary()["round_in_flight"]
     fabric.load(path, state)
     assert not strategy.communication_summary()["round_in_flight"]
     assert state["step"] == 9 and strategy.synchronizer.optimizer_steps == 9 and strategy.synchronizer.syncs_done == 3

@@ -81,14 +81,15 @@ class SynchronizedCheckpoints:
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         base = super()  # type: ignore[misc]
-        self._drop_round_in_flight()
         if state is not None and not isinstance(state, dict) and state is self.module:  # fabric.load_raw(model)
+            self._drop_round_in_flight()
             remainder = base.load_checkpoint(path, state, strict=strict, weights_only=weights_only)
             self._new_synchronized_point()
             return remainder
         model, optimizer_key = self._ours(state)
-        if not model and optimizer_key is None:
+        if not model and optimizer_key is None:  # nothing synchronized is loaded: a round in flight goes on
             return base.load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        self._drop_round_in_flight()
         proxy = dict(state)
         if optimizer_key is not None:
             proxy[optimizer_key] = None  # Fabric puts the saved state dict here; it is checked before it is loaded
@@ -125,12 +126,10 @@ class SynchronizedCheckpoints:
         self.accountant.load_state_dict(saved["communication"])
 
     def _drop_round_in_flight(self) -> None:
-        """A round launched before the load (``overlap_steps``) no longer applies: its thread finishes (it counts
-        bytes and reads the bases, so before anything is restored), and it is dropped."""
-        synchronizer = self.synchronizer
-        if synchronizer is not None and synchronizer.in_flight is not None:
-            synchronizer.wait_in_flight()
-            synchronizer.in_flight = None
+        """A round launched before loading the synchronized model (``overlap_steps``) no longer applies: it is
+        dropped before anything is restored (its thread counts bytes and reads the bases)."""
+        if self.synchronizer is not None:
+            self.synchronizer.drop_in_flight()
 
     def _new_synchronized_point(self) -> None:
         """Every rank loaded the same model: it is the synchronized point (the anchor) from now on."""

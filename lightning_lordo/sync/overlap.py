@@ -208,6 +208,12 @@ class OverlappedRounds:
         if self.in_flight is not None:
             wait(self.in_flight, self.config.timeout.total_seconds(), self.overlap_comm.context)
 
+    def drop_in_flight(self) -> None:
+        """Let the round in flight finish its collectives (every rank takes part), then forget it: a loaded
+        checkpoint made it obsolete."""
+        self.wait_in_flight()
+        self.in_flight = None
+
     def finish(self) -> list[SyncReport]:
         """The end of training: land the round in flight, then a final blocking sync of the steps after it."""
         reports = [self._land_in_flight()] if self.in_flight is not None else []
