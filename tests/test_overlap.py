@@ -13,6 +13,7 @@ import torch
 from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
 
 from lightning_lordo import LoRDOFabricStrategy, LoRDOStrategy
+from lightning_lordo.optim.functional import EF_PROJECTION
 
 K, TAU = 4, 2
 
@@ -26,6 +27,13 @@ def test_overlap_steps_is_validated() -> None:
         LoRDOStrategy(synchronous=True, overlap_steps=2)
     with pytest.raises(ValueError, match=r"overlap_steps=4.*below sync_every=4"):
         LoRDOFabricStrategy(sync_every=4, overlap_steps=4)  # Fabric takes the knob, with the same checks
+
+
+def ef(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The error feedback E of a low-rank state: its buffer, or ``R - Q c`` where the step keeps it unfolded."""
+    if EF_PROJECTION in state:
+        return state["error_feedback"] - state["basis"] @ state[EF_PROJECTION]
+    return state["error_feedback"].clone()
 
 
 class CheckLandings(L.Callback):
@@ -45,6 +53,7 @@ class CheckLandings(L.Callback):
             launched = sync.in_flight
             before = [p.detach().clone() for p in sync.params]
             at_launch = [t.clone() for t in launched.params]
+            feedback = {p: ef(sync.optimizer.state[p]) for p, _ in launched.live.get("error_feedback", [])}
             report = original()
             result = launched.result
             self.landings.append(sync.optimizer_steps)
@@ -57,6 +66,10 @@ class CheckLandings(L.Callback):
                 for _, _, means in entries:
                     for m in means:
                         assert torch.equal(*gather(m)), "the averaged moments differ between ranks"
+            for (p, (snap,)), (_, _, (mean,)) in zip(launched.copies.get("error_feedback", []),
+                                                      result.state.get("error_feedback", [])):
+                # the average plus the local progress of E itself, which the steps since the launch may unfold
+                torch.testing.assert_close(sync.optimizer.state[p]["error_feedback"], mean + feedback[p] - snap)
             for p, a, b, t in zip(sync.params, sync.anchor.tensors, before, at_launch):
                 torch.testing.assert_close(p.detach(), a + (b - t), rtol=1e-6, atol=1e-7)
             assert not torch.equal(*gather(flat_params(module))), "local progress must be kept (it differs)"
@@ -80,8 +93,9 @@ class CheckLandings(L.Callback):
         assert all(math.isfinite(r.pseudo_gradient_norm) for r in reports)
 
 
-@pytest.mark.parametrize("knobs", [{}, {"payload": "lowrank", "payload_dtype": "int8", "error_feedback": True}],
-                         ids=["default", "lowrank-int8-ef"])
+@pytest.mark.parametrize("knobs", [{}, {"payload": "lowrank", "payload_dtype": "int8", "error_feedback": True},
+                                   {"average_error_feedback": True}],
+                         ids=["default", "lowrank-int8-ef", "averaged-error-feedback"])
 def test_overlapped_rounds_land_identically_and_keep_local_progress(knobs: dict[str, Any]) -> None:
     torch.manual_seed(0)
     strategy = lordo(sync_every=K, overlap_steps=TAU, **knobs)

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
 from lightning_lordo.lightning.checkpoint import gather_to_rank_zero, to_cpu
 from lightning_lordo.optim.conversion import adamw_entry
+from lightning_lordo.optim.functional import EF_PROJECTION
 from lightning_lordo.optim.lordo import LoRDO
 
 #: The knobs LoRDO keeps in its param groups (lr, betas, eps, weight_decay come from the user's optimizer and are
@@ -268,5 +269,6 @@ def reset_error_feedback(optimizer: Optimizer) -> int:
     for state in optimizer.state.values():
         if "error_feedback" in state and isinstance(state["error_feedback"], torch.Tensor):
             state["error_feedback"].zero_()
+            state.pop(EF_PROJECTION, None)  # E = R - Q c = 0
             count += 1
     return count

@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo._tensors import canonical, math_dtype
 from lightning_lordo.config import EF_DTYPES
+from lightning_lordo.optim.functional import EF_PROJECTION, fold_error_feedback
 
 
 @torch.no_grad()
@@ -47,9 +48,11 @@ def _conform_lowrank(optimizer: Optimizer, p: Tensor, group: dict[str, Any], sta
     if group["error_feedback"] and "error_feedback" in state:
         wanted = EF_DTYPES[group["ef_dtype"]]
         if state["error_feedback"].dtype != wanted:
+            fold_error_feedback(state)  # E itself, then cast
             state["error_feedback"] = state["error_feedback"].to(wanted)
             changes.append(f"{label}: error feedback cast to {group['ef_dtype']}")
     elif "error_feedback" in state:
+        state.pop(EF_PROJECTION, None)
         del state["error_feedback"]
         changes.append(f"{label}: error feedback dropped")
     if group["normalizer"] != "factored" and "factored_row" in state:

@@ -4,10 +4,7 @@ r"""The LoRDO update as functions of tensors (SPEC §3, §6, §6b): a readable p
 the same for a list of matrices of one canonical shape, dtype and device (and one step count): they are stacked, the
 projection and the back-projection are one batched matmul each, and the elementwise moment updates are ``foreach``
 ops, so the number of dispatched operations does not grow with the number of matrices. Tests compare the two on
-random inputs against float64 references. The AdamW parameters go through torch's functional AdamW
-(:func:`adamw_torch`, foreach or fused); the quasi-hyperbolic variant and low-precision parameters, which torch's
-AdamW does not cover (float32 moments for bfloat16 parameters), through :func:`adamw_reference` /
-:func:`adamw_grouped`.
+random inputs against float64 references. The AdamW parameters' step is in :mod:`lightning_lordo.optim.fullrank`.
 
 For a low-rank matrix in the canonical orientation ``a x b`` (``a <= b``) with basis ``Q`` (``a x r``)::
 
@@ -30,11 +27,14 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
-from torch.optim.adamw import adamw as torch_adamw
 
 from lightning_lordo._tensors import canonical, is_tall
 
 _TINY = torch.finfo(torch.float32).tiny
+#: The state key of an unfolded error-feedback buffer's projection ``c = Q^T R`` (:func:`_lowrank_in_place`), and
+#: how often (in steps) the buffer is folded back at the latest.
+EF_PROJECTION = "ef_projection"
+FOLD_EVERY = 32
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ def lowrank_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float,
     """One LoRDO step of one low-rank matrix ``p`` (its ``state`` holds ``basis``, the moments and the optional
     ``error_feedback`` / ``factored_*`` buffers; ``t`` is the step count including this step)."""
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
+    fold_error_feedback(state)  # E itself, if an in-place grouped step left it unfolded
     grad = canonical(p.grad, p).float()
     q = state["basis"]
     accumulated = grad
@@ -91,7 +92,7 @@ def lowrank_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float,
     u_hat = state["exp_avg"] / bias1
     if h.update == "subspace_qh":  # the QH mix inside the subspace, no full-rank term
         mixed = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega)
-        _apply(p, canonical(q @ mixed.div_(v_hat.sqrt().add_(h.eps)), p), h)
+        apply_update(p, canonical(q @ mixed.div_(v_hat.sqrt().add_(h.eps)), p), h)
         return
     d_low = q @ (u_hat / (v_hat.sqrt() + h.eps) if h.update == "lordo" else u_hat)
     update = d_low  # omega == 1: pure low-rank step
@@ -106,7 +107,7 @@ def lowrank_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float,
         _add_stat(stats, "full_sq", d_full.square().sum())
         update = d_full.add_(d_low, alpha=h.omega)
     _add_stat(stats, "low_sq", d_low.square().sum() * h.omega**2)
-    _apply(p, canonical(update, p), h)
+    apply_update(p, canonical(update, p), h)
 
 
 def _normalizer(state: dict[str, Tensor], h: Hyper, grad: Tensor, v_hat: Tensor, bias2: float) -> Tensor:
@@ -127,7 +128,7 @@ def _normalizer(state: dict[str, Tensor], h: Hyper, grad: Tensor, v_hat: Tensor,
     return (row[:, None] * col[None, :] / row.mean().clamp(min=_TINY)).sqrt()
 
 
-def _apply(p: Tensor, update: Tensor, h: Hyper) -> None:
+def apply_update(p: Tensor, update: Tensor, h: Hyper) -> None:
     """Decoupled weight decay, then ``W -= lr * update`` (``update`` shaped like ``p``)."""
     if h.weight_decay:
         p.mul_(1 - h.lr * h.weight_decay)
@@ -136,18 +137,6 @@ def _apply(p: Tensor, update: Tensor, h: Hyper) -> None:
 
 def _rms(t: Tensor) -> Tensor:
     return t.square().mean().sqrt()
-
-
-def adamw_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float) -> None:
-    """AdamW (or QHAdam with ``update="subspace_qh"``) on one parameter, moments in ``state`` (float32 math)."""
-    grad = p.grad.to(state["exp_avg"].dtype)
-    state["exp_avg"].lerp_(grad, 1 - h.beta1)
-    state["exp_avg_sq"].mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
-    denom = (state["exp_avg_sq"].sqrt() / (1 - h.beta2**t) ** 0.5).add_(h.eps)
-    momentum = state["exp_avg"] / (1 - h.beta1**t)
-    if h.update == "subspace_qh":  # QHAdam: ((1 - omega) g + omega u_hat) / (sqrt(v_hat) + eps)
-        momentum = momentum.mul_(h.omega).add_(grad, alpha=1 - h.omega)
-    _apply(p, momentum.div_(denom), h)
 
 
 # ------------------------------------------------------------------------------------------------ grouped
@@ -179,30 +168,59 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
     """The grouped step with the ``r x b`` moments stacked and every full-size tensor left where it is: per matrix
     one matmul reads the gradient (the projection), one ``addmm_`` applies the weight decay and the low-rank term
     to the weights, and one ``addcdiv_`` the full-rank term: 6 full-size passes per matrix without error feedback
-    (AdamW: 7; error feedback adds the accumulated gradient and its residual). The
-    full-rank term reads the gradient after the weights were written: a gradient sharing its weight's memory is not
-    supported (autograd never makes one)."""
+    (AdamW: 7). The full-rank term reads the gradient after the weights were written: a gradient sharing its
+    weight's memory is not supported (autograd never makes one).
+
+    Error feedback is kept *unfolded* where the algebra allows (:func:`_can_unfold`): the buffer holds
+    ``R = G + gamma R`` and the state the projection ``c = Q^T R`` of this step, so that ``E = R - Q c`` without
+    the third matmul that computing ``E`` costs. Then ``A = R - gamma Q c_prev`` and ``g = Q^T A = c - gamma
+    c_prev``, and the full-rank term's ``Q c_prev / (S + eps)`` (a normalizer constant along each column) joins the
+    low-rank factor. 9 passes and 2 matmuls per matrix, against 11 and 3 folded. The buffer is folded
+    (:func:`fold_error_feedback`) wherever anything else reads it; the step after that (the first in a new basis,
+    where ``Q^T E`` may be large), every ``FOLD_EVERY``-th step and a step that collects diagnostics compute ``E``
+    itself, so ``c`` sums at most ``FOLD_EVERY`` projected gradients, which bounds the cancellation in ``c -
+    gamma c_prev``."""
     tall = is_tall(params[0])
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
+    can_unfold = _can_unfold(states, h)
+    unfold = can_unfold and stats is None and t % FOLD_EVERY != 0 and all(EF_PROJECTION in s for s in states)
+    if h.error_feedback and not unfold:
+        for s in states:
+            fold_error_feedback(s)
     q = torch.stack([s["basis"] for s in states])  # n x a x r
     grads = [canonical(p.grad, p) for p in params]  # a x b views
     accumulated = grads
     if h.error_feedback:
         errors = [s["error_feedback"] for s in states]  # canonical
-        accumulated = torch._foreach_add(grads, errors, alpha=h.ef_decay)
+        if unfold:  # R <- G + gamma R, in place
+            if h.ef_decay != 1.0:
+                torch._foreach_mul_(errors, h.ef_decay)
+            torch._foreach_add_(errors, grads)
+            accumulated = errors
+        else:
+            accumulated = torch._foreach_add(grads, errors, alpha=h.ef_decay)
     projected = q.new_empty(q.shape[0], q.shape[2], grads[0].shape[1])  # n x r x b
-    bases, rows = q.unbind(0), projected.unbind(0)
-    for a, qt, out in zip(accumulated, q.mT.unbind(0), rows):
+    bases = q.unbind(0)
+    for a, qt, out in zip(accumulated, q.mT.unbind(0), projected.unbind(0)):
         torch.mm(qt, a, out=out)
-    if h.error_feedback:
-        for a, qi, g, e in zip(accumulated, bases, rows, errors):  # E <- A - Q g
+    previous = None
+    if unfold:  # g = c - gamma c_prev; c is kept for the next step
+        previous = torch.stack([s[EF_PROJECTION] for s in states])
+        torch._foreach_copy_([s[EF_PROJECTION] for s in states], projected.unbind(0))
+        projected = projected.sub_(previous, alpha=h.ef_decay)
+    elif h.error_feedback:
+        for a, qi, g, e in zip(accumulated, bases, projected.unbind(0), errors):  # E <- A - Q g
             if e.dtype == a.dtype:
                 torch.addmm(a, qi, g, alpha=-1, out=e)
             else:  # a low-precision buffer
                 e.copy_(torch.addmm(a, qi, g, alpha=-1))
         if stats is not None:
             _add_stat(stats, "ef_sq", sum(e.float().square().sum() for e in errors))
-    u_hat, v_hat = _moments_grouped(states, rows, h, bias1, bias2)
+        if can_unfold:  # E = R - Q 0: the next steps keep it unfolded
+            for s in states:
+                s[EF_PROJECTION] = torch.zeros_like(s["exp_avg"])
+    u_hat, v_hat = _moments_grouped(states, projected.unbind(0), h, bias1, bias2)
+    full_term = h.update != "subspace_qh" and h.omega < 1.0
     if h.update == "subspace_qh":
         low = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega).div_(v_hat.sqrt().add_(h.eps))
     else:
@@ -210,18 +228,38 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
         low.mul_(h.omega)
         if stats is not None:
             _add_stat(stats, "low_sq", torch.bmm(q, low).square().sum())
+    value = (1.0 - h.omega) / h.mu
+    if full_term:
+        denom = _normalizer_grouped(states, q, h, None, v_hat, bias2, False).add_(h.eps)  # canonical orientation
+        if previous is not None and h.full_rank_input == "accumulated":  # - gamma Q c_prev / (S + eps) of A
+            low.sub_(previous.mul_(h.ef_decay * value).div_(denom))
     for p, qi, li in zip(params, bases, low.unbind(0)):  # W <- W (1 - lr lambda) - lr Q (omega D_low)
         canonical(p, p).addmm_(qi, li, beta=1 - h.lr * h.weight_decay, alpha=-h.lr)
-    if h.update == "subspace_qh" or h.omega == 1.0:
+    if not full_term:
         return
-    denom = _normalizer_grouped(states, q, h, None, v_hat, bias2, tall).add_(h.eps)  # in the weights' orientation
     full_inputs = [canonical(a, p) for a, p in zip(accumulated, params)] if h.full_rank_input == "accumulated" \
         else [p.grad for p in params]
-    value, denoms = (1.0 - h.omega) / h.mu, denom.unbind(0)
+    denoms = (denom.mT if tall else denom).unbind(0)  # the weights' orientation
     if stats is not None:
         _add_stat(stats, "full_sq", sum((x / d).square().sum() for x, d in zip(full_inputs, denoms)) * value**2)
     for p, x, d in zip(params, full_inputs, denoms):  # ... - lr (1 - omega) In / (mu (S + eps))
         p.addcdiv_(x, d, value=-h.lr * value)
+
+
+def _can_unfold(states: Sequence[dict[str, Tensor]], h: Hyper) -> bool:
+    """Whether :func:`_lowrank_in_place` may keep the error feedback unfolded: a float32 buffer, and a full-rank
+    term that reads the gradient, or a normalizer constant along each column (``Q c / S = Q (c / S)``)."""
+    return (h.error_feedback and states[0]["error_feedback"].dtype == torch.float32
+            and (h.full_rank_input == "gradient" or h.update == "subspace_qh" or h.omega == 1.0
+                 or h.normalizer in ("col_rms", "scalar", "mean_denom")))
+
+
+def fold_error_feedback(state: dict[str, Tensor]) -> None:
+    """Make an unfolded error-feedback buffer (:func:`_lowrank_in_place`) the error feedback itself again:
+    ``E = R - Q c``, with the basis the buffer was unfolded in. A no-op for a folded one."""
+    c = state.pop(EF_PROJECTION, None)
+    if c is not None:
+        state["error_feedback"].addmm_(state["basis"], c, alpha=-1)
 
 
 def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, t: float,
@@ -235,6 +273,8 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
     written by the back-projection, completed in place, and added to the weights."""
     tall = is_tall(params[0])
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
+    for s in states:
+        fold_error_feedback(s)  # E itself, if an in-place step left it unfolded
     grad = torch.stack([p.grad for p in params]).float()  # n x rows x cols, the parameters' orientation
     q = torch.stack([s["basis"] for s in states])  # n x a x r
     accumulated = grad
@@ -330,37 +370,7 @@ def _rms_each(t: Tensor) -> Tensor:
 
 
 def _apply_grouped(params: Sequence[Tensor], update: Tensor, h: Hyper) -> None:
-    """:func:`_apply` for every matrix at once (``update``: the stack, in the parameters' orientation)."""
+    """:func:`apply_update` for every matrix at once (``update``: the stack, in the parameters' orientation)."""
     if h.weight_decay:
         torch._foreach_mul_(list(params), 1 - h.lr * h.weight_decay)
     torch._foreach_add_(list(params), update.to(params[0].dtype).unbind(0), alpha=-h.lr)
-
-
-def adamw_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper,
-                  steps: Sequence[float]) -> None:
-    """:func:`adamw_reference` for a list of parameters of one device (``steps``: each one's step count)."""
-    grads = [p.grad.to(s["exp_avg"].dtype) for p, s in zip(params, states)]
-    exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-    torch._foreach_lerp_(exp_avgs, grads, 1 - h.beta1)
-    torch._foreach_mul_(exp_avg_sqs, h.beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - h.beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, [(1 - h.beta2**t) ** 0.5 for t in steps])
-    torch._foreach_add_(denom, h.eps)
-    momentum = torch._foreach_div(exp_avgs, [1 - h.beta1**t for t in steps])
-    if h.update == "subspace_qh":
-        torch._foreach_mul_(momentum, h.omega)
-        torch._foreach_add_(momentum, grads, alpha=1 - h.omega)
-    torch._foreach_div_(momentum, denom)
-    if h.weight_decay:
-        torch._foreach_mul_(list(params), 1 - h.lr * h.weight_decay)
-    torch._foreach_add_(list(params), [m.to(p.dtype) for m, p in zip(momentum, params)], alpha=-h.lr)
-
-
-def adamw_torch(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, fused: bool) -> None:
-    """torch's own AdamW (``foreach``, or ``fused``) on parameters whose moments have their dtype; it increments
-    the step counters itself."""
-    torch_adamw(list(params), [p.grad for p in params], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=not fused, fused=fused,
-                amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,
-                maximize=False)

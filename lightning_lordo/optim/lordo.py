@@ -25,7 +25,7 @@ from lightning_lordo.config import (
     check_optimizer_knobs,
     resolve_rank,
 )
-from lightning_lordo.optim import conversion, functional, report
+from lightning_lordo.optim import conversion, fullrank, functional, report
 from lightning_lordo.optim.projection import compute_basis, random_basis, rotate_moments, subspace_movement
 
 _LOWRANK_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -211,7 +211,7 @@ class LoRDO(Optimizer):
                                      exp_avg_sq=torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format))
         if not self.foreach:
             for p, t in zip(params, self._step_counts(params)):
-                functional.adamw_reference(p, self.state[p], h, t)
+                fullrank.adamw_reference(p, self.state[p], h, t)
             return
         # torch's own AdamW where it applies (moments in the parameter's dtype, no QH mix); ours elsewhere
         native = [p for p in params if h.update != "subspace_qh" and math_dtype(p.dtype) == p.dtype]
@@ -220,12 +220,12 @@ class LoRDO(Optimizer):
         for p in native:
             by_kind[(p.device, p.dtype, self._fused_for(p))].append(p)
         for (_, _, fused), bucket in by_kind.items():
-            functional.adamw_torch(bucket, [self.state[p] for p in bucket], h, fused=fused)
+            fullrank.adamw_torch(bucket, [self.state[p] for p in bucket], h, fused=fused)
         by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
         for p in own:
             by_device[p.device].append(p)
         for bucket in by_device.values():
-            functional.adamw_grouped(bucket, [self.state[p] for p in bucket], h, self._step_counts(bucket))
+            fullrank.adamw_grouped(bucket, [self.state[p] for p in bucket], h, self._step_counts(bucket))
 
     def _fused_for(self, p: Tensor) -> bool:
         """Whether ``p`` (an AdamW parameter) takes torch's fused AdamW: ``fused=True``, or ``None`` on the CPU."""
@@ -239,18 +239,10 @@ class LoRDO(Optimizer):
         self._record = True
 
     def diagnostics(self) -> dict[str, float]:
-        """What the last step that :meth:`request_diagnostics` asked for did.
-
-        ``term_ratio`` is RMS((1-omega) D_full) / RMS(omega D_low) over all low-rank matrices (which term
-        drives the run); ``error_feedback_norm`` is the Frobenius norm of all error-feedback buffers.
-        """
-        out: dict[str, float] = {}
-        if "low_sq" in self._stats and "full_sq" in self._stats:
-            low = self._stats["low_sq"].item()
-            out["term_ratio"] = (self._stats["full_sq"].item() / low) ** 0.5 if low > 0 else float("inf")
-        if "ef_sq" in self._stats:
-            out["error_feedback_norm"] = self._stats["ef_sq"].item() ** 0.5
-        return out
+        """What the last step that :meth:`request_diagnostics` asked for did: ``term_ratio``, RMS((1-omega) D_full) /
+        RMS(omega D_low) over all low-rank matrices (which term drives the run); ``error_feedback_norm``, the
+        Frobenius norm of all error-feedback buffers."""
+        return report.diagnostics(self._stats)
 
     # ------------------------------------------------------------------ bases
     def _init_lowrank_state(self, p: Tensor, group: dict[str, Any], r: int) -> dict[str, Tensor]:
@@ -337,11 +329,19 @@ class LoRDO(Optimizer):
                 continue
             state = self._init_lowrank_state(p, group, r)
             old, new = state.get("basis"), bases[p]
+            functional.fold_error_feedback(state)  # in the basis it was unfolded in
             if old is not None:
                 self._transition(state, group, old, new)
                 movement[p] = subspace_movement(old, new)
             state["basis"] = new
         return movement
+
+    def fold_error_feedback(self, params: Iterable[Tensor]) -> None:
+        """Make the error-feedback buffers of ``params`` the error feedback itself before anything but the step reads
+        or writes them (:func:`~lightning_lordo.optim.functional.fold_error_feedback`; the values do not change)."""
+        for p in params:
+            if p in self.state:
+                functional.fold_error_feedback(self.state[p])
 
     def install_bases(self, sources: Mapping[Tensor, Tensor], generation: Optional[int] = None) -> dict[Tensor, Tensor]:
         """:meth:`compute_bases` then :meth:`set_bases`: new bases from ``sources``, moments moved into them."""

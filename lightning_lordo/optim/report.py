@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_lordo.config import resolve_rank
+from lightning_lordo.optim.functional import EF_PROJECTION
 
 if TYPE_CHECKING:  # the optimizer passes itself in
     from torch.optim import Optimizer
@@ -62,4 +63,15 @@ def memory_report(optimizer: Optimizer) -> dict[str, int]:
 def _category(key: str, lowrank: bool) -> str:
     if key in _LOWRANK_MOMENTS:
         return "lowrank_moments" if lowrank else "fullrank_moments"
-    return {"basis": "bases", "error_feedback": "error_feedback"}.get(key, "other")
+    return {"basis": "bases", "error_feedback": "error_feedback", EF_PROJECTION: "error_feedback"}.get(key, "other")
+
+
+def diagnostics(stats: Mapping[str, Tensor]) -> dict[str, float]:
+    """:meth:`LoRDO.diagnostics` from the sums one step collected (``low_sq``, ``full_sq``, ``ef_sq``)."""
+    out: dict[str, float] = {}
+    if "low_sq" in stats and "full_sq" in stats:
+        low = stats["low_sq"].item()
+        out["term_ratio"] = (stats["full_sq"].item() / low) ** 0.5 if low > 0 else float("inf")
+    if "ef_sq" in stats:
+        out["error_feedback_norm"] = stats["ef_sq"].item() ** 0.5
+    return out

@@ -94,6 +94,7 @@ def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncC
             if moments_due and config.average_moments and config.basis_scope == "global" and "exp_avg" in state:
                 moments.append((p, [state["exp_avg"], state["exp_avg_sq"]]))
             if config.average_error_feedback and "error_feedback" in state:
+                optimizer.fold_error_feedback([p])  # the average of E itself (each worker's R - Q c otherwise)
                 feedback.append((p, [state["error_feedback"]]))
         elif moments_due and config.average_fullrank_moments:
             tensors = [v for k, v in state.items() if k != "step" and isinstance(v, Tensor)

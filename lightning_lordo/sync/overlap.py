@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_lordo.comm.communicator import CollectiveTimeout, CommAccountant, Communicator
+from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync import exchange as ex
 from lightning_lordo.sync.basis_window import BasisWindow
 from lightning_lordo.sync.report import SyncReport
@@ -151,6 +152,7 @@ class OverlappedRounds:
     which owns every attribute used here: the communicators, the anchor, the optimizer, the counters)."""
 
     in_flight: Optional[Launch]
+    lordo: Optional[LoRDO]
     window: BasisWindow
     comm: Communicator
     overlap_comm: Communicator
@@ -197,6 +199,8 @@ class OverlappedRounds:
         self.in_flight = None
         self.comm.context = f"sync {launched.sync_index} (landing)"
         steps = self.steps_since_sync
+        if self.lordo is not None:  # the local progress of E itself (the steps since may unfold it)
+            self.lordo.fold_error_feedback(p for p, _ in launched.live.get("error_feedback", []))
         fixed = corrected(launched, result, self.optimizer, self.buffers, self.optimizer_steps - launched.step)
         # the report's seconds: the exchange's and the landing's, not the local steps taken beside the exchange
         report = self.land(fixed, time.perf_counter() - launched.exchange_seconds, progress(launched, self.params))
