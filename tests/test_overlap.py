@@ -13,7 +13,7 @@ import torch
 from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
 
 from lightning_lordo import LoRDOFabricStrategy, LoRDOStrategy
-from lightning_lordo.optim.functional import EF_PROJECTION
+from lightning_lordo.optim.error_feedback import EF_PROJECTION
 
 K, TAU = 4, 2
 

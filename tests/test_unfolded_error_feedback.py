@@ -1,4 +1,4 @@
-"""The in-place grouped step keeps the error feedback unfolded (``R`` and ``c = Q^T R``, ``E = R - Q c``) where the
+"""The grouped step (both layouts) keeps the error feedback unfolded (``R``, ``c = Q^T R``, ``E = R - Q c``) where the
 algebra allows: it matches the per-matrix reference over many steps, across basis changes and periodic folds, and
 everything that reads or writes the buffer from outside the step sees ``E`` itself."""
 
@@ -15,7 +15,7 @@ from torch import nn
 from lightning_lordo import LoRDO
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.lightning.resume import reset_error_feedback
-from lightning_lordo.optim.functional import EF_PROJECTION, FOLD_EVERY
+from lightning_lordo.optim.error_feedback import EF_PROJECTION, FOLD_EVERY
 from lightning_lordo.sync.exchange import averaged_state
 
 #: Knobs where the buffer unfolds, and where it cannot (a normalizer that varies within a column with the
@@ -28,11 +28,19 @@ UNFOLDING = {
     "decayed": {"ef_decay": 0.8, "mu": 1.3},
     "subspace_qh": {"update": "subspace_qh", "omega": 0.9},
     "omega 1": {"omega": 1.0},
+    "mu auto, gradient input": {"mu": "auto", "full_rank_input": "gradient"},
 }
 FOLDED = {
     "lifted, accumulated": {"normalizer": "lifted"},
     "bfloat16 buffer": {"ef_dtype": "bfloat16"},
+    "mu auto, accumulated": {"mu": "auto"},
 }
+
+
+@pytest.fixture(params=[True, False], ids=["in-place", "stacked"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both layouts of the grouped step on the CPU: in place (the CPU's default) and stacked (the accelerators')."""
+    monkeypatch.setattr(LoRDO, "in_place", request.param)
 
 
 def _model(seed: int) -> list[nn.Parameter]:
@@ -60,7 +68,8 @@ def _run(knobs: dict[str, Any], steps: int, foreach: bool, rebase_at: tuple[int,
 
 
 @pytest.mark.parametrize("knobs", UNFOLDING.values(), ids=UNFOLDING.keys())
-def test_the_unfolded_step_matches_the_reference_across_folds_and_new_bases(knobs: dict[str, Any]) -> None:
+def test_the_unfolded_step_matches_the_reference_across_folds_and_new_bases(knobs: dict[str, Any],
+                                                                            layout: None) -> None:
     steps = FOLD_EVERY + 18  # a periodic fold, and two basis changes
     grouped, g_opt, unfolded = _run(knobs, steps, foreach=True)
     reference, r_opt, never = _run(knobs, steps, foreach=False)
@@ -75,12 +84,13 @@ def test_the_unfolded_step_matches_the_reference_across_folds_and_new_bases(knob
 
 
 @pytest.mark.parametrize("knobs", FOLDED.values(), ids=FOLDED.keys())
-def test_knobs_that_do_not_allow_it_keep_the_buffer_folded(knobs: dict[str, Any]) -> None:
+def test_knobs_that_do_not_allow_it_keep_the_buffer_folded(knobs: dict[str, Any], layout: None) -> None:
     grouped, opt, unfolded = _run(knobs, 6, foreach=True)
     assert unfolded == 0 and not any(EF_PROJECTION in opt.state[p] for p in grouped)
 
 
-def test_a_long_unfolded_run_stays_close_to_the_reference_and_folds_every_fold_every_steps() -> None:
+def test_a_long_unfolded_run_stays_close_to_the_reference_and_folds_every_fold_every_steps(layout: None
+                                                                                         ) -> None:
     """No basis change for 200 steps of gradients with a large mean: the grouped step stays within float32
     rounding of the reference. The buffer is folded every FOLD_EVERY-th step (``c`` restarts at zero there), which
     bounds the sums whose difference is the projected gradient (measured over 2000 steps of this run: the first
@@ -119,7 +129,7 @@ def test_folding_keeps_the_values_and_the_next_steps() -> None:
         _close(p.detach(), q.detach(), rtol=1e-6)
 
 
-def test_a_checkpoint_of_unfolded_buffers_resumes_bitwise() -> None:
+def test_a_checkpoint_of_unfolded_buffers_resumes_bitwise(layout: None) -> None:
     params, opt, _ = _run({}, 5, foreach=True, rebase_at=())
     saved = copy.deepcopy(opt.state_dict())  # as from a file: no tensor shared with the running optimizer
     assert any(EF_PROJECTION in entry for entry in saved["state"].values())

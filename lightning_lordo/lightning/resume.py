@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
 from lightning_lordo.lightning.checkpoint import gather_to_rank_zero, to_cpu
 from lightning_lordo.optim.conversion import adamw_entry
-from lightning_lordo.optim.functional import EF_PROJECTION
+from lightning_lordo.optim.error_feedback import EF_PROJECTION
 from lightning_lordo.optim.lordo import LoRDO
 
 #: The knobs LoRDO keeps in its param groups (lr, betas, eps, weight_decay come from the user's optimizer and are

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo._tensors import canonical, math_dtype
 from lightning_lordo.config import EF_DTYPES
-from lightning_lordo.optim.functional import EF_PROJECTION, fold_error_feedback
+from lightning_lordo.optim.error_feedback import EF_PROJECTION, fold_error_feedback
 
 
 @torch.no_grad()

@@ -29,12 +29,14 @@ import torch
 from torch import Tensor
 
 from lightning_lordo._tensors import canonical, is_tall
+from lightning_lordo.optim.error_feedback import (
+    enter_unfolded,
+    fold_error_feedback,
+    unfold_now,
+    unfolded_projection,
+)
 
 _TINY = torch.finfo(torch.float32).tiny
-#: The state key of an unfolded error-feedback buffer's projection ``c = Q^T R`` (:func:`_lowrank_in_place`), and
-#: how often (in steps) the buffer is folded back at the latest.
-EF_PROJECTION = "ef_projection"
-FOLD_EVERY = 32
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def lowrank_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float,
     """One LoRDO step of one low-rank matrix ``p`` (its ``state`` holds ``basis``, the moments and the optional
     ``error_feedback`` / ``factored_*`` buffers; ``t`` is the step count including this step)."""
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
-    fold_error_feedback(state)  # E itself, if an in-place grouped step left it unfolded
+    fold_error_feedback(state)  # E itself, if a grouped step left it unfolded
     grad = canonical(p.grad, p).float()
     q = state["basis"]
     accumulated = grad
@@ -171,22 +173,14 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
     (AdamW: 7). The full-rank term reads the gradient after the weights were written: a gradient sharing its
     weight's memory is not supported (autograd never makes one).
 
-    Error feedback is kept *unfolded* where the algebra allows (:func:`_can_unfold`): the buffer holds
-    ``R = G + gamma R`` and the state the projection ``c = Q^T R`` of this step, so that ``E = R - Q c`` without
-    the third matmul that computing ``E`` costs. Then ``A = R - gamma Q c_prev`` and ``g = Q^T A = c - gamma
-    c_prev``, and the full-rank term's ``Q c_prev / (S + eps)`` (a normalizer constant along each column) joins the
-    low-rank factor. 9 passes and 2 matmuls per matrix, against 11 and 3 folded. The buffer is folded
-    (:func:`fold_error_feedback`) wherever anything else reads it; the step after that (the first in a new basis,
-    where ``Q^T E`` may be large), every ``FOLD_EVERY``-th step and a step that collects diagnostics compute ``E``
-    itself, so ``c`` sums at most ``FOLD_EVERY`` projected gradients, which bounds the cancellation in ``c -
-    gamma c_prev``."""
+    Error feedback is kept unfolded where the knobs allow (:func:`_can_unfold`;
+    :mod:`lightning_lordo.optim.error_feedback`): the buffer holds ``R`` and ``E = R - Q c``, so no third matmul
+    computes ``E``; then the full-rank term's input ``A = R - gamma Q c_prev`` (:func:`_fold_into_low`). 9 passes
+    and 2 matmuls per matrix, against 11 and 3 folded."""
     tall = is_tall(params[0])
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
     can_unfold = _can_unfold(states, h)
-    unfold = can_unfold and stats is None and t % FOLD_EVERY != 0 and all(EF_PROJECTION in s for s in states)
-    if h.error_feedback and not unfold:
-        for s in states:
-            fold_error_feedback(s)
+    unfold = unfold_now(states, can_unfold and stats is None, t)
     q = torch.stack([s["basis"] for s in states])  # n x a x r
     grads = [canonical(p.grad, p) for p in params]  # a x b views
     accumulated = grads
@@ -203,12 +197,8 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
     bases = q.unbind(0)
     for a, qt, out in zip(accumulated, q.mT.unbind(0), projected.unbind(0)):
         torch.mm(qt, a, out=out)
-    previous = None
-    if unfold:  # g = c - gamma c_prev; c is kept for the next step
-        previous = torch.stack([s[EF_PROJECTION] for s in states])
-        torch._foreach_copy_([s[EF_PROJECTION] for s in states], projected.unbind(0))
-        projected = projected.sub_(previous, alpha=h.ef_decay)
-    elif h.error_feedback:
+    previous = unfolded_projection(states, projected, h.ef_decay) if unfold else None
+    if h.error_feedback and not unfold:
         for a, qi, g, e in zip(accumulated, bases, projected.unbind(0), errors):  # E <- A - Q g
             if e.dtype == a.dtype:
                 torch.addmm(a, qi, g, alpha=-1, out=e)
@@ -216,9 +206,7 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
                 e.copy_(torch.addmm(a, qi, g, alpha=-1))
         if stats is not None:
             _add_stat(stats, "ef_sq", sum(e.float().square().sum() for e in errors))
-        if can_unfold:  # E = R - Q 0: the next steps keep it unfolded
-            for s in states:
-                s[EF_PROJECTION] = torch.zeros_like(s["exp_avg"])
+        enter_unfolded(states, can_unfold)
     u_hat, v_hat = _moments_grouped(states, projected.unbind(0), h, bias1, bias2)
     full_term = h.update != "subspace_qh" and h.omega < 1.0
     if h.update == "subspace_qh":
@@ -230,16 +218,15 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
             _add_stat(stats, "low_sq", torch.bmm(q, low).square().sum())
     value = (1.0 - h.omega) / h.mu
     if full_term:
-        denom = _normalizer_grouped(states, q, h, None, v_hat, bias2, False).add_(h.eps)  # canonical orientation
-        if previous is not None and h.full_rank_input == "accumulated":  # - gamma Q c_prev / (S + eps) of A
-            low.sub_(previous.mul_(h.ef_decay * value).div_(denom))
+        denom = _normalizer_grouped(states, q, h, None, v_hat, bias2, tall).add_(h.eps)  # in the weights' orientation
+        _fold_into_low(low, previous, denom, h, tall)
     for p, qi, li in zip(params, bases, low.unbind(0)):  # W <- W (1 - lr lambda) - lr Q (omega D_low)
         canonical(p, p).addmm_(qi, li, beta=1 - h.lr * h.weight_decay, alpha=-h.lr)
     if not full_term:
         return
     full_inputs = [canonical(a, p) for a, p in zip(accumulated, params)] if h.full_rank_input == "accumulated" \
         else [p.grad for p in params]
-    denoms = (denom.mT if tall else denom).unbind(0)  # the weights' orientation
+    denoms = denom.unbind(0)
     if stats is not None:
         _add_stat(stats, "full_sq", sum((x / d).square().sum() for x, d in zip(full_inputs, denoms)) * value**2)
     for p, x, d in zip(params, full_inputs, denoms):  # ... - lr (1 - omega) In / (mu (S + eps))
@@ -247,19 +234,20 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
 
 
 def _can_unfold(states: Sequence[dict[str, Tensor]], h: Hyper) -> bool:
-    """Whether :func:`_lowrank_in_place` may keep the error feedback unfolded: a float32 buffer, and a full-rank
-    term that reads the gradient, or a normalizer constant along each column (``Q c / S = Q (c / S)``)."""
+    """Whether the grouped step may keep the error feedback unfolded: a float32 buffer, and a full-rank term that
+    reads the gradient, or a fixed ``mu`` and a normalizer constant along each column (``Q c / S = Q (c / S)``)."""
     return (h.error_feedback and states[0]["error_feedback"].dtype == torch.float32
             and (h.full_rank_input == "gradient" or h.update == "subspace_qh" or h.omega == 1.0
-                 or h.normalizer in ("col_rms", "scalar", "mean_denom")))
+                 or (h.normalizer in ("col_rms", "scalar", "mean_denom") and h.mu != "auto")))
 
 
-def fold_error_feedback(state: dict[str, Tensor]) -> None:
-    """Make an unfolded error-feedback buffer (:func:`_lowrank_in_place`) the error feedback itself again:
-    ``E = R - Q c``, with the basis the buffer was unfolded in. A no-op for a folded one."""
-    c = state.pop(EF_PROJECTION, None)
-    if c is not None:
-        state["error_feedback"].addmm_(state["basis"], c, alpha=-1)
+def _fold_into_low(low: Tensor, previous: Optional[Tensor], denom: Tensor, h: Hyper, tall: bool) -> None:
+    """With unfolded buffers the full-rank term's input ``A = R - gamma Q c_prev``: its ``Q`` part joins the
+    low-rank factor (already times omega), ``low -= gamma (1 - omega) / mu c_prev / (S + eps)`` (``denom``: S + eps
+    in the weights' orientation, constant along each canonical column)."""
+    if previous is not None and h.full_rank_input == "accumulated":
+        canonical_denom = denom.mT if tall else denom
+        low.sub_(previous.mul_(h.ef_decay * (1.0 - h.omega) / h.mu).div_(canonical_denom))
 
 
 def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, t: float,
@@ -273,23 +261,32 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
     written by the back-projection, completed in place, and added to the weights."""
     tall = is_tall(params[0])
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
-    for s in states:
-        fold_error_feedback(s)  # E itself, if an in-place step left it unfolded
+    can_unfold = _can_unfold(states, h)
+    unfold = unfold_now(states, can_unfold and stats is None, t)  # as in the in-place layout
     grad = torch.stack([p.grad for p in params]).float()  # n x rows x cols, the parameters' orientation
     q = torch.stack([s["basis"] for s in states])  # n x a x r
     accumulated = grad
     if h.error_feedback:
         errors = [s["error_feedback"] for s in states]
-        accumulated = grad.clone()
-        torch._foreach_add_(accumulated.unbind(0), [e.mT if tall else e for e in errors], alpha=h.ef_decay)
+        if unfold:  # R <- G + gamma R in place, then stacked
+            sums = [e.mT if tall else e for e in errors]
+            if h.ef_decay != 1.0:
+                torch._foreach_mul_(sums, h.ef_decay)
+            torch._foreach_add_(sums, grad.unbind(0))
+            accumulated = torch.stack(sums)
+        else:
+            accumulated = grad.clone()
+            torch._foreach_add_(accumulated.unbind(0), [e.mT if tall else e for e in errors], alpha=h.ef_decay)
     # the projection Q^T A (canonical A = G^T for a tall matrix): n x r x b
     projected = torch.bmm(accumulated, q).mT.contiguous() if tall else torch.bmm(q.mT, accumulated)
+    previous = unfolded_projection(states, projected, h.ef_decay) if unfold else None
     rows = projected.unbind(0)
-    if h.error_feedback:
+    if h.error_feedback and not unfold:
         residual = torch.baddbmm(accumulated, *_back(q, projected, tall), alpha=-1)
         torch._foreach_copy_(errors, [r.mT if tall else r for r in residual.unbind(0)])
         if stats is not None:
             _add_stat(stats, "ef_sq", torch.stack(errors).float().square().sum())
+        enter_unfolded(states, can_unfold)
     u_hat, v_hat = _moments_grouped(states, rows, h, bias1, bias2)
     if h.update == "subspace_qh":
         mixed = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega).div_(v_hat.sqrt().add_(h.eps))
@@ -313,7 +310,8 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
             _add_stat(stats, "low_sq", d_low.square().sum() * h.omega**2)
         _apply_grouped(params, d_full.add_(d_low, alpha=h.omega), h)
         return
-    update = torch.bmm(*_back(q, low.mul_(h.omega), tall))  # omega D_low, then + (1 - omega) In / (mu (S + eps))
+    _fold_into_low(low.mul_(h.omega), previous, denom, h, tall)
+    update = torch.bmm(*_back(q, low, tall))  # omega D_low, then + (1 - omega) In / (mu (S + eps))
     if stats is not None:
         _add_stat(stats, "low_sq", update.square().sum())
         _add_stat(stats, "full_sq", (full_input / denom).square().sum() * ((1.0 - h.omega) / h.mu) ** 2)

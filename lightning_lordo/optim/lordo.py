@@ -26,6 +26,7 @@ from lightning_lordo.config import (
     resolve_rank,
 )
 from lightning_lordo.optim import conversion, fullrank, functional, report
+from lightning_lordo.optim.error_feedback import fold_error_feedback
 from lightning_lordo.optim.projection import compute_basis, random_basis, rotate_moments, subspace_movement
 
 _LOWRANK_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -329,7 +330,7 @@ class LoRDO(Optimizer):
                 continue
             state = self._init_lowrank_state(p, group, r)
             old, new = state.get("basis"), bases[p]
-            functional.fold_error_feedback(state)  # in the basis it was unfolded in
+            fold_error_feedback(state)  # in the basis it was unfolded in
             if old is not None:
                 self._transition(state, group, old, new)
                 movement[p] = subspace_movement(old, new)
@@ -337,11 +338,10 @@ class LoRDO(Optimizer):
         return movement
 
     def fold_error_feedback(self, params: Iterable[Tensor]) -> None:
-        """Make the error-feedback buffers of ``params`` the error feedback itself before anything but the step reads
-        or writes them (:func:`~lightning_lordo.optim.functional.fold_error_feedback`; the values do not change)."""
+        """Fold the error-feedback buffers of ``params`` (:mod:`~lightning_lordo.optim.error_feedback`)."""
         for p in params:
             if p in self.state:
-                functional.fold_error_feedback(self.state[p])
+                fold_error_feedback(self.state[p])
 
     def install_bases(self, sources: Mapping[Tensor, Tensor], generation: Optional[int] = None) -> dict[Tensor, Tensor]:
         """:meth:`compute_bases` then :meth:`set_bases`: new bases from ``sources``, moments moved into them."""
