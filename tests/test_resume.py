@@ -166,6 +166,18 @@ def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: 
         _assert_resumed_exactly(tmp_path, tag, first_step=step + 1)
 
 
+def test_resume_while_an_overlapped_round_averaging_the_error_feedback_is_in_flight_is_bit_identical(
+        tmp_path: Path) -> None:
+    """Saved at step 9, a step after the round launched at step 8: the steps since keep the error feedback unfolded,
+    and the resumed run redoes the round from the saved copies without folding the live buffers."""
+    knobs = {"overlap_steps": 2, "average_error_feedback": True}
+    _fit(tmp_path, "full", checkpoints=True, **knobs)
+    saved = tmp_path / "ckpt" / "step=9.ckpt"
+    assert [r["overlap"]["step"] for r in load_full(saved)["lordo"]["ranks"]] == [8, 8]
+    _fit(tmp_path, "flight", ckpt=str(saved), checkpoints=True, **knobs)
+    _assert_resumed_exactly(tmp_path, "flight", first_step=10)
+
+
 def test_mid_round_checkpoint_differs_per_rank_and_holds_the_synchronized_model(tmp_path: Path) -> None:
     _fit(tmp_path, "full", checkpoints=True)
     checkpoint = load_full(tmp_path / "ckpt" / "step=6.ckpt")

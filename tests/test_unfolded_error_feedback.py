@@ -191,3 +191,40 @@ def test_what_reads_the_buffer_from_outside_the_step_sees_the_error_feedback() -
     assert reset_error_feedback(opt) == len(opt.lowrank_params())
     for p in opt.lowrank_params():
         assert not _ef(opt, p).any()
+
+
+def test_the_memory_report_counts_the_projection_whether_or_not_it_is_held_right_now() -> None:
+    params, opt, _ = _run({}, 5, foreach=True, rebase_at=())
+    lowrank = opt.lowrank_params()
+    expected = sum(opt.state[p]["error_feedback"].numel() * 4 + opt.state[p]["exp_avg"].numel() * 4 for p in lowrank)
+    assert all(EF_PROJECTION in opt.state[p] for p in lowrank)
+    assert opt.memory_report()["error_feedback"] == expected
+    opt.fold_error_feedback(params)
+    assert opt.memory_report()["error_feedback"] == expected
+    _, reference, _ = _run({}, 5, foreach=False, rebase_at=())  # the per-matrix step never unfolds
+    assert reference.memory_report()["error_feedback"] == sum(
+        reference.state[p]["error_feedback"].numel() * 4 for p in reference.lowrank_params())
+
+
+def test_a_bucket_where_one_matrix_got_a_new_basis_is_folded_and_stays_exact(layout: None) -> None:
+    """Two matrices of one shape share a bucket; a new basis for one of them folds it alone, and the next step takes
+    the whole bucket folded (then unfolded again), matching the reference."""
+    runs = []
+    for foreach in (True, False):
+        params = _model(1)
+        opt = LoRDO(params, lr=0.02, rank=3, weight_decay=0.05, foreach=foreach, omega=0.7)
+        gen = _gen(6)
+        for step in range(1, 13):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen) + 0.5
+            opt.step()
+            if step == 6:
+                opt.install_bases({params[0]: torch.randn(params[0].shape, generator=gen)})
+                if foreach:
+                    assert EF_PROJECTION not in opt.state[params[0]] and EF_PROJECTION in opt.state[params[1]]
+        runs.append((params, opt))
+    (grouped, g_opt), (reference, r_opt) = runs
+    for a, b in zip(grouped, reference):
+        _close(a.detach(), b.detach(), rtol=2e-6)
+        if b.ndim == 2:
+            _close(_ef(g_opt, a), r_opt.state[b]["error_feedback"], rtol=1e-5)

@@ -173,14 +173,14 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
     (AdamW: 7). The full-rank term reads the gradient after the weights were written: a gradient sharing its
     weight's memory is not supported (autograd never makes one).
 
-    Error feedback is kept unfolded where the knobs allow (:func:`_can_unfold`;
+    Error feedback is kept unfolded where the knobs allow (:func:`can_unfold`;
     :mod:`lightning_lordo.optim.error_feedback`): the buffer holds ``R`` and ``E = R - Q c``, so no third matmul
     computes ``E``; then the full-rank term's input ``A = R - gamma Q c_prev`` (:func:`_fold_into_low`). 9 passes
     and 2 matmuls per matrix, against 11 and 3 folded."""
     tall = is_tall(params[0])
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
-    can_unfold = _can_unfold(states, h)
-    unfold = unfold_now(states, can_unfold and stats is None, t)
+    allowed = can_unfold(states, h)
+    unfold = unfold_now(states, allowed and stats is None, t)
     q = torch.stack([s["basis"] for s in states])  # n x a x r
     grads = [canonical(p.grad, p) for p in params]  # a x b views
     accumulated = grads
@@ -206,7 +206,7 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
                 e.copy_(torch.addmm(a, qi, g, alpha=-1))
         if stats is not None:
             _add_stat(stats, "ef_sq", sum(e.float().square().sum() for e in errors))
-        enter_unfolded(states, can_unfold)
+        enter_unfolded(states, allowed)
     u_hat, v_hat = _moments_grouped(states, projected.unbind(0), h, bias1, bias2)
     full_term = h.update != "subspace_qh" and h.omega < 1.0
     if h.update == "subspace_qh":
@@ -233,9 +233,10 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
         p.addcdiv_(x, d, value=-h.lr * value)
 
 
-def _can_unfold(states: Sequence[dict[str, Tensor]], h: Hyper) -> bool:
-    """Whether the grouped step may keep the error feedback unfolded: a float32 buffer, and a full-rank term that
-    reads the gradient, or a fixed ``mu`` and a normalizer constant along each column (``Q c / S = Q (c / S)``)."""
+def can_unfold(states: Sequence[dict[str, Tensor]], h: Hyper) -> bool:
+    """Whether the grouped step may keep the error feedback unfolded: a float32 buffer, and no full-rank term
+    (``subspace_qh``, ``omega=1``), one that reads the gradient, or a fixed ``mu`` and a normalizer constant along
+    each column (``Q c / S = Q (c / S)``)."""
     return (h.error_feedback and states[0]["error_feedback"].dtype == torch.float32
             and (h.full_rank_input == "gradient" or h.update == "subspace_qh" or h.omega == 1.0
                  or (h.normalizer in ("col_rms", "scalar", "mean_denom") and h.mu != "auto")))
@@ -261,8 +262,8 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
     written by the back-projection, completed in place, and added to the weights."""
     tall = is_tall(params[0])
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
-    can_unfold = _can_unfold(states, h)
-    unfold = unfold_now(states, can_unfold and stats is None, t)  # as in the in-place layout
+    allowed = can_unfold(states, h)
+    unfold = unfold_now(states, allowed and stats is None, t)  # as in the in-place layout
     grad = torch.stack([p.grad for p in params]).float()  # n x rows x cols, the parameters' orientation
     q = torch.stack([s["basis"] for s in states])  # n x a x r
     accumulated = grad
@@ -286,7 +287,7 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
         torch._foreach_copy_(errors, [r.mT if tall else r for r in residual.unbind(0)])
         if stats is not None:
             _add_stat(stats, "ef_sq", torch.stack(errors).float().square().sum())
-        enter_unfolded(states, can_unfold)
+        enter_unfolded(states, allowed)
     u_hat, v_hat = _moments_grouped(states, rows, h, bias1, bias2)
     if h.update == "subspace_qh":
         mixed = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega).div_(v_hat.sqrt().add_(h.eps))

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from lightning_lordo.config import resolve_rank
 from lightning_lordo.optim.error_feedback import EF_PROJECTION
+from lightning_lordo.optim.functional import Hyper, can_unfold
 
 if TYPE_CHECKING:  # the optimizer passes itself in
     from torch.optim import Optimizer
@@ -43,9 +44,10 @@ def describe(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None)
 def memory_report(optimizer: Optimizer) -> dict[str, int]:
     """Bytes of optimizer state by category, and AdamW's for the same parameters.
 
-    Keys: ``lowrank_moments``, ``bases``, ``fullrank_moments``, ``error_feedback``, ``other`` (step counters,
-    factored normalizer), ``adamw_equivalent`` (2 float32 moments per parameter element, all params) and
-    ``adamw_equivalent_lowrank`` (the same for the low-rank matrices alone).
+    Keys: ``lowrank_moments``, ``bases``, ``fullrank_moments``, ``error_feedback`` (the buffers and, where the
+    grouped step may keep them unfolded, the ``r x b`` projection that holds between folds, whether or not it does
+    at this moment), ``other`` (step counters, factored normalizer), ``adamw_equivalent`` (2 float32 moments per
+    parameter element, all params) and ``adamw_equivalent_lowrank`` (the same for the low-rank matrices alone).
     """
     out = dict.fromkeys(("lowrank_moments", "bases", "fullrank_moments", "error_feedback", "other",
                          "adamw_equivalent", "adamw_equivalent_lowrank"), 0)
@@ -55,8 +57,12 @@ def memory_report(optimizer: Optimizer) -> dict[str, int]:
             adamw = 2 * p.numel() * torch.float32.itemsize
             out["adamw_equivalent"] += adamw
             out["adamw_equivalent_lowrank"] += adamw if lowrank else 0
-            for key, value in optimizer.state.get(p, {}).items():
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
                 out[_category(key, lowrank)] += value.numel() * value.element_size()
+            if lowrank and "error_feedback" in state and EF_PROJECTION not in state and optimizer.foreach \
+                    and can_unfold([state], Hyper.of(group)):  # folded right now: its projection comes back
+                out["error_feedback"] += state["exp_avg"].numel() * state["exp_avg"].element_size()
     return out
 
 

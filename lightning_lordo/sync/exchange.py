@@ -78,14 +78,15 @@ def commit_buffers(buffers: Sequence[Tensor], floating: list[Tensor], others: li
         b.copy_(new)
 
 
-def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncConfig, moments_due: bool = True
-                   ) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
+def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncConfig, moments_due: bool = True,
+                   fold: bool = True) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
     """The optimizer state a sync averages, by purpose: ``(parameter, its tensors)`` pairs.
 
     ``moments`` (when ``moments_due``: every ``moments_every``-th sync): the low-rank moments in their current
     (old, shared) basis (global scope only) and, with ``average_fullrank_moments``, every floating state tensor
     shaped like its full-rank parameter (AdamW's moments, SGD's momentum). ``error_feedback``: the optimizer's
-    error-feedback buffers, if asked for."""
+    error-feedback buffers, if asked for, folded first unless ``fold`` is false (a resumed overlapped round, whose
+    averages come from the checkpoint's copies: the live tensors are only written, at the landing)."""
     lowrank = set(optimizer.lowrank_params()) if isinstance(optimizer, LoRDO) else set()
     moments, feedback = [], []
     for p in params:
@@ -94,7 +95,8 @@ def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncC
             if moments_due and config.average_moments and config.basis_scope == "global" and "exp_avg" in state:
                 moments.append((p, [state["exp_avg"], state["exp_avg_sq"]]))
             if config.average_error_feedback and "error_feedback" in state:
-                optimizer.fold_error_feedback([p])  # the average of E itself (each worker's R - Q c otherwise)
+                if fold:  # the average of E itself (each worker's R - Q c otherwise)
+                    optimizer.fold_error_feedback([p])
                 feedback.append((p, [state["error_feedback"]]))
         elif moments_due and config.average_fullrank_moments:
             tensors = [v for k, v in state.items() if k != "step" and isinstance(v, Tensor)

@@ -12,7 +12,8 @@ local progress since the launch:
 * averaged optimizer state, an EMA with factor beta (Adam's moments: beta1 for ``exp_avg``, beta2 for
   ``exp_avg_sq``; 1 for any other tensor): ``x <- beta^s mean + (x - beta^s x_at_launch)`` with ``s`` the steps
   since the launch, i.e. the state as if the average had been in place at the launch and the local updates since
-  applied to it; then the new bases are installed and the moments rotated into them;
+  applied to it (linear: for an error-feedback buffer that the steps since keep unfolded, ``E = R - Q c``, adding
+  ``R``'s progress adds ``E``'s); then the new bases are installed and the moments rotated into them;
 * buffers: ``b <- mean + (b - b_at_launch)``.
 
 So the averages, the new bases and the anchor are bitwise identical on every rank, and reach every rank at the
@@ -38,7 +39,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_lordo.comm.communicator import CollectiveTimeout, CommAccountant, Communicator
-from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync import exchange as ex
 from lightning_lordo.sync.basis_window import BasisWindow
 from lightning_lordo.sync.report import SyncReport
@@ -152,7 +152,6 @@ class OverlappedRounds:
     which owns every attribute used here: the communicators, the anchor, the optimizer, the counters)."""
 
     in_flight: Optional[Launch]
-    lordo: Optional[LoRDO]
     window: BasisWindow
     comm: Communicator
     overlap_comm: Communicator
@@ -188,7 +187,7 @@ class OverlappedRounds:
         params = [t.to(p.device) for t, p in zip(saved["params"], self.params, strict=True)]
         buffers = [b.to(live.device) for b, live in zip(saved["buffers"], self.buffers, strict=True)]
         launched = launch(saved["step"], saved["sync_index"], params, self.anchor.deltas(params), buffers,
-                          self.averaged_entries(), saved["copies"])
+                          self.averaged_entries(fold=False), saved["copies"])  # as the run that saved left them
         self._start(launched, scratch)
 
     def _land_in_flight(self) -> SyncReport:
@@ -199,8 +198,6 @@ class OverlappedRounds:
         self.in_flight = None
         self.comm.context = f"sync {launched.sync_index} (landing)"
         steps = self.steps_since_sync
-        if self.lordo is not None:  # the local progress of E itself (the steps since may unfold it)
-            self.lordo.fold_error_feedback(p for p, _ in launched.live.get("error_feedback", []))
         fixed = corrected(launched, result, self.optimizer, self.buffers, self.optimizer_steps - launched.step)
         # the report's seconds: the exchange's and the landing's, not the local steps taken beside the exchange
         report = self.land(fixed, time.perf_counter() - launched.exchange_seconds, progress(launched, self.params))

@@ -250,10 +250,10 @@ class Synchronizer(overlap.OverlappedRounds):
                                    self.window.due(self.syncs_done + 1))
         return self.land(round_, start)
 
-    def averaged_entries(self) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
+    def averaged_entries(self, fold: bool = True) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
         """The optimizer state this sync averages (:func:`~lightning_lordo.sync.exchange.averaged_state`)."""
         due = (self.syncs_done + 1) % self.config.moments_every == 0  # this sync's number, from 1
-        return ex.averaged_state(self.optimizer, self.params, self.config, due)
+        return ex.averaged_state(self.optimizer, self.params, self.config, due, fold)
 
     def exchange(self, comm: Communicator, local: list[Tensor], buffers: Sequence[Tensor],
                  entries: dict[str, list[tuple[Tensor, list[Tensor]]]], generation: int,
