@@ -219,7 +219,26 @@ class Communicator:
         self.broadcast(tensors, purpose, src=src)
         return True
 
-    def _run(self, issue: Callable[[], Any], purpose: str, op: str, device: torch.device) -> None:
+    def begin_all_reduce_mean(self, flat: Tensor, purpose: str) -> Callable[[], None]:
+        """Start averaging the 1-D CPU tensor ``flat`` in place without waiting (counted in the totals only); returns
+        the function that waits for it, at most ``timeout`` from when it is called, and completes the average."""
+        if self.world_size == 1:
+            return lambda: None
+        work = self._issue(partial(dist.all_reduce, flat, group=self.group, async_op=True), purpose, "all_reduce")
+        nbytes = flat.numel() * flat.element_size()
+        self.accountant.add(purpose, nbytes, False, wire_bytes("all_reduce", nbytes, self.world_size))
+
+        def finish() -> None:
+            self._run(lambda: work, purpose, "all_reduce", flat.device)
+            flat.div_(self.world_size)
+
+        return finish
+
+    def _issue(self, issue: Callable[[], Any], purpose: str, op: str) -> Any:
+        """Only issue a collective (returns its work handle), its failure named as :meth:`_run` names it."""
+        return self._run(issue, purpose, op, torch.device("cpu"), wait=False)
+
+    def _run(self, issue: Callable[[], Any], purpose: str, op: str, device: torch.device, wait: bool = True) -> Any:
         """Issue one collective (``issue`` returns its work handle) and wait for it, at most ``timeout``."""
         if self.failure is not None:
             raise CollectiveTimeout(
@@ -229,6 +248,8 @@ class Communicator:
         start = time.monotonic()
         try:
             work = issue()  # NCCL (and gloo, for a peer known to be gone) may raise here already
+            if not wait:
+                return work
             poll = self.poll if self.poll is not None else device.type != "cpu"
             if poll:
                 self._poll(work, start)

@@ -20,6 +20,8 @@ class GuardedCollectives:
     ``root_device`` from the strategy it is mixed into."""
 
     _sigterm_pending = False  # a SIGTERM arrived; the next per-batch check tells every rank
+    _posted_check: Optional[tuple[Any, torch.Tensor, int]] = None  # the check in flight: wait, flags, steps
+    _control_comm: Any  # the per-batch checks' communicator, on a gloo group of their own
     communicator: Any
     synchronizer: Any
     sync_config: Any
@@ -66,18 +68,39 @@ class GuardedCollectives:
             tensor, group, sync_grads))
 
     def _sigterm_check(self, finished: bool = False) -> None:
-        """Lightning's check for SIGTERM before every training batch, replaced: one all-reduce of each rank's flags
-        through the plugin's communicator (counted, bounded by the timeout). A SIGTERM to any rank stops every rank
-        at the same batch; a rank that ran out of batches while others have more (``finished``, from the end of
-        training) makes all of them stop with an error saying so; a failure (a worker that died or hangs between
-        syncs) is raised as :class:`CollectiveTimeout` naming this check, instead of swallowed by Lightning."""
+        """Lightning's check for SIGTERM before every training batch, replaced: an all-reduce of each rank's flags on
+        a gloo group of its own (``_control_comm``; counted, bounded by the timeout), *pipelined*: the check posted
+        before a batch is read before the next one, so no step waits for the others' round trip (a per-step
+        barrier on a slow or distant link). Every rank reads the same result at the same batch, so a SIGTERM to any
+        rank stops every rank at the same batch, one batch later than a blocking check would. A rank that ran out
+        of batches while others have more (``finished``, at the end of training; that check waits) makes all of
+        them stop with an error saying so; a failure (a worker that died or hangs between syncs) is raised as
+        :class:`CollectiveTimeout` naming this check, instead of swallowed by Lightning."""
         assert self.communicator is not None and self.synchronizer is not None and self.lightning_module is not None
-        trainer = self.lightning_module.trainer
+        control = self._control_comm
         steps = self.synchronizer.optimizer_steps
-        flags = torch.tensor([float(self._sigterm_pending), float(finished)], device=self.root_device)
-        where = "at the end of training" if finished else f"before optimizer step {steps + 1} (between syncs)"
-        self.communicator.context = f"Lightning's per-batch SIGTERM check {where}"
-        self.communicator.all_reduce_mean([flags], "lightning_sigterm_check", in_round=False)
+        here = "at the end of training" if finished else f"before optimizer step {steps + 1}"
+        try:
+            if self._posted_check is not None:  # the previous batch's, read now by every rank
+                wait, flags, posted = self._posted_check
+                self._posted_check = None
+                control.context = (f"Lightning's per-batch SIGTERM check before optimizer step {posted + 1} "
+                                   f"(between syncs; read {here})")
+                wait()
+                self._act_on_checks(flags, finished, steps)
+            control.context = f"Lightning's per-batch SIGTERM check {here}"
+            flags = torch.tensor([float(self._sigterm_pending), float(finished)])
+            wait = control.begin_all_reduce_mean(flags, "lightning_sigterm_check")
+            if finished:
+                wait()
+                self._act_on_checks(flags, finished, steps)
+            else:
+                self._posted_check = (wait, flags, steps)
+        except CollectiveTimeout as err:  # the default group is not to be trusted either (e.g. a dead peer)
+            self.communicator.failure = self.communicator.failure or str(err)
+            raise
+
+    def _act_on_checks(self, flags: torch.Tensor, finished: bool, steps: int) -> None:
         sigterm, done = flags.tolist()
         if 0 < done < 1:  # the same decision on every rank
             mine = "finished" if finished else f"was about to take optimizer step {steps + 1}"
@@ -87,7 +110,7 @@ class GuardedCollectives:
                 f"{steps} steps). Give every rank the same number of batches: a DistributedSampler with drop_last, "
                 "or data of equal length per rank.")
         if sigterm > 0:  # on every rank at once; Lightning's own checks follow its flag, set only here
-            trainer._signal_connector.received_sigterm = True
+            self.lightning_module.trainer._signal_connector.received_sigterm = True
             raise SIGTERMException()
 
     def _sigterm_notifier(self, signum: int, frame: Any) -> None:
