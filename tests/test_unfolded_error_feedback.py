@@ -109,6 +109,18 @@ def test_a_long_unfolded_run_stays_close_to_the_reference_and_folds_every_fold_e
         assert all(restarted) == (t == FOLD_EVERY) and any(restarted) == (t == FOLD_EVERY), (t, restarted)
 
 
+def _step_both(one: tuple[list[nn.Parameter], LoRDO], other: tuple[list[nn.Parameter], LoRDO], steps: int,
+               seed: int) -> None:
+    """``steps`` steps of two optimizers on the same random gradients."""
+    gen = _gen(seed)
+    for _ in range(steps):
+        for p, q in zip(one[0], other[0]):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        one[1].step()
+        other[1].step()
+
+
 def test_folding_keeps_the_values_and_the_next_steps() -> None:
     params, opt, _ = _run({}, 5, foreach=True, rebase_at=())
     twin, twin_opt, _ = _run({}, 5, foreach=True, rebase_at=())
@@ -118,13 +130,7 @@ def test_folding_keeps_the_values_and_the_next_steps() -> None:
     for p, e in before.items():
         assert EF_PROJECTION not in opt.state[p]
         _close(opt.state[p]["error_feedback"], e, rtol=1e-6)
-    gen = _gen(3)
-    for _ in range(3):
-        for p, q in zip(params, twin):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt.step()
-        twin_opt.step()
+    _step_both((params, opt), (twin, twin_opt), steps=3, seed=3)
     for p, q in zip(params, twin):
         _close(p.detach(), q.detach(), rtol=1e-6)
 
@@ -136,13 +142,7 @@ def test_a_checkpoint_of_unfolded_buffers_resumes_bitwise(layout: None) -> None:
     copies = [nn.Parameter(p.detach().clone()) for p in params]
     resumed = LoRDO(copies, lr=0.02, rank=3, weight_decay=0.05, omega=0.7)
     resumed.load_state_dict(saved)
-    gen = _gen(4)
-    for _ in range(4):
-        for p, q in zip(params, copies):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt.step()
-        resumed.step()
+    _step_both((params, opt), (copies, resumed), steps=4, seed=4)
     for p, q in zip(params, copies):
         assert torch.equal(p, q)
         for key, value in opt.state[p].items():
