@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -168,6 +169,32 @@ def test_a_worker_that_dies_between_syncs_is_named_by_the_others(tmp_path: Path)
     assert "a worker died" in output and "different numbers of batches" in output, output[-3000:]
 
 
+class RecordsError(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
+        (self.path / f"rank{trainer.global_rank}.txt").write_text(str(exception))
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_next_step_syncs_names_uneven_batches_before_the_sync(tmp_path: Path) -> None:
+    """Rank 1 has 3 batches, rank 0 more: rank 0's fourth step is a sync (K = 4). Its check is read before that step,
+    so rank 0 stops with the uneven-batches error instead of entering a sync that rank 1 never joins."""
+
+    class RankData(TinyRegressor):
+        def train_dataloader(self) -> DataLoader:
+            rows = range(64 if dist.get_rank() == 0 else 24)
+            return DataLoader(Subset(loader(n=64).dataset, list(rows)), batch_size=8)
+
+    with pytest.raises(Exception):  # noqa: B017 - the first failing worker's error, from the launcher
+        trainer(_strategy(4, 10), max_epochs=1, use_distributed_sampler=False,
+                callbacks=[RecordsError(tmp_path)]).fit(RankData())
+    message = (tmp_path / "rank0.txt").read_text()
+    assert "the workers ran different numbers of batches: this rank was about to take optimizer step 4" in message, \
+        message
+
+
 @pytest.mark.timeout(120)
 def test_uneven_data_per_rank_is_named_as_a_likely_cause() -> None:
     """Rank 1 gets fewer batches than rank 0: it reaches the end of fit (and its final sync) while rank 0 is still
@@ -182,7 +209,8 @@ def test_uneven_data_per_rank_is_named_as_a_likely_cause() -> None:
     with pytest.raises(Exception) as info:  # noqa: B017 - the first failing worker's error, from the launcher
         trainer(_strategy(4, 3), max_epochs=1, use_distributed_sampler=False).fit(RankData())
     message = str(info.value)
-    assert "CollectiveTimeout" in message and "different numbers of batches" in message, message[-3000:]
+    assert "CollectiveTimeout" in message and "the workers ran different numbers of batches: this rank" in message, \
+        message[-3000:]
 
 
 class RecordsCheckOrder(TinyRegressor):
@@ -212,12 +240,15 @@ class RecordsCheckOrder(TinyRegressor):
         return super().training_step(batch, batch_idx)
 
     def on_train_end(self) -> None:
-        batches = [event for n in range(5) for event in (("post", n), ("step", n), ("wait", n))]
+        local = [event for n in (1, 2) for event in (("post", n), ("step", n), ("wait", n))]
+        # the first step (the first bases), the sync step (4) and the last step wait for their check first; then
         # the final check (inside the last step, which has not been counted yet) is posted and waited for
-        assert self.events == [*batches, ("post", 4), ("wait", 4)], self.events
+        assert self.events == [("post", 0), ("wait", 0), ("step", 0), *local, ("post", 3), ("wait", 3), ("step", 3),
+                               ("post", 4), ("wait", 4), ("step", 4), ("post", 4), ("wait", 4)], self.events
 
 
 def test_the_per_batch_check_is_read_a_batch_later_so_no_step_waits_for_the_others() -> None:
-    """Lightning's check before each batch is posted and read before the next one (pipelined), so each batch's
-    forward, backward and step run while the others' flags travel; the final check waits."""
+    """Lightning's check before a batch of local steps is posted and read before the next one (pipelined), so that
+    batch's forward, backward and step run while the others' flags travel; before a step that waits for the others
+    anyway (the first, a sync, the last) and at the end of training the check is read at once."""
     trainer(_strategy(4, 20), max_steps=5).fit(RecordsCheckOrder(), loader())

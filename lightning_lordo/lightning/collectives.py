@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_lordo.comm.communicator import CollectiveTimeout, translate
+from lightning_lordo.comm.communicator import CollectiveTimeout, Communicator, side_communicator, translate
 
 
 class GuardedCollectives:
@@ -22,6 +22,8 @@ class GuardedCollectives:
     _sigterm_pending = False  # a SIGTERM arrived; the next per-batch check tells every rank
     _posted_check: Optional[tuple[Any, torch.Tensor, int]] = None  # the check in flight: wait, flags, steps
     _control_comm: Any  # the per-batch checks' communicator, on a gloo group of their own
+    accountant: Any
+    _is_last_step: Any
     communicator: Any
     synchronizer: Any
     sync_config: Any
@@ -70,9 +72,10 @@ class GuardedCollectives:
     def _sigterm_check(self, finished: bool = False) -> None:
         """Lightning's check for SIGTERM before every training batch, replaced: an all-reduce of each rank's flags on
         a gloo group of its own (``_control_comm``; counted, bounded by the timeout), *pipelined*: the check posted
-        before a batch is read before the next one, so no step waits for the others' round trip (a per-step
-        barrier on a slow or distant link). Every rank reads the same result at the same batch, so a SIGTERM to any
-        rank stops every rank at the same batch, one batch later than a blocking check would. A rank that ran out
+        before a batch of local steps is read before the next one, so such a step does not wait for the others'
+        round trip (a per-step barrier on a slow or distant link); before a step that waits for the others anyway
+        (:meth:`_next_step_communicates`) it is read at once. Every rank reads the same result at the same batch, so
+        a SIGTERM to any rank stops every rank at the same batch, at most one batch later than a blocking check. A rank that ran out
         of batches while others have more (``finished``, at the end of training; that check waits) makes all of
         them stop with an error saying so; a failure (a worker that died or hangs between syncs) is raised as
         :class:`CollectiveTimeout` naming this check, instead of swallowed by Lightning."""
@@ -87,11 +90,11 @@ class GuardedCollectives:
                 control.context = (f"Lightning's per-batch SIGTERM check before optimizer step {posted + 1} "
                                    f"(between syncs; read {here})")
                 wait()
-                self._act_on_checks(flags, finished, steps)
+                self._act_on_checks(flags, False, posted)
             control.context = f"Lightning's per-batch SIGTERM check {here}"
             flags = torch.tensor([float(self._sigterm_pending), float(finished)])
             wait = control.begin_all_reduce_mean(flags, "lightning_sigterm_check")
-            if finished:
+            if finished or self._next_step_communicates():  # read now: a rank that has finished would not be there
                 wait()
                 self._act_on_checks(flags, finished, steps)
             else:
@@ -99,6 +102,23 @@ class GuardedCollectives:
         except CollectiveTimeout as err:  # the default group is not to be trusted either (e.g. a dead peer)
             self.communicator.failure = self.communicator.failure or str(err)
             raise
+
+    def _next_step_communicates(self) -> bool:
+        """Whether the coming optimizer step waits for the other ranks (the synchronous phase, the first bases, a
+        sync, an overlapped landing, ``fit``'s last step and its final sync): its check is read before it, as a
+        blocking check would be, so that a rank whose peer ran out of batches stops with the error that says so."""
+        sync = self.synchronizer
+        due = sync.steps_since_sync + 1
+        return (sync.synchronous_now or sync.optimizer_steps == 0 or due >= sync.config.sync_every
+                or (sync.in_flight is not None and due >= sync.config.overlap_steps) or self._is_last_step())
+
+    def _setup_control(self) -> None:
+        """The per-batch checks' communicator for this fit, on a gloo group made once per strategy (every rank
+        calls this together, at setup)."""
+        group = getattr(self, "_control_comm", None)
+        self._control_comm = side_communicator(self.accountant, self.sync_config.timeout) if group is None \
+            else Communicator(self.accountant, self.sync_config.timeout, group=group.group)
+        self._posted_check = None
 
     def _act_on_checks(self, flags: torch.Tensor, finished: bool, steps: int) -> None:
         sigterm, done = flags.tolist()

@@ -265,7 +265,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)
         self._overlap_comm = side_communicator(self.accountant, self.sync_config.timeout) \
             if self.sync_config.overlap_steps and self.world_size > 1 else None
-        self._control_comm, self._posted_check = side_communicator(self.accountant, self.sync_config.timeout), None
+        self._setup_control()
         state = list(self.model.parameters()) + list(self.model.buffers())
         self.communicator.broadcast_unless_identical([t.data for t in state], "setup_broadcast")
 
