@@ -75,10 +75,10 @@ class GuardedCollectives:
         before a batch of local steps is read before the next one, so such a step does not wait for the others'
         round trip (a per-step barrier on a slow or distant link); before a step that waits for the others anyway
         (:meth:`_next_step_communicates`) it is read at once. Every rank reads the same result at the same batch, so
-        a SIGTERM to any rank stops every rank at the same batch, at most one batch later than a blocking check. A rank that ran out
-        of batches while others have more (``finished``, at the end of training; that check waits) makes all of
-        them stop with an error saying so; a failure (a worker that died or hangs between syncs) is raised as
-        :class:`CollectiveTimeout` naming this check, instead of swallowed by Lightning."""
+        a SIGTERM to any rank stops every rank at the same batch, at most one batch later than a blocking check. A
+        rank that ran out of batches while others have more (``finished``, at the end of training; that check
+        waits) makes all of them stop with an error saying so; a failure (a worker that died or hangs between
+        syncs) is raised as :class:`CollectiveTimeout` naming this check, instead of swallowed by Lightning."""
         assert self.communicator is not None and self.synchronizer is not None and self.lightning_module is not None
         control = self._control_comm
         steps = self.synchronizer.optimizer_steps
