@@ -252,3 +252,47 @@ def test_the_per_batch_check_is_read_a_batch_later_so_no_step_waits_for_the_othe
     batch's forward, backward and step run while the others' flags travel; before a step that waits for the others
     anyway (the first, a sync, the last) and at the end of training the check is read at once."""
     trainer(_strategy(4, 20), max_steps=5).fit(RecordsCheckOrder(), loader())
+
+
+ONE_RANK_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import torch, lightning as L
+import torch.distributed as dist
+import lightning_lordo
+from lightning_lordo import LoRDOStrategy
+from strategy_helpers import TinyRegressor, loader
+
+class SigtermOnRank1(TinyRegressor):
+    def training_step(self, batch, batch_idx):
+        if dist.get_rank() == 1 and self.trainer.global_step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # rank 1 alone, between syncs (K = 8)
+        return super().training_step(batch, batch_idx)
+
+class RecordsStop(L.Callback):
+    def on_exception(self, trainer, module, exception):
+        with open(os.path.join(sys.argv[1], f"rank{{trainer.global_rank}}.txt"), "w") as f:
+            f.write(f"{{type(exception).__name__}} {{trainer.global_step}}")
+
+torch.set_num_threads(1)
+L.Trainer(strategy=LoRDOStrategy(sync_every=8, rank=4, timeout=20), accelerator="cpu", devices=2, max_steps=12,
+          callbacks=[RecordsStop()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+          enable_model_summary=False).fit(SigtermOnRank1(), loader())
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_sigterm_to_one_rank_only_stops_every_rank_at_the_same_batch(tmp_path: Path) -> None:
+    """The signal reaches rank 1 alone (a process of its own, the popen launcher): its next per-batch check carries
+    it, every rank reads it and all stop at the same step through Lightning's preemption path."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(ONE_RANK_SCRIPT.format(tests=str(Path(__file__).parent))))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=150,
+                          cwd=tmp_path, env=env)
+    output = done.stdout + done.stderr
+    stops = [(tmp_path / f"rank{r}.txt").read_text() if (tmp_path / f"rank{r}.txt").exists() else None
+             for r in (0, 1)]
+    assert stops[0] is not None and stops[0] == stops[1], (stops, output[-3000:])
+    assert stops[0].startswith("SIGTERMException") and int(stops[0].split()[1]) in (6, 7), (stops, output[-3000:])
