@@ -11,9 +11,9 @@ import lightning as L
 import pytest
 import torch
 from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
+from test_optim import _ef
 
 from lightning_lordo import LoRDOFabricStrategy, LoRDOStrategy
-from lightning_lordo.optim.error_feedback import EF_PROJECTION
 
 K, TAU = 4, 2
 
@@ -27,13 +27,6 @@ def test_overlap_steps_is_validated() -> None:
         LoRDOStrategy(synchronous=True, overlap_steps=2)
     with pytest.raises(ValueError, match=r"overlap_steps=4.*below sync_every=4"):
         LoRDOFabricStrategy(sync_every=4, overlap_steps=4)  # Fabric takes the knob, with the same checks
-
-
-def ef(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The error feedback E of a low-rank state: its buffer, or ``R - Q c`` where the step keeps it unfolded."""
-    if EF_PROJECTION in state:
-        return state["error_feedback"] - state["basis"] @ state[EF_PROJECTION]
-    return state["error_feedback"].clone()
 
 
 class CheckLandings(L.Callback):
@@ -53,7 +46,7 @@ class CheckLandings(L.Callback):
             launched = sync.in_flight
             before = [p.detach().clone() for p in sync.params]
             at_launch = [t.clone() for t in launched.params]
-            feedback = {p: ef(sync.optimizer.state[p]) for p, _ in launched.live.get("error_feedback", [])}
+            feedback = {p: _ef(sync.optimizer, p).clone() for p, _ in launched.live.get("error_feedback", [])}
             report = original()
             result = launched.result
             self.landings.append(sync.optimizer_steps)

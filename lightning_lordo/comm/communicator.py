@@ -224,7 +224,8 @@ class Communicator:
         the function that waits for it, at most ``timeout`` from when it is called, and completes the average."""
         if self.world_size == 1:
             return lambda: None
-        work = self._issue(partial(dist.all_reduce, flat, group=self.group, async_op=True), purpose, "all_reduce")
+        issue = partial(dist.all_reduce, flat, group=self.group, async_op=True)
+        work = self._run(issue, purpose, "all_reduce", flat.device, wait=False)
         nbytes = flat.numel() * flat.element_size()
         self.accountant.add(purpose, nbytes, False, wire_bytes("all_reduce", nbytes, self.world_size))
 
@@ -234,12 +235,9 @@ class Communicator:
 
         return finish
 
-    def _issue(self, issue: Callable[[], Any], purpose: str, op: str) -> Any:
-        """Only issue a collective (returns its work handle), its failure named as :meth:`_run` names it."""
-        return self._run(issue, purpose, op, torch.device("cpu"), wait=False)
-
     def _run(self, issue: Callable[[], Any], purpose: str, op: str, device: torch.device, wait: bool = True) -> Any:
-        """Issue one collective (``issue`` returns its work handle) and wait for it, at most ``timeout``."""
+        """Issue one collective (``issue`` returns its work handle) and wait for it, at most ``timeout``; with
+        ``wait=False`` only issue it and return the handle (its failure to issue named the same way)."""
         if self.failure is not None:
             raise CollectiveTimeout(
                 f"LoRDO {self.context}: the {op} of {purpose} was not attempted because an earlier collective "

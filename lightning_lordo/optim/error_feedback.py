@@ -47,6 +47,13 @@ def unfold_now(states: Sequence[dict[str, Tensor]], allowed: bool, t: float) -> 
     return now
 
 
+def accumulate(sums: Sequence[Tensor], grads: Sequence[Tensor], decay: float) -> None:
+    """``R <- G + decay R`` in place (``sums``: the buffers, oriented as ``grads``)."""
+    if decay != 1.0:
+        torch._foreach_mul_(sums, decay)
+    torch._foreach_add_(sums, grads)
+
+
 def unfolded_projection(states: Sequence[dict[str, Tensor]], projected: Tensor, decay: float) -> Tensor:
     """This step's ``c = Q^T R`` (``projected``, n x r x b) is kept in the states, and ``projected`` becomes the
     projected gradient ``c - decay c_prev`` in place; returns ``c_prev`` (stacked)."""

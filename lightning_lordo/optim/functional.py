@@ -30,6 +30,7 @@ from torch import Tensor
 
 from lightning_lordo._tensors import canonical, is_tall
 from lightning_lordo.optim.error_feedback import (
+    accumulate,
     enter_unfolded,
     fold_error_feedback,
     unfold_now,
@@ -180,16 +181,14 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
     tall = is_tall(params[0])
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
     allowed = can_unfold(states, h)
-    unfold = unfold_now(states, allowed and stats is None, t)
+    unfold = h.error_feedback and unfold_now(states, allowed and stats is None, t)
     q = torch.stack([s["basis"] for s in states])  # n x a x r
     grads = [canonical(p.grad, p) for p in params]  # a x b views
     accumulated = grads
     if h.error_feedback:
         errors = [s["error_feedback"] for s in states]  # canonical
         if unfold:  # R <- G + gamma R, in place
-            if h.ef_decay != 1.0:
-                torch._foreach_mul_(errors, h.ef_decay)
-            torch._foreach_add_(errors, grads)
+            accumulate(errors, grads, h.ef_decay)
             accumulated = errors
         else:
             accumulated = torch._foreach_add(grads, errors, alpha=h.ef_decay)
@@ -263,7 +262,7 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
     tall = is_tall(params[0])
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
     allowed = can_unfold(states, h)
-    unfold = unfold_now(states, allowed and stats is None, t)  # as in the in-place layout
+    unfold = h.error_feedback and unfold_now(states, allowed and stats is None, t)  # as in the in-place layout
     grad = torch.stack([p.grad for p in params]).float()  # n x rows x cols, the parameters' orientation
     q = torch.stack([s["basis"] for s in states])  # n x a x r
     accumulated = grad
@@ -271,9 +270,7 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
         errors = [s["error_feedback"] for s in states]
         if unfold:  # R <- G + gamma R in place, then stacked
             sums = [e.mT if tall else e for e in errors]
-            if h.ef_decay != 1.0:
-                torch._foreach_mul_(sums, h.ef_decay)
-            torch._foreach_add_(sums, grad.unbind(0))
+            accumulate(sums, grad.unbind(0), h.ef_decay)
             accumulated = torch.stack(sums)
         else:
             accumulated = grad.clone()
