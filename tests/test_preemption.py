@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from strategy_helpers import TinyRegressor, loader, trainer
 from torch.utils.data import DataLoader, Subset
 
 from lightning_lordo import LoRDOStrategy
+from lightning_lordo.comm.communicator import CollectiveTimeout
 from lightning_lordo.lightning.shards import load_full
 
 SCRIPT = """
@@ -169,12 +169,22 @@ def test_a_worker_that_dies_between_syncs_is_named_by_the_others(tmp_path: Path)
     assert "a worker died" in output and "different numbers of batches" in output, output[-3000:]
 
 
-class RecordsError(L.Callback):
-    def __init__(self, path: Path) -> None:
+class RecordsCheckErrors(LoRDOStrategy):
+    """Each rank's error from the per-batch check, in ``path`` (the launcher reports only the first to fail); rank
+    1 waits a moment after its own, so that the launcher does not stop rank 0 before it gets there."""
+
+    def __init__(self, path: Path, **knobs: Any) -> None:
+        super().__init__(**knobs)
         self.path = path
 
-    def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
-        (self.path / f"rank{trainer.global_rank}.txt").write_text(str(exception))
+    def _sigterm_check(self, finished: bool = False) -> None:
+        try:
+            super()._sigterm_check(finished)
+        except CollectiveTimeout as err:
+            (self.path / f"rank{self.global_rank}.txt").write_text(str(err))
+            if self.global_rank == 1:
+                time.sleep(3)
+            raise
 
 
 @pytest.mark.timeout(120)
@@ -187,9 +197,9 @@ def test_a_rank_whose_next_step_syncs_names_uneven_batches_before_the_sync(tmp_p
             rows = range(64 if dist.get_rank() == 0 else 24)
             return DataLoader(Subset(loader(n=64).dataset, list(rows)), batch_size=8)
 
+    strategy = RecordsCheckErrors(tmp_path, sync_every=4, rank=4, start_method="fork", timeout=10)
     with pytest.raises(Exception):  # noqa: B017 - the first failing worker's error, from the launcher
-        trainer(_strategy(4, 10), max_epochs=1, use_distributed_sampler=False,
-                callbacks=[RecordsError(tmp_path)]).fit(RankData())
+        trainer(strategy, max_epochs=1, use_distributed_sampler=False).fit(RankData())
     message = (tmp_path / "rank0.txt").read_text()
     assert "the workers ran different numbers of batches: this rank was about to take optimizer step 4" in message, \
         message
