@@ -28,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+from math import nan
 from pathlib import Path
 from typing import Any, Optional
 
@@ -135,22 +136,62 @@ LABELS = {"ddp": "DDP", "powersgd4": "DDP + PowerSGD r4", "diloco": "DiLoCo", "l
           "`lordo_compressed`, `overlap_steps=4`", "compute": "compute only"}
 
 
+def with_references(runs: list[dict[str, Any]]) -> None:
+    """Give each run of an earlier invocation that has no ``reference`` (the compute-only times it is compared
+    with) the compute-only run of its rate and repeat (one of no repeat: repeat 0's), as that invocation did."""
+    computes = {(r["rate"], r.get("repeat") or 0): r for r in runs if r["name"] == "compute"}
+    for r in runs:
+        compute = computes.get((r["rate"], r.get("repeat") or 0), computes.get((r["rate"], 0)))
+        if r["name"] != "compute" and "reference" not in r and compute is not None:
+            r["reference"] = _times(compute)
+
+
+def _times(*computes: dict[str, Any]) -> dict[str, float]:
+    """The mean wall and training-loop seconds of compute-only runs."""
+    return {k: statistics.mean(c[k] for c in computes) for k in ("wall_seconds", "train_seconds")}
+
+
+def set_references(ran: list[dict[str, Any]], bracket: bool, fallback: list[dict[str, Any]]) -> None:
+    """Give each run of ``ran`` (one rate's, in the order they ran) but the compute-only ones its ``reference``:
+    bracketed, the mean of the compute-only runs just before and after it; otherwise the next compute-only run (its
+    turn's). A run with none after it: the mean of ``fallback`` (this rate's compute-only runs)."""
+    for i, r in enumerate(ran):
+        if r["name"] == "compute":
+            continue
+        after = next((c for c in ran[i + 1:] if c["name"] == "compute"), None)
+        before = next((c for c in reversed(ran[:i]) if c["name"] == "compute"), None)
+        if after is None:
+            if fallback:
+                r["reference"] = _times(*fallback)
+        else:
+            r["reference"] = _times(before, after) if bracket and before is not None else _times(after)
+
+
+def plan(methods: list[str], repeats: int, bracket: bool) -> list[str]:
+    """The order of one rate's runs: the methods in turn, ``repeats`` times; with ``bracket`` a compute-only run
+    before the first and after every other run (each is compared with the mean of the two beside it), otherwise
+    compute-only once per turn where ``methods`` puts it (each run is compared with its turn's)."""
+    if not bracket:
+        return methods * repeats
+    others = [m for m in methods if m != "compute"]
+    return ["compute", *[run for _ in range(repeats) for m in others for run in (m, "compute")]]
+
+
 def summarize(results: dict[str, Any], rates: list[str], target: float) -> list[str]:
-    """Each run's ratios to the compute-only run of its rate and repeat (a run of another invocation, which has no
-    repeat of its own, to repeat 0's), its time to ``target``; printed, and returned as a markdown table whose
-    figures are medians over the repeats (with each repeat's ratio beside them when there are several)."""
+    """Each run's ratios to its ``reference`` (:func:`with_references`; a compute-only run: itself), its time to
+    ``target``; printed, and returned as a markdown table whose figures are medians over the repeats (with each
+    repeat's ratio beside them when there are several)."""
     table = {}
     for rate in rates:
         runs = [r for r in results["runs"] if r["rate"] == rate]
-        computes = {r.get("repeat", 0): r for r in runs if r["name"] == "compute"}
         ddp = [r["wall_seconds"] for r in runs if r["name"] == "ddp"]
-        compute_wall = statistics.median(r["wall_seconds"] for r in computes.values())
+        compute_wall = statistics.median(r["wall_seconds"] for r in runs if r["name"] == "compute")
         if ddp:
             share = 1 - compute_wall / statistics.median(ddp)
             results.setdefault("communication_share_of_ddp", {})[rate] = share
             print(f"{rate}: communication is {100 * share:.0f} % of DDP's wall time")
         for r in runs:
-            reference = computes.get(r.get("repeat", 0), computes[0])
+            reference = r if r["name"] == "compute" else r.get("reference", {"wall_seconds": nan, "train_seconds": nan})
             r["seconds_to_target"] = time_to(r["curve"], target)
             r["x_compute"] = r["wall_seconds"] / reference["wall_seconds"]
             r["loop_x_compute"] = r["train_seconds"] / reference["train_seconds"]
@@ -194,9 +235,12 @@ def main(argv: list[str]) -> int:
                         "in results/netlink.json (same steps) are kept")
     parser.add_argument("--repeat", type=int, default=1, help="run the methods this many times per rate, in turn "
                         "(each ratio is to the compute-only run of its own repeat: this machine's speed drifts)")
+    parser.add_argument("--bracket", action="store_true", help="a compute-only run before the first and after every "
+                        "other run; each ratio is to the mean of the two beside it (use with few methods)")
     args = parser.parse_args(argv)
-    if args.repeat < 1 or ("compute" not in args.methods.split(",") and args.repeat > 1):
-        raise SystemExit(f"--repeat={args.repeat}: use 1 or more, and with more than 1 include compute in --methods")
+    if args.repeat < 1 or ("compute" not in args.methods.split(",") and (args.repeat > 1 or args.bracket)):
+        raise SystemExit(f"--repeat={args.repeat}: use 1 or more, and with more than 1 or with --bracket include "
+                         "compute in --methods")
     if os.geteuid() != 0 or not has_namespaces():
         print("netlink.py needs root with network namespaces and tc (ip netns add, tc qdisc): not available here.",
               file=sys.stderr)
@@ -204,27 +248,34 @@ def main(argv: list[str]) -> int:
     methods = args.methods.split(",")
     path = ROOT / "results" / "netlink.json"
     old = json.loads(path.read_text()) if path.exists() else {}
-    kept = [r for r in old.get("runs", []) if "name" in r and r["name"] not in methods
-            and r["spec"]["steps"] == args.steps]
+    earlier = [r for r in old.get("runs", []) if "name" in r and r["spec"]["steps"] == args.steps]
+    with_references(earlier)
+    kept = [r for r in earlier if r["name"] not in methods]
     headers = old.get("headers", []) if kept else []
     results: dict[str, Any] = {"headers": [*headers, provenance("python benchmarks/netlink.py " + " ".join(argv))],
                                "runs": kept}
     model = {"steps": args.steps, "workers": 2, "d_model": 512, "n_layers": 2, "seq_len": 32, "batch_size": 4,
              "rank": 32, "sync_every": 32, "val_every": args.steps // 8, "val_batches": 2}
     rates = args.rates.split(",")
+    partial = path.with_suffix(".partial.json")  # every run so far, in case the invocation does not finish
     try:
         for rate in rates:
             setup_namespace(rate)
-            for repeat in range(args.repeat):
-                for name in methods:
-                    method = METHODS[name]
-                    lr = 3e-3 if method["method"] == "ddp" else 1e-2
-                    spec = RunSpec(lr=lr, data=str(Path(args.data).resolve()), **{**model, **method})
-                    copies = model["workers"] if name == "compute" else 1
-                    record = {"name": name, "rate": rate, "repeat": repeat, **run_in_namespace(spec, copies)}
-                    results["runs"].append(record)
-                    print(f"{rate:>8} {name:<14} repeat {repeat} wall={record['wall_seconds']:.1f}s "
-                          f"loss={record['final_val_loss']:.4f} bytes={record['bytes_sent']:.3e}", flush=True)
+            counts: dict[str, int] = {}
+            ran = []
+            for name in plan(methods, args.repeat, args.bracket):
+                method = METHODS[name]
+                lr = 3e-3 if method["method"] == "ddp" else 1e-2
+                spec = RunSpec(lr=lr, data=str(Path(args.data).resolve()), **{**model, **method})
+                copies = model["workers"] if name == "compute" else 1
+                repeat = counts[name] = counts.get(name, -1) + 1
+                ran.append({"name": name, "rate": rate, "repeat": repeat, **run_in_namespace(spec, copies)})
+                print(f"{rate:>8} {name:<14} repeat {repeat} wall={ran[-1]['wall_seconds']:.1f}s "
+                      f"loss={ran[-1]['final_val_loss']:.4f} bytes={ran[-1]['bytes_sent']:.3e}", flush=True)
+                partial.write_text(json.dumps({**results, "runs": [*results["runs"], *ran]}, indent=2))
+            results["runs"] += ran
+            fallback = [r for r in results["runs"] if r["rate"] == rate and r["name"] == "compute"]
+            set_references(ran, args.bracket, fallback)
     finally:
         teardown_namespace()
     target = args.target if args.target is not None else max(r["final_val_loss"] for r in results["runs"])
@@ -232,6 +283,7 @@ def main(argv: list[str]) -> int:
     lines = summarize(results, rates, target)
     (ROOT / "results").mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=2))
+    partial.unlink(missing_ok=True)
     commits = ", ".join(sorted({h["commit"][:7] for h in results["headers"]}))
     (ROOT / "results" / "netlink.md").write_text("\n".join([
         "## A real bandwidth-limited link", "", f"Made by `python benchmarks/netlink.py` at commits {commits} "
