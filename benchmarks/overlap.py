@@ -2,8 +2,9 @@
 2 seeds.
 
 The project's benchmark model (byte-level GPT, d 64 x 2 layers) on ``--data`` (tinyshakespeare), 4 workers, K = 32,
-640 steps, LR 0.01 (LoRDO's best at K = 32 in ``benchmarks/compressed.py``; ``--lr`` to change it), compared seed by
-seed with the blocking run of the same knobs and LR. Resumable: runs already in ``results/overlap.jsonl`` are
+640 steps (``--model netlink``: ``netlink.py``'s 6.4 M model, 2 workers, 256 steps, 16 validation batches), LR
+0.01 (LoRDO's best at K = 32 in ``benchmarks/compressed.py``; ``--lr`` to change it), compared seed by seed with
+the blocking run of the same model, knobs and LR. Resumable: runs already in ``results/overlap.jsonl`` are
 skipped. About 20-60 s per run on 2 idle cores. ``--knobs``: ``lean`` (the harness's pinned knobs, the earlier
 defaults), ``defaults`` (today's defaults, ``authors.CANDIDATE``: error feedback, omega 0.97), ``compressed`` (the
 ``"lordo_compressed"`` preset as it is today), or one of the defaults' changes.
@@ -28,6 +29,7 @@ from typing import Any, Optional
 
 from authors import CANDIDATE
 from harness import ROOT, RunSpec, append, done, load, provenance, run
+from netlink import MODEL as NETLINK_MODEL
 
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.strategy_knobs import PRESETS
@@ -45,8 +47,14 @@ KNOBS = {"lean": {}, "defaults": CANDIDATE, "compressed": dict(PRESETS["lordo_co
          "defaults_no_error_feedback": {**CANDIDATE, "error_feedback": False, "full_rank_input": "gradient"}}
 
 
-def spec(data: str, tau: int, seed: int, knobs: str = "lean", lr: float = LR) -> RunSpec:
-    return RunSpec(method="lordo", lr=lr, data=data, seed=seed, steps=640, workers=4, sync_every=32, rank=8,
+#: benchmark: the project's benchmark model (d 64 x 2 layers, 4 workers, 640 steps, rank 8); netlink: the model of
+#: ``netlink.py`` (d 512 x 2 layers, 2 workers, 256 steps, rank 32), validated on 16 batches rather than 2
+MODELS = {"benchmark": {"steps": 640, "workers": 4, "sync_every": 32, "rank": 8},
+          "netlink": {**NETLINK_MODEL, "steps": 256, "val_every": 32, "val_batches": 16}}
+
+
+def spec(data: str, tau: int, seed: int, knobs: str = "lean", lr: float = LR, model: str = "benchmark") -> RunSpec:
+    return RunSpec(method="lordo", lr=lr, data=data, seed=seed, **MODELS[model],
                    knobs={**KNOBS[knobs], **({"overlap_steps": tau} if tau else {})})
 
 
@@ -85,24 +93,25 @@ def delay_bases(steps: int) -> None:
     LoRDO.set_bases, Synchronizer.on_optimizer_step = set_bases, on_optimizer_step
 
 
-def _variant(record: dict[str, Any]) -> tuple[str, float, int]:
-    return record.get("knobs", "lean"), record["spec"]["lr"], record.get("basis_delay", 0)
+def _variant(record: dict[str, Any]) -> tuple[str, str, float, int]:
+    return record.get("model", "benchmark"), record.get("knobs", "lean"), record["spec"]["lr"], \
+        record.get("basis_delay", 0)
 
 
 def report(records: list[dict[str, Any]]) -> None:
     """Each variant's gap to the blocking run of the same knobs, LR and seed (no basis delay)."""
     runs = [r for r in records if "spec" in r]
-    blocking = {(r.get("knobs", "lean"), r["spec"]["lr"], r["spec"]["seed"]): r["final_val_loss"] for r in runs
+    blocking = {(*_variant(r)[:3], r["spec"]["seed"]): r["final_val_loss"] for r in runs
                 if r["overlap_steps"] == 0 and not r.get("basis_delay")}
-    for knobs, lr, delay in sorted({_variant(r) for r in runs}):
-        mine = [r for r in runs if _variant(r) == (knobs, lr, delay)]
+    for model, knobs, lr, delay in sorted({_variant(r) for r in runs}):
+        mine = [r for r in runs if _variant(r) == (model, knobs, lr, delay)]
         for tau in sorted({r["overlap_steps"] for r in mine} - ({0} if not delay else set())):
-            pairs = [(r["final_val_loss"], blocking[(knobs, lr, r["spec"]["seed"])]) for r in mine
-                     if r["overlap_steps"] == tau and (knobs, lr, r["spec"]["seed"]) in blocking]
+            pairs = [(r["final_val_loss"], blocking[(model, knobs, lr, r["spec"]["seed"])]) for r in mine
+                     if r["overlap_steps"] == tau and (model, knobs, lr, r["spec"]["seed"]) in blocking]
             gaps = [100 * (x / b - 1) for x, b in pairs]
             if gaps:
                 what = f"bases {delay} steps late (blocking)" if delay else f"overlap_steps={tau}"
-                print(f"knobs={knobs} lr={lr:g} {what}: {', '.join(f'{g:+.2f} %' for g in gaps)} against "
+                print(f"model={model} knobs={knobs} lr={lr:g} {what}: {', '.join(f'{g:+.2f} %' for g in gaps)} against "
                       f"blocking (mean {statistics.fmean(gaps):+.2f} %; {', '.join(f'{x:.4f}' for x, _ in pairs)})")
 
 
@@ -114,6 +123,7 @@ def main(argv: list[str]) -> int:
                         "separated; the blocking runs always run)")
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds")
     parser.add_argument("--lr", type=float, default=LR)
+    parser.add_argument("--model", default="benchmark", choices=tuple(MODELS))
     parser.add_argument("--basis-delay", type=int, default=0, help="diagnostic: blocking syncs whose bases arrive "
                         "this many steps late (beside the blocking runs; --taus is then ignored)")
     args = parser.parse_args(argv)
@@ -125,14 +135,15 @@ def main(argv: list[str]) -> int:
     records = load(RESULTS)
     by_delay = {d: [r for r in records if "spec" in r and r.get("basis_delay", 0) == d] for d in {0, args.basis_delay}}
     pending = [(d, tau, seed) for d in sorted(by_delay) for tau in (taus if not d else (0,)) for seed in seeds
-               if not done(by_delay[d], spec(data, tau, seed, args.knobs, args.lr))]
+               if not done(by_delay[d], spec(data, tau, seed, args.knobs, args.lr, args.model))]
     if pending:
         append(RESULTS, {"header": provenance("python benchmarks/overlap.py " + " ".join(argv))})
     for delay, tau, seed in pending:
         if delay:
             delay_bases(delay)  # after the undelayed runs (pending is sorted): the patch stays for this process
-        record = {"overlap_steps": tau, "knobs": args.knobs, **({"basis_delay": delay} if delay else {}),
-                  **run(spec(data, tau, seed, args.knobs, args.lr))}
+        record = {"overlap_steps": tau, "knobs": args.knobs, "model": args.model,
+                  **({"basis_delay": delay} if delay else {}), **run(spec(data, tau, seed, args.knobs, args.lr,
+                                                                           args.model))}
         append(RESULTS, record)
         print(f"overlap_steps={tau:<3} basis_delay={delay} seed={seed} val_loss={record['final_val_loss']:.4f} "
               f"wall={record['wall_seconds']:.0f}s", flush=True)

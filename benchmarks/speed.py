@@ -4,7 +4,8 @@
    ``lordo_stacked``, the accelerators' layout run here; ``lordo_default``: the defaults, error feedback on) vs
    torch's AdamW (foreach and fused) on the same parameters and gradients, on the 3.2 M-parameter GPT (rank 32) and
    on a 12-layer GPT-2-small-shaped parameter set (ranks 96 = d/8 and 24 = d/32), 1 and 2 threads, interleaved
-   repeats (medians); ``matmul_floor``, the two matmuls per low-rank matrix that any LoRDO step computes, timed
+   repeats in an order rotated every repeat (times: medians; ratios: medians of each repeat's ratio, as the machine
+   drifts between repeats); ``matmul_floor``, the two matmuls per low-rank matrix that any LoRDO step computes, timed
    the same way (``floor_over_fused``: the least LoRDO step over fused AdamW's on this machine); the ops each step
    dispatches and its full-size memory passes per matrix; a whole training step (forward + backward + step).
 2. Basis computation per sync: power iteration (1 step) vs randomized SVD vs exact SVD as the matrix grows.
@@ -54,6 +55,22 @@ def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _interleaved(steps: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each of ``steps`` per repeat: every repeat runs each once, back to back, in an order rotated every
+    repeat, so the machine's drift hits all alike."""
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    kinds = list(steps)
+    for i in range(repeats):
+        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+            times[kind].append(_median_seconds(steps[kind], 1))
+    return times
+
+
+def _ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over the repeats of each repeat's ratio ``a / b`` (steps timed side by side)."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
 def gpt2_small(layers: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> tuple[list[Tensor], int]:
@@ -122,21 +139,18 @@ def _copies(make: Callable[[], tuple[list[Tensor], int]], kinds: tuple[str, ...]
 
 def optimizer_step(name: str, make: Callable[[], tuple[list[Tensor], int]], rank: int, threads: int,
                    repeats: int, kinds: tuple[str, ...] = OPTIMIZERS) -> dict[str, Any]:
-    """Median step time of each optimizer over interleaved repeats, and LoRDO's ratios to AdamW."""
+    """Median step time of each optimizer over interleaved repeats, and LoRDO's ratios to AdamW (:func:`_ratio`)."""
     torch.set_num_threads(threads)
     optimizers = _copies(make, kinds, rank)
-    times: dict[str, list[float]] = {k: [] for k in optimizers}
-    for _ in range(repeats):  # interleaved, so machine noise hits all alike
-        for kind, opt in optimizers.items():
-            times[kind].append(_median_seconds(opt.step, 1))
+    times = _interleaved({kind: opt.step for kind, opt in optimizers.items()}, repeats)
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     torch.set_num_threads(1)
     return {"set": name, "rank": rank, "threads": threads, **{f"{k}_ms": v for k, v in ms.items()},
-            "lordo_over_foreach": ms["lordo"] / ms["adamw_foreach"],
-            "lordo_over_fused": ms["lordo"] / ms["adamw_fused"],
-            "floor_over_fused": ms["matmul_floor"] / ms["adamw_fused"],
-            **({"default_over_foreach": ms["lordo_default"] / ms["adamw_foreach"],
-                "default_over_fused": ms["lordo_default"] / ms["adamw_fused"]} if "lordo_default" in ms else {})}
+            "lordo_over_foreach": _ratio(times, "lordo", "adamw_foreach"),
+            "lordo_over_fused": _ratio(times, "lordo", "adamw_fused"),
+            "floor_over_fused": _ratio(times, "matmul_floor", "adamw_fused"),
+            **({"default_over_foreach": _ratio(times, "lordo_default", "adamw_foreach"),
+                "default_over_fused": _ratio(times, "lordo_default", "adamw_fused")} if "lordo_default" in ms else {})}
 
 
 class _Ops(TorchDispatchMode):
@@ -205,8 +219,9 @@ def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: tor
     optimizer.step()
 
 
-def training_step(repeats: int = 20) -> list[dict[str, Any]]:
-    """A whole training step (forward, backward, optimizer step) of the demo's GPTs: LoRDO against AdamW."""
+def training_step(repeats: int = 60) -> list[dict[str, Any]]:
+    """A whole training step (forward, backward, optimizer step) of the demo's GPTs: LoRDO against AdamW
+    (:func:`_interleaved`, :func:`_ratio`)."""
     rows = []
     for name, (d, layers) in SIZES.items():
         torch.manual_seed(0)
@@ -222,16 +237,14 @@ def training_step(repeats: int = 20) -> list[dict[str, Any]]:
         x = torch.randint(0, 256, (8, 64))
         for kind in optimizers:  # warm up, and create the state
             _train_step(models[kind], optimizers[kind], x)
-        times: dict[str, list[float]] = {k: [] for k in optimizers}
-        for _ in range(repeats):
-            for kind in optimizers:
-                times[kind].append(_median_seconds(partial(_train_step, models[kind], optimizers[kind], x), 1))
+        times = _interleaved({k: partial(_train_step, models[k], optimizers[k], x) for k in optimizers}, repeats)
         ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         rows.append({"model": name, "params": sum(p.numel() for p in base.parameters()),
-                     **{f"{k}_ms": v for k, v in ms.items()}, "lordo_over_foreach": ms["lordo"] / ms["adamw_foreach"],
-                     "lordo_over_fused": ms["lordo"] / ms["adamw_fused"],
-                     "default_over_foreach": ms["lordo_default"] / ms["adamw_foreach"],
-                     "default_over_fused": ms["lordo_default"] / ms["adamw_fused"]})
+                     **{f"{k}_ms": v for k, v in ms.items()},
+                     "lordo_over_foreach": _ratio(times, "lordo", "adamw_foreach"),
+                     "lordo_over_fused": _ratio(times, "lordo", "adamw_fused"),
+                     "default_over_foreach": _ratio(times, "lordo_default", "adamw_foreach"),
+                     "default_over_fused": _ratio(times, "lordo_default", "adamw_fused")})
     return rows
 
 
@@ -287,7 +300,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     gpt2 = partial(gpt2_small, layers)
     steps = [optimizer_step("GPT d256 4L (3.2 M)", _gpt(256, 4), 32, threads, 20) for threads in (1, 2)]
-    steps += [optimizer_step(f"GPT-2 small shapes ({layers} layers)", gpt2, rank, threads, 3 if quick else 5,
+    steps += [optimizer_step(f"GPT-2 small shapes ({layers} layers)", gpt2, rank, threads, 3 if quick else 9,
                              kinds=tuple(k for k in OPTIMIZERS if k != "lordo_reference"))
               for rank in (96, 24) for threads in (1, 2)]
     ops = dispatch_counts(gpt2, 96, 768 * 3072, 2 * layers, kinds=("adamw_foreach", "adamw_fused", "lordo",
