@@ -124,7 +124,10 @@ def figure(results: dict[str, Any], path: Path) -> None:
     rates = sorted({r["rate"] for r in results["runs"]})
     fig, axes = panels(len(rates))
     for ax, rate in zip(axes, rates):
-        for r in (r for r in results["runs"] if r["rate"] == rate):
+        runs = [r for r in results["runs"] if r["rate"] == rate]
+        for name in dict.fromkeys(r["name"] for r in runs):  # each method's run of median wall time
+            mine = sorted((r for r in runs if r["name"] == name), key=lambda r: r["wall_seconds"])
+            r = mine[(len(mine) - 1) // 2]
             ax.plot([c["seconds"] for c in r["curve"]], [c["val_loss"] for c in r["curve"]], marker=".",
                     label=r["name"])
     finish_panels(fig, axes, "wall seconds", "validation loss", [f"2 workers, {rate}" for rate in rates], path)
@@ -215,7 +218,7 @@ def summarize(results: dict[str, Any], rates: list[str], target: float) -> list[
                 cells += ["", "", "", ""]
                 continue
             ratios = [r["x_compute"] for r in rs]
-            each = f" ({', '.join(f'{x:.2f}' for x in ratios)})" if len(rs) > 1 else ""
+            each = f" ({', '.join(f'{x:.2f}' for x in ratios)})" if len(rs) > 1 and name != "compute" else ""
             reach = [r["seconds_to_target"] for r in rs if r["seconds_to_target"] is not None]
             cells += [f"{statistics.median(r['wall_seconds'] for r in rs):.1f} s",
                       f"{statistics.median(ratios):.2f}x{each}",
@@ -239,7 +242,13 @@ def main(argv: list[str]) -> int:
                         "(each ratio is to the compute-only run of its own repeat: this machine's speed drifts)")
     parser.add_argument("--bracket", action="store_true", help="a compute-only run before the first and after every "
                         "other run; each ratio is to the mean of the two beside it (use with few methods)")
+    parser.add_argument("--report", action="store_true", help="only rewrite the table and figure from "
+                        "results/netlink.json (no runs, no root needed)")
     args = parser.parse_args(argv)
+    path = ROOT / "results" / "netlink.json"
+    if args.report:
+        write_report(json.loads(path.read_text()), args.rates.split(","), args.target, path)
+        return 0
     if args.repeat < 1 or ("compute" not in args.methods.split(",") and (args.repeat > 1 or args.bracket)):
         raise SystemExit(f"--repeat={args.repeat}: use 1 or more, and with more than 1 or with --bracket include "
                          "compute in --methods")
@@ -248,7 +257,6 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     methods = args.methods.split(",")
-    path = ROOT / "results" / "netlink.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     earlier = [r for r in old.get("runs", []) if "name" in r and r["spec"]["steps"] == args.steps]
     with_references(earlier)
@@ -279,18 +287,24 @@ def main(argv: list[str]) -> int:
             set_references(ran, args.bracket, fallback)
     finally:
         teardown_namespace()
-    target = args.target if args.target is not None else max(r["final_val_loss"] for r in results["runs"])
+    write_report(results, rates, args.target, path)
+    partial.unlink(missing_ok=True)
+    return 0
+
+
+def write_report(results: dict[str, Any], rates: list[str], target: Optional[float], path: Path) -> None:
+    """The summary (printed), ``results`` to ``path``, the table to ``results/netlink.md`` and the figure."""
+    if target is None:
+        target = max(r["final_val_loss"] for r in results["runs"])
     results["target"] = target
     lines = summarize(results, rates, target)
-    (ROOT / "results").mkdir(exist_ok=True)
+    path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(results, indent=2))
-    partial.unlink(missing_ok=True)
     commits = ", ".join(sorted({h["commit"][:7] for h in results["headers"]}))
-    (ROOT / "results" / "netlink.md").write_text("\n".join([
+    (path.parent / "netlink.md").write_text("\n".join([
         "## A real bandwidth-limited link", "", f"Made by `python benchmarks/netlink.py` at commits {commits} "
         f"({'; '.join(h['command'] for h in results['headers'])}).", "", "### Wall time", "", *lines, ""]))
-    figure(results, ROOT / "results" / "netlink_loss_time.png")
-    return 0
+    figure(results, path.parent / "netlink_loss_time.png")
 
 
 if __name__ == "__main__":
