@@ -143,7 +143,8 @@ LABELS = {"ddp": "DDP", "powersgd4": "DDP + PowerSGD r4", "diloco": "DiLoCo", "l
 
 def with_references(runs: list[dict[str, Any]]) -> None:
     """Give each run of an earlier invocation that has no ``reference`` (the compute-only times it is compared
-    with) the compute-only run of its rate and repeat (one of no repeat: repeat 0's), as that invocation did."""
+    with; runs stored before references were) the compute-only run of its rate and repeat in the same results (one of
+    no repeat: repeat 0's), the one the summaries compared it with before."""
     computes = {(r["rate"], r.get("repeat") or 0): r for r in runs if r["name"] == "compute"}
     for r in runs:
         compute = computes.get((r["rate"], r.get("repeat") or 0), computes.get((r["rate"], 0)))
@@ -158,18 +159,22 @@ def _times(*computes: dict[str, Any]) -> dict[str, float]:
 
 def set_references(ran: list[dict[str, Any]], bracket: bool, fallback: list[dict[str, Any]]) -> None:
     """Give each run of ``ran`` (one rate's, in the order they ran) but the compute-only ones its ``reference``:
-    bracketed, the mean of the compute-only runs just before and after it; otherwise the next compute-only run (its
-    turn's). A run with none after it: the mean of ``fallback`` (this rate's compute-only runs)."""
+    bracketed, the mean of the compute-only runs just before and after it; otherwise its turn's compute-only run (the
+    one of the same repeat). A run without them (yet): the mean of ``fallback``, or none if that is empty."""
     for i, r in enumerate(ran):
         if r["name"] == "compute":
             continue
-        after = next((c for c in ran[i + 1:] if c["name"] == "compute"), None)
-        before = next((c for c in reversed(ran[:i]) if c["name"] == "compute"), None)
-        if after is None:
-            if fallback:
-                r["reference"] = _times(*fallback)
+        if bracket:
+            after = next((c for c in ran[i + 1:] if c["name"] == "compute"), None)
+            before = next((c for c in reversed(ran[:i]) if c["name"] == "compute"), None)
+            mine = [c for c in (before, after) if c is not None] if after is not None else []
         else:
-            r["reference"] = _times(before, after) if bracket and before is not None else _times(after)
+            mine = [c for c in ran if c["name"] == "compute" and c["repeat"] == r["repeat"]]
+        mine = mine or fallback
+        if mine:
+            r["reference"] = _times(*mine)
+        else:
+            r.pop("reference", None)
 
 
 def plan(methods: list[str], repeats: int, bracket: bool) -> list[str]:
@@ -266,7 +271,8 @@ def main(argv: list[str]) -> int:
                                "runs": kept}
     model = {**MODEL, "steps": args.steps, "val_every": args.steps // 8, "val_batches": 2}
     rates = args.rates.split(",")
-    partial = path.with_suffix(".partial.json")  # every run so far, in case the invocation does not finish
+    # every run so far (their references where known), in case the invocation does not finish; not read back
+    partial = path.with_suffix(".partial.json")
     try:
         for rate in rates:
             setup_namespace(rate)
@@ -281,6 +287,7 @@ def main(argv: list[str]) -> int:
                 ran.append({"name": name, "rate": rate, "repeat": repeat, **run_in_namespace(spec, copies)})
                 print(f"{rate:>8} {name:<14} repeat {repeat} wall={ran[-1]['wall_seconds']:.1f}s "
                       f"loss={ran[-1]['final_val_loss']:.4f} bytes={ran[-1]['bytes_sent']:.3e}", flush=True)
+                set_references(ran, args.bracket, [])  # those known so far, for the partial file
                 partial.write_text(json.dumps({**results, "runs": [*results["runs"], *ran]}, indent=2))
             results["runs"] += ran
             fallback = [r for r in results["runs"] if r["rate"] == rate and r["name"] == "compute"]
@@ -294,8 +301,8 @@ def main(argv: list[str]) -> int:
 
 def write_report(results: dict[str, Any], rates: list[str], target: Optional[float], path: Path) -> None:
     """The summary (printed), ``results`` to ``path``, the table to ``results/netlink.md`` and the figure."""
-    if target is None:
-        target = max(r["final_val_loss"] for r in results["runs"])
+    if target is None:  # a report of earlier results keeps their target
+        target = results.get("target") or max(r["final_val_loss"] for r in results["runs"])
     results["target"] = target
     lines = summarize(results, rates, target)
     path.parent.mkdir(exist_ok=True)

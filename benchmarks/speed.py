@@ -12,8 +12,9 @@
 3. Memory: optimizer state at several ranks against AdamW's, for the whole model and the low-rank matrices
    alone, plus the error-feedback buffers and the synchronization buffers (anchor) in separate lines (SPEC §8).
 
-Writes ``benchmarks/results/speed.json`` and prints the tables. Takes about 10 minutes on 2 cores (``--quick``:
-the GPT-2 set at 2 layers, about 2 minutes). Usage: ``python benchmarks/speed.py [--quick]``
+Writes ``benchmarks/results/speed.json`` and prints the tables. Takes about 12 minutes on 2 cores (``--quick``:
+the GPT-2 set at 2 layers, about 2 minutes; ``--reruns N``: only the 3.2 M set's rows, N times, to
+``results/speed-reruns.json``, about 15 s a time). Usage: ``python benchmarks/speed.py [--quick | --reruns N]``
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def optimizer_step(name: str, make: Callable[[], tuple[list[Tensor], int]], rank
             "lordo_over_foreach": _ratio(times, "lordo", "adamw_foreach"),
             "lordo_over_fused": _ratio(times, "lordo", "adamw_fused"),
             "floor_over_fused": _ratio(times, "matmul_floor", "adamw_fused"),
+            "stacked_over_foreach": _ratio(times, "lordo_stacked", "adamw_foreach"),
             **({"default_over_foreach": _ratio(times, "lordo_default", "adamw_foreach"),
                 "default_over_fused": _ratio(times, "lordo_default", "adamw_fused")} if "lordo_default" in ms else {})}
 
@@ -294,7 +296,20 @@ def _table(title: str, rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def reruns(runs: int) -> list[dict[str, Any]]:
+    """The 3.2 M set's optimizer-step rows alone, ``runs`` times (each with fresh copies): how far a row moves
+    between runs on this machine."""
+    return [optimizer_step("GPT d256 4L (3.2 M)", _gpt(256, 4), 32, threads, 20) for _ in range(runs)
+            for threads in (1, 2)]
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--reruns"]:  # --reruns N: the 3.2 M rows alone, N times (results/speed-reruns.json)
+        rows = reruns(int(argv[1]))
+        (ROOT / "results" / "speed-reruns.json").write_text(json.dumps(
+            {"header": provenance("python benchmarks/speed.py " + " ".join(argv)), "optimizer_step": rows}, indent=2))
+        Console(width=220).print(_table("The 3.2 M set's optimizer-step rows, run after run", rows))
+        return 0
     quick = "--quick" in argv  # the GPT-2-small set at 2 layers instead of 12 (seconds instead of minutes)
     layers = 2 if quick else 12
     torch.set_num_threads(1)

@@ -1,6 +1,7 @@
 """The bookkeeping of ``benchmarks/netlink.py`` (its runs need root and take half an hour): the order of the runs and
 which compute-only runs each ratio is taken against."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -28,11 +29,35 @@ def test_a_bracketed_run_is_compared_with_the_mean_of_its_neighbours():
     assert "reference" not in ran[0]
 
 
-def test_unbracketed_runs_take_their_turns_compute_and_the_rest_the_fallback():
-    ran = [_run("a", 30), _run("compute", 24), _run("b", 40)]
-    netlink.set_references(ran, bracket=False, fallback=[_run("compute", 10), _run("compute", 20)])
-    assert ran[0]["reference"]["wall_seconds"] == 24
-    assert ran[2]["reference"]["wall_seconds"] == 15
+def _ran(order: list[str], walls: list[float]) -> list[dict]:
+    """Runs in ``order`` as main() numbers them (each name's repeats counted from 0)."""
+    counts: dict[str, int] = {}
+    out = []
+    for name, wall in zip(order, walls, strict=True):
+        counts[name] = counts.get(name, -1) + 1
+        out.append(_run(name, wall, repeat=counts[name]))
+    return out
+
+
+@pytest.mark.parametrize("methods", [["a", "b", "compute"], ["compute", "a", "b"], ["a", "compute", "b"]])
+def test_unbracketed_runs_take_their_own_turns_compute_only_run(methods):
+    order = netlink.plan(methods, 2, bracket=False)
+    walls = [{"compute": 10.0 if i < 3 else 20.0}.get(name, 50.0) for i, name in enumerate(order)]
+    ran = _ran(order, walls)
+    netlink.set_references(ran, bracket=False, fallback=[_run("compute", 99)])
+    for i, r in enumerate(ran):
+        if r["name"] != "compute":
+            assert r["reference"]["wall_seconds"] == (10.0 if i < 3 else 20.0), (methods, i)
+
+
+def test_bracketed_plan_round_trip_and_runs_still_waiting_for_their_second_compute():
+    order = netlink.plan(["compute", "a", "b"], 2, bracket=True)
+    ran = _ran(order, [10.0 * (i + 1) for i in range(len(order))])
+    netlink.set_references(ran[:4], bracket=True, fallback=[])  # compute, a, compute, b: b not bracketed yet
+    assert ran[1]["reference"]["wall_seconds"] == 20.0  # (10 + 30) / 2
+    assert "reference" not in ran[3]
+    netlink.set_references(ran, bracket=True, fallback=[])
+    assert [r["reference"]["wall_seconds"] for r in ran if r["name"] != "compute"] == [20.0, 40.0, 60.0, 80.0]
     alone = [_run("a", 30)]
     netlink.set_references(alone, bracket=False, fallback=[])
     assert "reference" not in alone[0]
@@ -49,13 +74,35 @@ def test_earlier_runs_keep_the_compute_only_run_of_their_own_repeat():
     assert "reference" not in runs[5]  # no compute-only run of its rate
 
 
+def _results() -> dict:
+    compute = {**_run("compute", 20), "curve": [{"seconds": 12, "val_loss": 3.1}], "bytes_sent": 0,
+               "final_val_loss": 3.1}
+    lordo = {**_run("lordo", 30), "reference": {"wall_seconds": 25, "train_seconds": 20},
+             "curve": [{"seconds": 10, "val_loss": 3.0}], "bytes_sent": 1e6, "final_val_loss": 3.0}
+    return {"headers": [{"commit": "abcdef0123", "command": "python benchmarks/netlink.py"}],
+            "runs": [compute, {**compute, "repeat": 1, "wall_seconds": 22.0}, lordo]}
+
+
 def test_summary_ratios_use_the_references():
-    runs = [_run("compute", 20), {**_run("lordo", 30), "reference": {"wall_seconds": 25, "train_seconds": 20},
-                                  "curve": [{"seconds": 10, "val_loss": 3.0}], "bytes_sent": 1e6,
-                                  "final_val_loss": 3.0}]
-    runs[0].update(curve=[{"seconds": 12, "val_loss": 3.1}], bytes_sent=0, final_val_loss=3.1)
-    results = {"runs": runs}
+    results = _results()
     lines = netlink.summarize(results, ["1gbit"], target=3.1)
-    assert runs[1]["x_compute"] == pytest.approx(1.2)
-    assert runs[1]["loop_x_compute"] == pytest.approx(25 / 20)
-    assert any("1.20x" in line for line in lines)
+    lordo = results["runs"][2]
+    assert lordo["x_compute"] == pytest.approx(1.2)
+    assert lordo["loop_x_compute"] == pytest.approx(25 / 20)
+    assert lordo["seconds_to_target"] == 10
+    row = next(line for line in lines if line.startswith("| `lordo` (blocking)"))
+    assert "| 1.20x |" in row and "| 1.25x |" in row and "| 10.0 s |" in row
+    compute_row = next(line for line in lines if line.startswith("| compute only"))
+    assert "1.00x |" in compute_row and "(" not in compute_row  # no list of its ratios to itself
+
+
+def test_report_rewrites_the_table_and_keeps_the_stored_target(tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(netlink, "figure", lambda results, path: drawn.append(path))
+    path = tmp_path / "netlink.json"
+    path.write_text(json.dumps({**_results(), "target": 3.05}))
+    netlink.write_report(json.loads(path.read_text()), ["1gbit"], None, path)
+    assert json.loads(path.read_text())["target"] == 3.05
+    table = (tmp_path / "netlink.md").read_text()
+    assert "to 3.050" in table and "abcdef0" in table and "| `lordo` (blocking) |" in table
+    assert drawn == [tmp_path / "netlink_loss_time.png"]
