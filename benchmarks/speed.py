@@ -2,12 +2,13 @@
 
 1. Optimizer step: LoRDO with the lean knobs (``lordo``: no error feedback; grouped, its CPU layout, and
    ``lordo_stacked``, the accelerators' layout run here; ``lordo_default``: the defaults, error feedback on) vs
-   torch's AdamW (foreach and fused) on the same parameters and gradients, on the 3.2 M-parameter GPT (rank 32) and
-   on a 12-layer GPT-2-small-shaped parameter set (ranks 96 = d/8 and 24 = d/32), 1 and 2 threads, interleaved
-   repeats in an order rotated every repeat (times: medians; ratios: medians of each repeat's ratio, as the machine
-   drifts between repeats); ``matmul_floor``, the two matmuls per low-rank matrix that any LoRDO step computes, timed
-   the same way (``floor_over_fused``: the least LoRDO step over fused AdamW's on this machine); the ops each step
-   dispatches and its full-size memory passes per matrix; a whole training step (forward + backward + step).
+   torch's AdamW (foreach and fused) on the same parameters and gradients, on the 3.2 M-parameter GPT (ranks 32 =
+   d/8 and 16, the default) and on a 12-layer GPT-2-small-shaped parameter set (ranks 96 = d/8, 24 = d/32 and 16),
+   1 and 2 threads, interleaved repeats in an order rotated every repeat (times: medians; ratios: medians of each
+   repeat's ratio, as the machine drifts between repeats); ``matmul_floor``, the two matmuls per low-rank matrix
+   that any LoRDO step computes, timed the same way (``floor_over_fused``: the least LoRDO step over fused AdamW's
+   on this machine); the ops each step dispatches and its full-size memory passes per matrix; a whole training
+   step (forward + backward + step).
 2. Basis computation per sync: power iteration (1 step) vs randomized SVD vs exact SVD as the matrix grows.
 3. Memory: optimizer state at several ranks against AdamW's, for the whole model and the low-rank matrices
    alone, plus the error-feedback buffers and the synchronization buffers (anchor) in separate lines (SPEC §8).
@@ -36,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_lordo import LoRDO
 from lightning_lordo._tensors import canonical
-from lightning_lordo.config import LEAN_KNOBS
+from lightning_lordo.config import LEAN_KNOBS, OPTIMIZER_DEFAULTS
 from lightning_lordo.lightning.convert import full_rank_params
 from lightning_lordo.models import CharGPT
 from lightning_lordo.optim.projection import compute_basis
@@ -314,10 +315,12 @@ def main(argv: list[str]) -> int:
     layers = 2 if quick else 12
     torch.set_num_threads(1)
     gpt2 = partial(gpt2_small, layers)
-    steps = [optimizer_step("GPT d256 4L (3.2 M)", _gpt(256, 4), 32, threads, 20) for threads in (1, 2)]
+    default_rank = OPTIMIZER_DEFAULTS["rank"]  # beside d/8 (and d/32 on the 768-wide set)
+    steps = [optimizer_step("GPT d256 4L (3.2 M)", _gpt(256, 4), r, threads, 20) for r in (32, default_rank)
+             for threads in (1, 2)]
     steps += [optimizer_step(f"GPT-2 small shapes ({layers} layers)", gpt2, rank, threads, 3 if quick else 9,
                              kinds=tuple(k for k in OPTIMIZERS if k != "lordo_reference"))
-              for rank in (96, 24) for threads in (1, 2)]
+              for rank in (96, 24, default_rank) for threads in (1, 2)]
     ops = dispatch_counts(gpt2, 96, 768 * 3072, 2 * layers, kinds=("adamw_foreach", "adamw_fused", "lordo",
                                                                    "lordo_stacked", "lordo_default"))
     passes = dispatch_counts(lambda: ([torch.nn.Parameter(torch.randn(3072, 768)) for _ in range(8)], 0), 96,
