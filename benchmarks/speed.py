@@ -13,7 +13,7 @@
 3. Memory: optimizer state at several ranks against AdamW's, for the whole model and the low-rank matrices
    alone, plus the error-feedback buffers and the synchronization buffers (anchor) in separate lines (SPEC §8).
 
-Writes ``benchmarks/results/speed.json`` and prints the tables. Takes about 12 minutes on 2 cores (``--quick``:
+Writes ``benchmarks/results/speed.json`` and prints the tables. Takes about 5 minutes on 2 cores (``--quick``:
 the GPT-2 set at 2 layers, about 2 minutes; ``--reruns N``: only the 3.2 M set's rows, N times, to
 ``results/speed-reruns.json``, about 15 s a time). Usage: ``python benchmarks/speed.py [--quick | --reruns N]``
 """
