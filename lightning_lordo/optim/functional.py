@@ -268,13 +268,13 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
     accumulated = grad
     if h.error_feedback:
         errors = [s["error_feedback"] for s in states]
+        oriented = [e.mT if tall else e for e in errors]  # as the gradients
         if unfold:  # R <- G + gamma R in place, then stacked
-            sums = [e.mT if tall else e for e in errors]
-            accumulate(sums, grad.unbind(0), h.ef_decay)
-            accumulated = torch.stack(sums)
+            accumulate(oriented, grad.unbind(0), h.ef_decay)
+            accumulated = torch.stack(oriented)
         else:
             accumulated = grad.clone()
-            torch._foreach_add_(accumulated.unbind(0), [e.mT if tall else e for e in errors], alpha=h.ef_decay)
+            torch._foreach_add_(accumulated.unbind(0), oriented, alpha=h.ef_decay)
     # the projection Q^T A (canonical A = G^T for a tall matrix): n x r x b
     projected = torch.bmm(accumulated, q).mT.contiguous() if tall else torch.bmm(q.mT, accumulated)
     previous = unfolded_projection(states, projected, h.ef_decay) if unfold else None
