@@ -189,9 +189,20 @@ class Recorder(L.Callback):
         self.curve: list[dict[str, float]] = []
         self.start = time.perf_counter()
         self.train_seconds: Optional[float] = None
+        self.model_since: dict[int, float] = {0: 0.0}  # synchronized step -> seconds when every rank first held it
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.start = time.perf_counter()  # the curve's "seconds": wall time since training began
+
+    @staticmethod
+    def _model_step(trainer: L.Trainer) -> int:
+        """The optimizer step whose model validation sees: for the plugin the synchronized one (one round older
+        than the replicas' average at an overlapped round's launch), for DDP the current one."""
+        strategy = trainer.strategy
+        return strategy.synchronizer.synchronized_step if isinstance(strategy, LoRDOStrategy) else trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        self.model_since.setdefault(self._model_step(trainer), time.perf_counter() - self.start)
 
     def _bytes(self, trainer: L.Trainer, module: L.LightningModule) -> float:
         """Payload bytes per worker of the training itself: for the plugin everything it counted but the one-time
@@ -212,9 +223,13 @@ class Recorder(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:
             return
+        # "seconds": when this validation ended; "model_seconds": since when the model it saw existed on every rank
+        # (an overlapped run validates at a launch the model of the round before, which landed tau steps after
+        # that round's launch)
+        model_step = self._model_step(trainer)
         self.curve.append({"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val_loss"]),
-                           "seconds": time.perf_counter() - self.start,
-                           "bytes": self._bytes(trainer, module)})
+                           "seconds": time.perf_counter() - self.start, "model_step": model_step,
+                           "model_seconds": self.model_since[model_step], "bytes": self._bytes(trainer, module)})
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.global_rank != 0:

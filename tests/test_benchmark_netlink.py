@@ -106,3 +106,22 @@ def test_report_rewrites_the_table_and_keeps_the_stored_target(tmp_path, monkeyp
     table = (tmp_path / "netlink.md").read_text()
     assert "to 3.050" in table and "abcdef0" in table and "| `lordo` (blocking) |" in table
     assert drawn == [tmp_path / "netlink_loss_time.png"]
+
+
+def test_time_to_target_is_when_the_validated_model_existed_and_older_overlapped_runs_are_marked():
+    results = _results()
+    overlapped = {**_run("lordo_overlap", 30), "reference": {"wall_seconds": 25, "train_seconds": 20},
+                  "spec": {"knobs": {"overlap_steps": 8}}, "bytes_sent": 1e6, "final_val_loss": 3.0}
+    # the validation at step 64 saw the model of step 32, which every rank held from 9.5 s on
+    new = {**overlapped, "curve": [{"seconds": 12.0, "val_loss": 3.2, "model_step": 0, "model_seconds": 0.0},
+                                   {"seconds": 14.0, "val_loss": 3.0, "model_step": 32, "model_seconds": 9.5}]}
+    results["runs"].append(new)
+    lines = netlink.summarize(results, ["1gbit"], target=3.1)
+    assert new["seconds_to_target"] == 9.5
+    assert not any(line.startswith("\\*") for line in lines)
+    results["runs"][-1] = old = {**overlapped, "curve": [{"seconds": 14.0, "val_loss": 3.0}]}
+    lines = netlink.summarize(results, ["1gbit"], target=3.1)
+    assert old["seconds_to_target"] == 14.0
+    row = next(line for line in lines if line.startswith("| `lordo`, `overlap_steps=8`"))
+    assert "| 14.0 s* |" in row and any(line.startswith("\\* overlapped runs made before") for line in lines)
+    assert "*" not in next(line for line in lines if line.startswith("| `lordo` (blocking)"))

@@ -37,6 +37,7 @@ class CheckLandings(L.Callback):
     def __init__(self) -> None:
         self.landings: list[int] = []
         self.launches: list[int] = []
+        self.synchronized: list[int] = []  # synchronized_step after each step
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         sync = trainer.strategy.synchronizer
@@ -74,10 +75,13 @@ class CheckLandings(L.Callback):
         sync = trainer.strategy.synchronizer
         if sync.in_flight is not None and sync.in_flight.step == sync.optimizer_steps:
             self.launches.append(sync.optimizer_steps)
+        self.synchronized.append(sync.synchronized_step)
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         sync = trainer.strategy.synchronizer
         assert self.launches == [4, 8, 12] and self.landings == [6, 10, 14], (self.launches, self.landings)
+        # the anchor holds the average of a launch's step from its landing on; the last step lands and syncs
+        assert self.synchronized == [0] * 5 + [4] * 4 + [8] * 4 + [14], self.synchronized
         assert sync.in_flight is None and sync.steps_since_sync == 0
         assert torch.equal(*gather(flat_params(module))), "training ends with one model"
         reports = trainer.strategy.sync_reports

@@ -34,6 +34,8 @@ class ReplicaChecker(L.Callback):
         last = trainer.strategy.final_sync_done  # the final sync runs at the last step itself
         assert sync.syncs_done == (math.ceil if last else math.floor)(sync.optimizer_steps / self.k)
         assert sync.steps_since_sync == (0 if last else sync.optimizer_steps % self.k)
+        # the model validation sees: the last sync's (every step's once the final sync ran)
+        assert sync.synchronized_step == sync.optimizer_steps - sync.steps_since_sync
         copies = gather(flat_params(module))
         if sync.steps_since_sync == 0:
             assert torch.equal(copies[0], copies[1]), f"replicas differ right after sync {sync.syncs_done}"

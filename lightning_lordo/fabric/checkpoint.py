@@ -138,4 +138,4 @@ class SynchronizedCheckpoints:
             return
         synchronizer.steps_since_sync = 0
         if not synchronizer.synchronous_now:
-            synchronizer.anchor.take()
+            synchronizer.take_anchor()

@@ -155,7 +155,7 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
     else:  # at a sync (refused otherwise): the model Lightning loaded is the synchronized one
         sync_state = {**restored["sync"], "anchor": [], "outer": {"momentum": []}, "basis_window": []}
         self.synchronizer.load_state_dict(sync_state)
-        self.synchronizer.anchor.take()
+        self.synchronizer.take_anchor()
         notes.append("the trainable parameters changed: the anchor is the loaded model, the outer momentum "
                      "restarts")
     mine = restored["ranks"][self.global_rank if same_world else 0]

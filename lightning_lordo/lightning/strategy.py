@@ -7,7 +7,8 @@ of ``fit``) the ranks synchronize (``lightning_lordo.sync``). The model is never
 through Lightning's usual distributed sampler.
 
 Validation during ``fit`` and every checkpoint see the *synchronized* model (the anchor), identical on all
-ranks and free to produce; it lags the local replicas by the steps since the last sync.
+ranks and free to produce; it lags the local replicas by the steps since the last sync (with ``overlap_steps``,
+since the launch of the last round that landed). ``strategy.synchronizer.synchronized_step`` is its step.
 """
 
 from __future__ import annotations

@@ -45,14 +45,19 @@ from __future__ import annotations
 
 import signal
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_lordo._tensors import all_finite
 from lightning_lordo.optim.lordo import LoRDO
+from lightning_lordo.sync import exchange as ex
+from lightning_lordo.sync.report import SyncReport
 
 
 class NonFiniteTraining(RuntimeError):
@@ -132,3 +137,61 @@ def signals_deferred(*signums: int) -> Iterator[None]:
 def sigint_deferred() -> Any:
     """Hold back Ctrl-C (SIGINT) while the block runs, then deliver it (:func:`signals_deferred`)."""
     return signals_deferred(signal.SIGINT)
+
+
+class DiscardedRounds:
+    """The synchronizer's discarding of a non-finite round (a base of
+    :class:`~lightning_lordo.sync.synchronizer.Synchronizer`, which owns every attribute used here)."""
+
+    comm: Any
+    params: list[Tensor]
+    optimizer: Optimizer
+    anchor: Any
+    config: Any
+    lordo: Any
+    optimizer_steps: int
+    skipped_syncs: int
+    consecutive_skips: int
+    _clear_to_reset: bool
+    _finish: Any
+
+    def _discard(self, start: float, buffers: tuple[list[Tensor], list[Tensor]]) -> SyncReport:
+        """Every worker is here (the decision came from identical averages): discard the round everywhere. One more
+        collective tells every worker which parameters' optimizer state is non-finite on some worker and which
+        ranks sent non-finite values; then, locally, those states are reset and the parameters go back to the
+        anchor. The buffers' new values apply as in any round."""
+        n, world = len(self.params), self.comm.world_size
+        flags = torch.zeros(n + world, device=self.params[0].device if self.params else None)
+        for i, p in enumerate(self.params):
+            flags[i] = float(not all_finite(state_tensors(self.optimizer.state.get(p, {}))))
+        flags[n + self.comm.rank] = float(not all_finite(self.anchor.deltas()))
+        self.comm.all_reduce_mean([flags], "fault_flags")
+        host = (flags.cpu() > 0).tolist()  # no collective below: commit
+        bad_ranks = [r for r in range(world) if host[n + r]]
+        with signals_deferred(signal.SIGINT):
+            reset = [p for p, f in zip(self.params, host[:n]) if f]
+            for p in reset:
+                reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
+            self.anchor.restore()
+            ex.commit_buffers(self.buffers, *buffers)
+        self.skipped_syncs += 1
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= self.config.max_skipped_syncs:  # the same decision on every worker
+            ranks = bad_ranks or "unknown: an overflow of the average"
+            since = self.optimizer_steps - self.consecutive_skips * self.config.sync_every
+            raise NonFiniteTraining(
+                f"LoRDO {self.comm.context}: {self.consecutive_skips} consecutive syncs were discarded because the "
+                f"averaged pseudo-gradient was not finite (NaN/Inf from rank(s) {ranks} this time); the model has "
+                f"not changed since optimizer step {since}. Check those ranks' data and loss, lower the learning "
+                "rate, or raise max_skipped_syncs to keep trying.")
+        if self.comm.rank == 0:
+            warnings.warn(
+                f"LoRDO {self.comm.context}: the averaged pseudo-gradient is not finite (NaN/Inf on rank(s) "
+                f"{bad_ranks or 'unknown: an overflow of the average'}). The round is discarded on every worker: "
+                "parameters go back to the last synchronized model, and the optimizer state of "
+                f"{len(reset)} of {n} parameters (non-finite on some worker) is reset on every worker. Training "
+                f"continues; {self.skipped_syncs} sync(s) skipped so far.",
+                RuntimeWarning, stacklevel=3,
+            )
+        return self._finish(start, 0.0, None, float("nan"), skipped=True,
+                            extra={"reset_params": float(len(reset)), "bad_ranks": float(len(bad_ranks))})

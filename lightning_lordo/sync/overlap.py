@@ -200,7 +200,8 @@ class OverlappedRounds:
         steps = self.steps_since_sync
         fixed = corrected(launched, result, self.optimizer, self.buffers, self.optimizer_steps - launched.step)
         # the report's seconds: the exchange's and the landing's, not the local steps taken beside the exchange
-        report = self.land(fixed, time.perf_counter() - launched.exchange_seconds, progress(launched, self.params))
+        report = self.land(fixed, time.perf_counter() - launched.exchange_seconds, progress(launched, self.params),
+                           launched.step)
         self.steps_since_sync = steps  # the schedule counts from the launch
         return report
 

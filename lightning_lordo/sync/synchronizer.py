@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import signal
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -48,19 +47,13 @@ from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync import exchange as ex
 from lightning_lordo.sync import overlap
 from lightning_lordo.sync.basis_window import BasisWindow
-from lightning_lordo.sync.faults import (
-    NonFiniteTraining,
-    reset_moments,
-    reset_optimizer_state,
-    signals_deferred,
-    state_tensors,
-)
+from lightning_lordo.sync.faults import DiscardedRounds, reset_moments, reset_optimizer_state, signals_deferred
 from lightning_lordo.sync.outer import Anchor, OuterStep
 from lightning_lordo.sync.payloads import PseudoGradientPayloads
 from lightning_lordo.sync.report import SyncReport
 
 
-class Synchronizer(overlap.OverlappedRounds):
+class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
     """Keeps the anchor (the last synchronized parameters) and runs synchronization rounds.
 
     Args:
@@ -90,8 +83,9 @@ class Synchronizer(overlap.OverlappedRounds):
         self.skipped_syncs = 0
         self.consecutive_skips = 0
         self.anchor = Anchor(self.params, config.anchor_device)
+        self._anchor_step = 0  # the optimizer step whose synchronized model the anchor holds
         if not self.synchronous_now:  # the synchronous phase needs no anchor: it is taken at the switch
-            self.anchor.take()
+            self.take_anchor()
         self.outer = OuterStep(config.outer_optimizer, config.outer_lr, config.outer_momentum)
         lowrank = set(self.lordo.lowrank_params()) if self.lordo is not None else set()
         self.window = BasisWindow([p for p in self.params if p in lowrank], config.basis_every)
@@ -105,6 +99,18 @@ class Synchronizer(overlap.OverlappedRounds):
         self.payloads = PseudoGradientPayloads(self.params, lordo.lowrank_ranks() if lordo else None, config)
         if lordo is not None and config.initial_basis == "random":
             lordo.init_random_bases()
+
+    def take_anchor(self) -> None:
+        """The parameters as they are now become the synchronized point (every worker holds the same ones)."""
+        self.anchor.take()
+        self._anchor_step = self.optimizer_steps
+
+    @property
+    def synchronized_step(self) -> int:
+        """The step whose synchronized model the anchor holds, which validation and checkpoints see between syncs:
+        the last sync's; with ``overlap_steps`` the launch of the last round that *landed* (a round older than the
+        replicas' average from a launch until its landing); in the synchronous phase, every step."""
+        return self.optimizer_steps if self.synchronous_now else self._anchor_step
 
     @property
     def lordo(self) -> Optional[LoRDO]:
@@ -157,7 +163,7 @@ class Synchronizer(overlap.OverlappedRounds):
                 self._switch_to_local()
             return report
         if not self.anchor:  # a synchronous checkpoint resumed with other phase knobs: the replicas are identical
-            self.anchor.take()
+            self.take_anchor()
         self.steps_since_sync += 1
         report = None
         if self.in_flight is not None and self.steps_since_sync >= self.config.overlap_steps:
@@ -212,7 +218,7 @@ class Synchronizer(overlap.OverlappedRounds):
 
     def _switch_to_local(self) -> None:
         """The end of the warm-up (the replicas are identical): take the anchor, apply the switch knobs."""
-        self.anchor.take()
+        self.take_anchor()
         self.steps_since_sync = 0
         config = self.config
         for group in self.optimizer.param_groups:
@@ -276,10 +282,11 @@ class Synchronizer(overlap.OverlappedRounds):
                 self.lordo.compute_bases(sources, generation)
         return ex.Exchange(averaged, rounds, buffers, state, bases, reset, time.perf_counter() - basis_start)
 
-    def land(self, round_: ex.Exchange, start: float, progress: Optional[list[Tensor]] = None) -> SyncReport:
+    def land(self, round_: ex.Exchange, start: float, progress: Optional[list[Tensor]] = None,
+             step: Optional[int] = None) -> SyncReport:
         """Commit an exchanged round (or discard a non-finite one on every worker) and report it; ``progress``:
-        each parameter's local progress since the round's pseudo-gradient was taken, kept on top of the new
-        synchronized point (``overlap_steps``)."""
+        each parameter's local progress since the round's pseudo-gradient was taken at optimizer step ``step``
+        (``None``: now), kept on top of the new synchronized point (``overlap_steps``)."""
         if not round_.finite:
             return self._discard(start, round_.buffers)
         averaged = round_.averaged
@@ -287,6 +294,7 @@ class Synchronizer(overlap.OverlappedRounds):
             if averaged else 0.0
         with record_function("lordo.commit"), signals_deferred(signal.SIGINT):
             movement = self._commit(round_, progress)
+            self._anchor_step = self.optimizer_steps if step is None else step
         extra = {"reset_moments": float(len(round_.reset))} if round_.reset else {}
         if self.payloads.compressed:
             extra["sync_error_feedback_norm"] = self.payloads.error_norm()
@@ -307,48 +315,6 @@ class Synchronizer(overlap.OverlappedRounds):
         for p, moved in zip(self.params, progress or []):
             p.detach().add_(moved)
         return movement
-
-    # ------------------------------------------------------------------ non-finite rounds
-    def _discard(self, start: float, buffers: tuple[list[Tensor], list[Tensor]]) -> SyncReport:
-        """Every worker is here (the decision came from identical averages): discard the round everywhere. One more
-        collective tells every worker which parameters' optimizer state is non-finite on some worker and which
-        ranks sent non-finite values; then, locally, those states are reset and the parameters go back to the
-        anchor. The buffers' new values apply as in any round."""
-        n, world = len(self.params), self.comm.world_size
-        flags = torch.zeros(n + world, device=self.params[0].device if self.params else None)
-        for i, p in enumerate(self.params):
-            flags[i] = float(not all_finite(state_tensors(self.optimizer.state.get(p, {}))))
-        flags[n + self.comm.rank] = float(not all_finite(self.anchor.deltas()))
-        self.comm.all_reduce_mean([flags], "fault_flags")
-        host = (flags.cpu() > 0).tolist()  # no collective below: commit
-        bad_ranks = [r for r in range(world) if host[n + r]]
-        with signals_deferred(signal.SIGINT):
-            reset = [p for p, f in zip(self.params, host[:n]) if f]
-            for p in reset:
-                reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
-            self.anchor.restore()
-            ex.commit_buffers(self.buffers, *buffers)
-        self.skipped_syncs += 1
-        self.consecutive_skips += 1
-        if self.consecutive_skips >= self.config.max_skipped_syncs:  # the same decision on every worker
-            ranks = bad_ranks or "unknown: an overflow of the average"
-            since = self.optimizer_steps - self.consecutive_skips * self.config.sync_every
-            raise NonFiniteTraining(
-                f"LoRDO {self.comm.context}: {self.consecutive_skips} consecutive syncs were discarded because the "
-                f"averaged pseudo-gradient was not finite (NaN/Inf from rank(s) {ranks} this time); the model has "
-                f"not changed since optimizer step {since}. Check those ranks' data and loss, lower the learning "
-                "rate, or raise max_skipped_syncs to keep trying.")
-        if self.comm.rank == 0:
-            warnings.warn(
-                f"LoRDO {self.comm.context}: the averaged pseudo-gradient is not finite (NaN/Inf on rank(s) "
-                f"{bad_ranks or 'unknown: an overflow of the average'}). The round is discarded on every worker: "
-                "parameters go back to the last synchronized model, and the optimizer state of "
-                f"{len(reset)} of {n} parameters (non-finite on some worker) is reset on every worker. Training "
-                f"continues; {self.skipped_syncs} sync(s) skipped so far.",
-                RuntimeWarning, stacklevel=3,
-            )
-        return self._finish(start, 0.0, None, float("nan"), skipped=True,
-                            extra={"reset_params": float(len(reset)), "bad_ranks": float(len(bad_ranks))})
 
     def _finish(self, start: float, basis_seconds: float, movement: Optional[float], norm: float,
                 skipped: bool = False, extra: Optional[dict[str, float]] = None) -> SyncReport:
@@ -373,7 +339,8 @@ class Synchronizer(overlap.OverlappedRounds):
         return {"anchor": self.anchor.state_dict(), "outer": self.outer.state_dict(),
                 "steps_since_sync": self.steps_since_sync, "optimizer_steps": self.optimizer_steps,
                 "syncs_done": self.syncs_done, "skipped_syncs": self.skipped_syncs,
-                "consecutive_skips": self.consecutive_skips, "basis_window": self.window.state_dict()}
+                "consecutive_skips": self.consecutive_skips, "basis_window": self.window.state_dict(),
+                "anchor_step": self._anchor_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.anchor.load_state_dict(state["anchor"])
@@ -385,6 +352,8 @@ class Synchronizer(overlap.OverlappedRounds):
         self.skipped_syncs = state["skipped_syncs"]
         self.consecutive_skips = state.get("consecutive_skips", 0)
         self.window.load_state_dict(state.get("basis_window", []))
+        # saved before it was kept: the last sync's step as the schedule counts it (a launch's, with overlap_steps)
+        self._anchor_step = state.get("anchor_step", self.optimizer_steps - self.steps_since_sync)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of synchronization buffers (SPEC §8): the anchor, the outer momentum, the payload's state."""
