@@ -225,11 +225,12 @@ class Recorder(L.Callback):
             return
         # "seconds": when this validation ended; "model_seconds": since when the model it saw existed on every rank
         # (an overlapped run validates at a launch the model of the round before, which landed tau steps after
-        # that round's launch)
-        model_step = self._model_step(trainer)
+        # that round's launch, K - tau steps before this validation)
+        model_step, now = self._model_step(trainer), time.perf_counter() - self.start
+        since = self.model_since.get(model_step, now)  # a resumed validation has no step of its own
         self.curve.append({"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val_loss"]),
-                           "seconds": time.perf_counter() - self.start, "model_step": model_step,
-                           "model_seconds": self.model_since[model_step], "bytes": self._bytes(trainer, module)})
+                           "seconds": now, "model_step": model_step, "model_seconds": since,
+                           "bytes": self._bytes(trainer, module)})
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.global_rank != 0:

@@ -28,7 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
-from math import nan
+from math import inf, nan
 from pathlib import Path
 from typing import Any, Optional
 
@@ -117,7 +117,8 @@ def has_namespaces() -> bool:
 
 def model_seconds(point: dict[str, float]) -> float:
     """Since when the model a validation saw existed on every rank (runs before that was recorded: when the
-    validation ended, one round late for overlapped runs, whose validation at a launch sees the round before)."""
+    validation ended, K - tau steps late for overlapped runs, whose validation at a launch sees the round before,
+    landed tau steps after its own launch)."""
     return point.get("model_seconds", point["seconds"])
 
 
@@ -240,7 +241,7 @@ def summarize(results: dict[str, Any], rates: list[str], target: float) -> list[
                      f"{first['final_val_loss']:.4f} |")
     if any(late(rs) for per_rate in table.values() for rs in per_rate.values()):
         lines += ["", "\\* overlapped runs made before the plugin said which model a validation saw: their time to "
-                  "the target is when the validation ended, one round later than the model it saw existed."]
+                  "the target is when the validation ended, K - tau steps after the model it saw existed."]
     return lines
 
 
@@ -267,7 +268,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     path = ROOT / "results" / "netlink.json"
     if args.report:
-        write_report(json.loads(path.read_text()), args.rates.split(","), args.target, path)
+        results = json.loads(path.read_text())
+        write_report(results, report_rates(results, args.rates.split(",")), args.target, path)
         return 0
     if args.repeat < 1 or ("compute" not in args.methods.split(",") and (args.repeat > 1 or args.bracket)):
         raise SystemExit(f"--repeat={args.repeat}: use 1 or more, and with more than 1 or with --bracket include "
@@ -284,7 +286,7 @@ def main(argv: list[str]) -> int:
     kept = [r for r in earlier if r["name"] not in methods or r["rate"] not in rates]
     headers = old.get("headers", []) if kept else []
     results: dict[str, Any] = {"headers": [*headers, provenance("python benchmarks/netlink.py " + " ".join(argv))],
-                               "runs": kept}
+                               "runs": kept, **({"target": old["target"]} if kept and "target" in old else {})}
     model = {**MODEL, "steps": args.steps, "val_every": args.steps // 8, "val_batches": 2}
     # every run so far (their references where known), in case the invocation does not finish; not read back
     partial = path.with_suffix(".partial.json")
@@ -309,9 +311,20 @@ def main(argv: list[str]) -> int:
             set_references(ran, args.bracket, fallback)
     finally:
         teardown_namespace()
-    write_report(results, rates, args.target, path)
+    write_report(results, report_rates(results, rates), args.target, path)
     partial.unlink(missing_ok=True)
     return 0
+
+
+def report_rates(results: dict[str, Any], rates: list[str]) -> list[str]:
+    """``rates`` and every other rate that ``results`` has runs of, slowest first (a rerun of one rate keeps the
+    others in the table)."""
+    scale = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+    def bits(rate: str) -> float:
+        number, unit = rate[:-4], rate[-4:].lower()
+        return float(number) * scale[unit] if unit in scale and number.replace(".", "", 1).isdigit() else inf
+    return sorted(dict.fromkeys([*rates, *(r["rate"] for r in results["runs"])]), key=bits)
 
 
 def write_report(results: dict[str, Any], rates: list[str], target: Optional[float], path: Path) -> None:

@@ -7,16 +7,18 @@ The project's benchmark model (byte-level GPT, d 64 x 2 layers) on ``--data`` (t
 the blocking run of the same model, knobs and LR. Resumable: runs already in ``results/overlap.jsonl`` are
 skipped. About 20-60 s per run on 2 idle cores. ``--knobs``: ``lean`` (the harness's pinned knobs, the earlier
 defaults), ``defaults`` (today's defaults, ``authors.CANDIDATE``: error feedback, omega 0.97), ``compressed`` (the
-``"lordo_compressed"`` preset as it is today), or one of the defaults' changes.
+``"lordo_compressed"`` preset as it is today), one of the defaults' changes, or ``diloco`` (AdamW local steps).
 
 ``--basis-delay N`` is a diagnostic, not a plugin option: blocking syncs whose new bases (and the rotation of the
 moments into them) are installed N optimizer steps after the sync, as an overlapped round's arrive; the rest of the
 sync is unchanged. It separates the bases' delay from the rest of an overlapped landing (the local steps taken from
-each worker's own point before the average arrives). It patches the plugin in this process, which the forked
-workers inherit.
+each worker's own point before the average arrives). ``--progress-kept F`` (also a diagnostic) lands overlapped
+rounds keeping only the fraction F of each worker's parameter progress since the launch (0: the parameters become
+the new anchor, the tau steps' parameter updates are dropped, as torchft's DiLoCo does). Both patch the plugin in
+this process, which the forked workers inherit.
 
-    python benchmarks/overlap.py --data ../shared/data/tinyshakespeare.txt [--knobs lean|defaults|compressed]
-        [--taus 2,4] [--seeds 0,1] [--lr 0.01] [--basis-delay 8]
+    python benchmarks/overlap.py --data ../shared/data/tinyshakespeare.txt [--knobs lean|defaults|compressed|diloco]
+        [--taus 2,4] [--seeds 0,1] [--lr 0.01] [--basis-delay 8] [--progress-kept 0.5]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from netlink import MODEL as NETLINK_MODEL
 
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.strategy_knobs import PRESETS
+from lightning_lordo.sync import overlap as overlapped
 from lightning_lordo.sync.synchronizer import Synchronizer
 
 RESULTS = ROOT / "results" / "overlap.jsonl"
@@ -40,11 +43,12 @@ TAUS = (0, 8, 16)
 SEEDS = (0, 1)
 LR = 0.01
 #: lean: the harness's pinned knobs (the earlier defaults); defaults: today's; compressed: the "lordo_compressed"
-#: preset today; the other two change one of the two ways the defaults differ from the lean knobs (omega, error
-#: feedback), to see which one overlapping is sensitive to
+#: preset today; the next two change one of the two ways the defaults differ from the lean knobs (omega, error
+#: feedback), to see which one overlapping is sensitive to; diloco: the same runs without LoRDO
 KNOBS = {"lean": {}, "defaults": CANDIDATE, "compressed": dict(PRESETS["lordo_compressed"][0]),
          "defaults_omega_0.7": {**CANDIDATE, "omega": 0.7},
-         "defaults_no_error_feedback": {**CANDIDATE, "error_feedback": False, "full_rank_input": "gradient"}}
+         "defaults_no_error_feedback": {**CANDIDATE, "error_feedback": False, "full_rank_input": "gradient"},
+         "diloco": {"lowrank": False}}  # DiLoCo (AdamW local steps): what overlapping costs a method without LoRDO
 
 
 #: benchmark: the project's benchmark model (d 64 x 2 layers, 4 workers, 640 steps, rank 8); netlink: the model of
@@ -93,9 +97,9 @@ def delay_bases(steps: int) -> None:
     LoRDO.set_bases, Synchronizer.on_optimizer_step = set_bases, on_optimizer_step
 
 
-def _variant(record: dict[str, Any]) -> tuple[str, str, float, int]:
+def _variant(record: dict[str, Any]) -> tuple[str, str, float, int, float]:
     return record.get("model", "benchmark"), record.get("knobs", "lean"), record["spec"]["lr"], \
-        record.get("basis_delay", 0)
+        record.get("basis_delay", 0), record.get("progress_kept", 1.0)
 
 
 def report(records: list[dict[str, Any]]) -> None:
@@ -103,16 +107,31 @@ def report(records: list[dict[str, Any]]) -> None:
     runs = [r for r in records if "spec" in r]
     blocking = {(*_variant(r)[:3], r["spec"]["seed"]): r["final_val_loss"] for r in runs
                 if r["overlap_steps"] == 0 and not r.get("basis_delay")}
-    for model, knobs, lr, delay in sorted({_variant(r) for r in runs}):
-        mine = [r for r in runs if _variant(r) == (model, knobs, lr, delay)]
+    for model, knobs, lr, delay, kept in sorted({_variant(r) for r in runs}):
+        mine = [r for r in runs if _variant(r) == (model, knobs, lr, delay, kept)]
         for tau in sorted({r["overlap_steps"] for r in mine} - ({0} if not delay else set())):
             pairs = [(r["final_val_loss"], blocking[(model, knobs, lr, r["spec"]["seed"])]) for r in mine
                      if r["overlap_steps"] == tau and (model, knobs, lr, r["spec"]["seed"]) in blocking]
             gaps = [100 * (x / b - 1) for x, b in pairs]
             if gaps:
-                what = f"bases {delay} steps late (blocking)" if delay else f"overlap_steps={tau}"
+                what = f"bases {delay} steps late (blocking)" if delay else f"overlap_steps={tau}" + (
+                    f", {kept:g} of the progress kept" if kept != 1.0 else "")
                 print(f"model={model} knobs={knobs} lr={lr:g} {what}: {', '.join(f'{g:+.2f} %' for g in gaps)} against "
                       f"blocking (mean {statistics.fmean(gaps):+.2f} %; {', '.join(f'{x:.4f}' for x, _ in pairs)})")
+
+
+_KEPT: list[float] = []  # the fraction patched in (at most one: patching twice would multiply them)
+
+
+def keep_progress(fraction: float) -> None:
+    """Patch the plugin once (this process and the workers it forks): an overlapped landing adds ``fraction`` of each
+    worker's parameter progress since the launch to the new anchor (the plugin: all of it). A diagnostic."""
+    if _KEPT:
+        assert _KEPT == [fraction], "one --progress-kept per process"
+        return
+    _KEPT.append(fraction)
+    whole = overlapped.progress
+    overlapped.progress = lambda round_, params: [fraction * t for t in whole(round_, params)]
 
 
 def main(argv: list[str]) -> int:
@@ -126,24 +145,40 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", default="benchmark", choices=tuple(MODELS))
     parser.add_argument("--basis-delay", type=int, default=0, help="diagnostic: blocking syncs whose bases arrive "
                         "this many steps late (beside the blocking runs; --taus is then ignored)")
+    parser.add_argument("--progress-kept", type=float, default=1.0, help="diagnostic: overlapped landings keep this "
+                        "fraction of each worker's progress since the launch (beside the plugin's runs with all of it)")
     args = parser.parse_args(argv)
     if not 0 <= args.basis_delay < 32:
         raise SystemExit(f"--basis-delay={args.basis_delay}: use 0 (off) to 31 (below the sync interval, 32)")
+    if not 0.0 <= args.progress_kept <= 1.0 or (args.progress_kept != 1.0 and args.basis_delay):
+        raise SystemExit(f"--progress-kept={args.progress_kept}: use a fraction from 0 to 1, without --basis-delay")
     taus = (0,) if args.basis_delay else (0, *(int(t) for t in args.taus.split(",")))
     seeds = tuple(int(s) for s in args.seeds.split(","))
     data = str(Path(args.data).resolve())
     records = load(RESULTS)
-    by_delay = {d: [r for r in records if "spec" in r and r.get("basis_delay", 0) == d] for d in {0, args.basis_delay}}
-    pending = [(d, tau, seed) for d in sorted(by_delay) for tau in (taus if not d else (0,)) for seed in seeds
-               if not done(by_delay[d], spec(data, tau, seed, args.knobs, args.lr, args.model))]
+    kept = args.progress_kept
+
+    def variant(r: dict[str, Any]) -> tuple[int, float]:
+        return r.get("basis_delay", 0), r.get("progress_kept", 1.0)
+    # the plugin's runs first (blocking; overlapped unless another fraction is asked for), then the diagnostic's
+    diagnostic = kept != 1.0
+    plan = [((0, 1.0), tau) for tau in taus if not (tau and diagnostic)]
+    plan += [((args.basis_delay, 1.0), 0)] * bool(args.basis_delay)
+    plan += [((0, kept), tau) for tau in taus if tau and diagnostic]
+    pending = [(v, tau, seed) for v, tau in plan for seed in seeds
+               if not done([r for r in records if "spec" in r and variant(r) == v],
+                           spec(data, tau, seed, args.knobs, args.lr, args.model))]
     if pending:
         append(RESULTS, {"header": provenance("python benchmarks/overlap.py " + " ".join(argv))})
-    for delay, tau, seed in pending:
+    for (delay, fraction), tau, seed in pending:
         if delay:
-            delay_bases(delay)  # after the undelayed runs (pending is sorted): the patch stays for this process
+            delay_bases(delay)  # after the plugin's runs (pending is in plan order): the patch stays for this process
+        if fraction != 1.0:
+            keep_progress(fraction)  # likewise
         record = {"overlap_steps": tau, "knobs": args.knobs, "model": args.model,
-                  **({"basis_delay": delay} if delay else {}), **run(spec(data, tau, seed, args.knobs, args.lr,
-                                                                           args.model))}
+                  **({"basis_delay": delay} if delay else {}),
+                  **({"progress_kept": fraction} if fraction != 1.0 else {}),
+                  **run(spec(data, tau, seed, args.knobs, args.lr, args.model))}
         append(RESULTS, record)
         print(f"overlap_steps={tau:<3} basis_delay={delay} seed={seed} val_loss={record['final_val_loss']:.4f} "
               f"wall={record['wall_seconds']:.0f}s", flush=True)

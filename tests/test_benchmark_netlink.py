@@ -125,3 +125,9 @@ def test_time_to_target_is_when_the_validated_model_existed_and_older_overlapped
     row = next(line for line in lines if line.startswith("| `lordo`, `overlap_steps=8`"))
     assert "| 14.0 s* |" in row and any(line.startswith("\\* overlapped runs made before") for line in lines)
     assert "*" not in next(line for line in lines if line.startswith("| `lordo` (blocking)"))
+
+
+def test_a_report_covers_every_rate_with_runs_slowest_first():
+    results = {"runs": [_run("a", 1, rate="1gbit"), _run("a", 1, rate="100mbit"), _run("b", 1, rate="500kbit")]}
+    assert netlink.report_rates(results, ["1gbit"]) == ["500kbit", "100mbit", "1gbit"]
+    assert netlink.report_rates({"runs": []}, ["1gbit", "100mbit"]) == ["100mbit", "1gbit"]

@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from strategy_helpers import TinyRegressor, lordo, trainer
+from strategy_helpers import TinyRegressor, flat_params, gather, lordo, trainer
 from test_resume import FIXED_DATA, BatchNormRegressor, K, epoch_loader
 from torch import nn
 
@@ -167,3 +167,39 @@ def test_diloco_resumes_any_optimizers_state_as_it_is(tmp_path: Path) -> None:
                                                                  ckpt_path=str(ckpt))
     resumed = torch.load(tmp_path / "m.pt", weights_only=True)
     assert len(resumed) == len(saved) > 0 and all(torch.equal(a, b) for a, b in zip(resumed, saved))
+
+
+class ReplicasMeetAtSyncs(L.Callback):
+    """After the resumed run's first step the synchronized model is the loaded one (step 6), and the replicas are
+    identical after every sync: the anchor was taken before the first local step, on every rank alike."""
+
+    def __init__(self) -> None:
+        self.synchronized: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        sync = trainer.strategy.synchronizer
+        self.synchronized.append(sync.synchronized_step)
+        if sync.steps_since_sync == 0:
+            assert torch.equal(*gather(flat_params(module))), f"replicas differ after step {sync.optimizer_steps}"
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        assert self.synchronized == [6] * 3 + [10] * 4 + [14, 15], self.synchronized
+        assert torch.equal(*gather(flat_params(module)))
+
+
+def test_a_warmup_checkpoint_resumed_with_local_steps_switches_before_the_first_one(tmp_path: Path) -> None:
+    """Written in the synchronous warm-up (no anchor yet), resumed without it: the switch to local steps happens at
+    the resume, before any local step (taking the anchor after one, each rank its own, kept the replicas apart)."""
+    ckpt = _first_fit(tmp_path, TinyRegressor(scheduler=True), lordo(sync_every=K, warmup_steps=20)) / "step=6.ckpt"
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=K), callbacks=[ReplicasMeetAtSyncs()], max_steps=15, **FIXED_DATA).fit(
+        TinyRegressor(scheduler=True), epoch_loader(), ckpt_path=str(ckpt))
+
+
+def test_changed_parameters_are_refused_with_an_overlapped_round_in_flight(tmp_path: Path) -> None:
+    """Saved at step 12, where a round launched (0 steps since the sync, but the replicas differ from the saved
+    model until it lands): a changed set of trainable parameters is refused, as mid-round."""
+    first = _first_fit(tmp_path, BatchNormRegressor(scheduler=True), lordo(sync_every=K, overlap_steps=2), steps=16)
+    ckpt = first / "step=12.ckpt"
+    with pytest.raises(Exception, match=r"trainable parameters differ.*overlapped round in\s+flight"):
+        _resume(tmp_path, ckpt, FrozenFirst(), lordo(sync_every=K, overlap_steps=2), "frozen")

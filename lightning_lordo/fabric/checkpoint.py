@@ -75,7 +75,7 @@ class SynchronizedCheckpoints:
                 "optimizer_steps": synchronizer.optimizer_steps, "syncs_done": synchronizer.syncs_done,
                 "skipped_syncs": synchronizer.skipped_syncs, "consecutive_skips": synchronizer.consecutive_skips,
                 "outer": synchronizer.outer.state_dict(), "communication": self.accountant.state_dict(),
-                "basis_window": synchronizer.window.state_dict()}
+                "basis_window": synchronizer.window.state_dict(), "anchor_step": synchronizer.synchronized_step}
 
     @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
@@ -102,7 +102,7 @@ class SynchronizedCheckpoints:
             self._load_optimizer(proxy[optimizer_key], saved, optimizer_key)
         if saved is not None:
             self._restore_counters(saved)
-        self._new_synchronized_point()
+        self._new_synchronized_point(saved.get("anchor_step") if saved is not None else None)
         return remainder
 
     def _load_optimizer(self, optimizer_state: dict[str, Any], saved: Optional[dict[str, Any]], key: str) -> None:
@@ -131,11 +131,12 @@ class SynchronizedCheckpoints:
         if self.synchronizer is not None:
             self.synchronizer.drop_in_flight()
 
-    def _new_synchronized_point(self) -> None:
-        """Every rank loaded the same model: it is the synchronized point (the anchor) from now on."""
+    def _new_synchronized_point(self, step: Optional[int] = None) -> None:
+        """Every rank loaded the same model (that of optimizer step ``step``, if known): it is the synchronized
+        point (the anchor) from now on."""
         synchronizer = self.synchronizer
         if synchronizer is None:
             return
         synchronizer.steps_since_sync = 0
         if not synchronizer.synchronous_now:
-            synchronizer.take_anchor()
+            synchronizer.take_anchor(step)

@@ -112,10 +112,12 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], strategy: Any) -> None:
-    """Raise ``ValueError`` (before training starts) for what a resume cannot convert."""
+def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], strategy: Any,
+                         in_flight: bool = False) -> None:
+    """Raise ``ValueError`` (before training starts) for what a resume cannot convert; ``in_flight``: the checkpoint
+    holds an overlapped round in flight (the replicas differ from the saved model then too)."""
     old, now = saved["sync_knobs"], strategy.sync_config
-    steps, mid_round = sync_state["optimizer_steps"], sync_state["steps_since_sync"] > 0
+    steps, mid_round = sync_state["optimizer_steps"], sync_state["steps_since_sync"] > 0 or in_flight
     switched = not old.get("synchronous", False) and steps >= old.get("warmup_steps", 0)
     synchronous_now = now.synchronous or steps < now.warmup_steps
     if switched and synchronous_now and (old.get("warmup_steps", 0) or mid_round):
@@ -126,8 +128,9 @@ def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], stra
                          "cannot be undone. Keep the checkpoint's warm-up, or start a new run.")
     if synchronous_now and mid_round:
         raise ValueError(f"Cannot resume with synchronous steps at optimizer step {steps + 1}: the checkpoint was "
-                         f"written mid-round ({sync_state['steps_since_sync']} local steps since the last sync), when "
-                         "the replicas differ. Resume from a checkpoint written at a sync.")
+                         f"written mid-round ({sync_state['steps_since_sync']} local steps since the last sync"
+                         f"{', a round in flight' if in_flight else ''}), when the replicas differ. Resume from a "
+                         "checkpoint written at a sync.")
     for name in ("switch_betas", "switch_reset_moments", "switch_lr_scale"):
         if switched and old.get("warmup_steps", 0) and _plain(getattr(now, name)) != _plain(old.get(name)):
             raise ValueError(f"Cannot change {name} from {old.get(name)!r} to {getattr(now, name)!r}: the switch "
@@ -135,8 +138,9 @@ def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], stra
     if saved["sync_names"] != [strategy.parameter_names.get(p, "") for p in strategy.synchronizer.params] \
             and mid_round:
         raise ValueError("The trainable parameters differ from the checkpoint's (a parameter added, removed, frozen "
-                         "or untied), and the checkpoint was written mid-round, when each rank's replica is its own: "
-                         "they cannot be matched. Resume from a checkpoint written at a sync, or keep the model.")
+                         "or untied), and the checkpoint was written mid-round (or with an overlapped round in "
+                         "flight), when each rank's replica is its own: they cannot be matched. Resume from a "
+                         "checkpoint written at a sync, or keep the model.")
 
 
 def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
@@ -147,7 +151,9 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
     same_world = restored["world_size"] == self.world_size and not restored.get("partial", False)
     notes = knob_changes(saved, self) if saved is not None else []
     if saved is not None:
-        refuse_unconvertible(saved, restored["sync"], self)
+        # every rank reads its own shard (rank 0's for another world size); a round in flight is in all or none
+        in_flight = any(r is not None and "overlap" in r for r in restored["ranks"])
+        refuse_unconvertible(saved, restored["sync"], self, in_flight=in_flight)
     names_now = [self.parameter_names.get(p, "") for p in self.synchronizer.params]
     same_params = saved is None or saved["sync_names"] == names_now
     if same_params:

@@ -154,6 +154,7 @@ class DiscardedRounds:
     consecutive_skips: int
     _clear_to_reset: bool
     _finish: Any
+    synchronized_step: int
 
     def _discard(self, start: float, buffers: tuple[list[Tensor], list[Tensor]]) -> SyncReport:
         """Every worker is here (the decision came from identical averages): discard the round everywhere. One more
@@ -178,12 +179,11 @@ class DiscardedRounds:
         self.consecutive_skips += 1
         if self.consecutive_skips >= self.config.max_skipped_syncs:  # the same decision on every worker
             ranks = bad_ranks or "unknown: an overflow of the average"
-            since = self.optimizer_steps - self.consecutive_skips * self.config.sync_every
             raise NonFiniteTraining(
                 f"LoRDO {self.comm.context}: {self.consecutive_skips} consecutive syncs were discarded because the "
                 f"averaged pseudo-gradient was not finite (NaN/Inf from rank(s) {ranks} this time); the model has "
-                f"not changed since optimizer step {since}. Check those ranks' data and loss, lower the learning "
-                "rate, or raise max_skipped_syncs to keep trying.")
+                f"not changed since optimizer step {self.synchronized_step}. Check those ranks' data and loss, lower "
+                "the learning rate, or raise max_skipped_syncs to keep trying.")
         if self.comm.rank == 0:
             warnings.warn(
                 f"LoRDO {self.comm.context}: the averaged pseudo-gradient is not finite (NaN/Inf on rank(s) "

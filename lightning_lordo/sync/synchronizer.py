@@ -100,16 +100,18 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         if lordo is not None and config.initial_basis == "random":
             lordo.init_random_bases()
 
-    def take_anchor(self) -> None:
-        """The parameters as they are now become the synchronized point (every worker holds the same ones)."""
+    def take_anchor(self, step: Optional[int] = None) -> None:
+        """The parameters as they are now become the synchronized point (every worker holds the same ones), the
+        model of optimizer step ``step`` (``None``: now)."""
         self.anchor.take()
-        self._anchor_step = self.optimizer_steps
+        self._anchor_step = self.optimizer_steps if step is None else step
 
     @property
     def synchronized_step(self) -> int:
-        """The step whose synchronized model the anchor holds, which validation and checkpoints see between syncs:
-        the last sync's; with ``overlap_steps`` the launch of the last round that *landed* (a round older than the
-        replicas' average from a launch until its landing); in the synchronous phase, every step."""
+        """The optimizer step (as :attr:`optimizer_steps` counts) whose synchronized model the anchor holds, which
+        validation and checkpoints see between syncs: the last sync's; with ``overlap_steps`` the launch of the last
+        round that *landed* (K steps older than the replicas' average from a launch until its landing); in the
+        synchronous phase, every step."""
         return self.optimizer_steps if self.synchronous_now else self._anchor_step
 
     @property
@@ -133,6 +135,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         """
         start = time.perf_counter()
         synchronous, lordo, k = self.synchronous_now, self.lordo, self.config.sync_every
+        if not synchronous and not self.anchor:  # a synchronous checkpoint resumed with local steps: switch now,
+            self._switch_to_local()               # before this step, while the replicas are still identical
         if synchronous:
             self.comm.context = f"gradient average (optimizer step {self.optimizer_steps + 1})"
             with signals_deferred(signal.SIGTERM):
@@ -162,8 +166,6 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
             if switch:
                 self._switch_to_local()
             return report
-        if not self.anchor:  # a synchronous checkpoint resumed with other phase knobs: the replicas are identical
-            self.take_anchor()
         self.steps_since_sync += 1
         report = None
         if self.in_flight is not None and self.steps_since_sync >= self.config.overlap_steps:
@@ -352,7 +354,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         self.skipped_syncs = state["skipped_syncs"]
         self.consecutive_skips = state.get("consecutive_skips", 0)
         self.window.load_state_dict(state.get("basis_window", []))
-        # saved before it was kept: the last sync's step as the schedule counts it (a launch's, with overlap_steps)
+        # saved before it was kept: the last sync's step by the schedule (wrong by K for a round in flight at the
+        # save, and after a discarded round)
         self._anchor_step = state.get("anchor_step", self.optimizer_steps - self.steps_since_sync)
 
     def memory_report(self) -> dict[str, int]:
