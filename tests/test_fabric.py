@@ -360,3 +360,35 @@ def test_example_script_trains_with_two_processes(tmp_path: Path) -> None:
     saved = torch.load(tmp_path / "final.ckpt", weights_only=True)
     assert saved["step"] == 64 and saved["lordo"]["optimizer"] == "LoRDO"
 
+
+
+def _save_in_warmup(fabric: Fabric, model: nn.Module, path: Path) -> None:
+    net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    run_steps(fabric, net, optimizer, (b for _, b in zip(range(3), fabric.setup_dataloaders(loader()))))
+    assert fabric.strategy.synchronizer.synchronous_now
+    fabric.save(path, {"model": net, "optimizer": optimizer})
+
+
+def _load_past_the_warmup(fabric: Fabric, model: nn.Module, path: Path) -> dict[str, Any]:
+    net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    fabric.load(path, {"model": net, "optimizer": optimizer})
+    sync = fabric.strategy.synchronizer
+    out = {"lr": optimizer.param_groups[0]["lr"], "betas": list(optimizer.param_groups[0]["betas"]),
+           "synchronized_step": sync.synchronized_step, "anchor_is_model": all(
+               torch.equal(a, p.detach()) for a, p in zip(sync.anchor.tensors, sync.params))}
+    run_steps(fabric, net, optimizer, (b for _, b in zip(range(K), fabric.setup_dataloaders(loader()))))
+    fabric.strategy.finish()
+    out["identical"] = ranks_identical(flat_params(model))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_loading_a_warmup_checkpoint_past_the_warmup_switches_to_local_steps(tmp_path: Path) -> None:
+    """Saved at step 3 of a 20-step warm-up, loaded with a 2-step one: the switch to local steps happens at the load
+    (anchor = the loaded model, switch knobs applied), not never."""
+    path = tmp_path / "warmup.ckpt"
+    fabric_for(warmup_steps=20).launch(_save_in_warmup, regression_model(0), path)
+    out = fabric_for(warmup_steps=2, switch_lr_scale=0.5, switch_betas=(0.8, 0.9)).launch(
+        _load_past_the_warmup, regression_model(1), path)
+    assert out["lr"] == pytest.approx(5e-3) and out["betas"] == [0.8, 0.9]
+    assert out["synchronized_step"] == 3 and out["anchor_is_model"] and out["identical"]

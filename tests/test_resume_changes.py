@@ -187,13 +187,17 @@ class ReplicasMeetAtSyncs(L.Callback):
         assert torch.equal(*gather(flat_params(module)))
 
 
-def test_a_warmup_checkpoint_resumed_with_local_steps_switches_before_the_first_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frozen", [False, True], ids=["same-parameters", "a-parameter-frozen"])
+def test_a_warmup_checkpoint_resumed_with_local_steps_switches_before_the_first_one(tmp_path: Path,
+                                                                                      frozen: bool) -> None:
     """Written in the synchronous warm-up (no anchor yet), resumed without it: the switch to local steps happens at
-    the resume, before any local step (taking the anchor after one, each rank its own, kept the replicas apart)."""
-    ckpt = _first_fit(tmp_path, TinyRegressor(scheduler=True), lordo(sync_every=K, warmup_steps=20)) / "step=6.ckpt"
+    the resume, before any local step (taking the anchor after one, each rank its own, kept the replicas apart),
+    also when the trainable parameters changed."""
+    first = _first_fit(tmp_path, BatchNormRegressor(scheduler=True), lordo(sync_every=K, warmup_steps=20))
     torch.manual_seed(0)
     trainer(lordo(sync_every=K), callbacks=[ReplicasMeetAtSyncs()], max_steps=15, **FIXED_DATA).fit(
-        TinyRegressor(scheduler=True), epoch_loader(), ckpt_path=str(ckpt))
+        FrozenFirst() if frozen else BatchNormRegressor(scheduler=True), epoch_loader(),
+        ckpt_path=str(first / "step=6.ckpt"))
 
 
 def test_changed_parameters_are_refused_with_an_overlapped_round_in_flight(tmp_path: Path) -> None:

@@ -75,7 +75,8 @@ class SynchronizedCheckpoints:
                 "optimizer_steps": synchronizer.optimizer_steps, "syncs_done": synchronizer.syncs_done,
                 "skipped_syncs": synchronizer.skipped_syncs, "consecutive_skips": synchronizer.consecutive_skips,
                 "outer": synchronizer.outer.state_dict(), "communication": self.accountant.state_dict(),
-                "basis_window": synchronizer.window.state_dict(), "anchor_step": synchronizer.synchronized_step}
+                "basis_window": synchronizer.window.state_dict(), "anchor_step": synchronizer.synchronized_step,
+                "synchronous": synchronizer.synchronous_now}
 
     @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
@@ -102,7 +103,8 @@ class SynchronizedCheckpoints:
             self._load_optimizer(proxy[optimizer_key], saved, optimizer_key)
         if saved is not None:
             self._restore_counters(saved)
-        self._new_synchronized_point(saved.get("anchor_step") if saved is not None else None)
+        saved = saved or {}
+        self._new_synchronized_point(saved.get("anchor_step"), switch=saved.get("synchronous", False))
         return remainder
 
     def _load_optimizer(self, optimizer_state: dict[str, Any], saved: Optional[dict[str, Any]], key: str) -> None:
@@ -131,12 +133,17 @@ class SynchronizedCheckpoints:
         if self.synchronizer is not None:
             self.synchronizer.drop_in_flight()
 
-    def _new_synchronized_point(self, step: Optional[int] = None) -> None:
+    def _new_synchronized_point(self, step: Optional[int] = None, switch: bool = False) -> None:
         """Every rank loaded the same model (that of optimizer step ``step``, if known): it is the synchronized
-        point (the anchor) from now on."""
+        point (the anchor) from now on; ``switch``: it was saved in the synchronous phase, so a run now past its
+        warm-up switches to local steps here (switch knobs included)."""
         synchronizer = self.synchronizer
         if synchronizer is None:
             return
         synchronizer.steps_since_sync = 0
-        if not synchronizer.synchronous_now:
+        if synchronizer.synchronous_now:
+            return
+        if switch:
+            synchronizer.switch_to_local()
+        else:
             synchronizer.take_anchor(step)

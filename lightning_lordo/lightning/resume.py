@@ -113,11 +113,11 @@ def _plain(value: Any) -> Any:
 
 
 def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], strategy: Any,
-                         in_flight: bool = False) -> None:
-    """Raise ``ValueError`` (before training starts) for what a resume cannot convert; ``in_flight``: the checkpoint
-    holds an overlapped round in flight (the replicas differ from the saved model then too)."""
+                         replicas_saved: bool = False) -> None:
+    """Raise ``ValueError`` (before training starts) for what a resume cannot convert; ``replicas_saved``: the
+    checkpoint holds each rank's replica (mid-round: local steps since the sync, or an overlapped round in flight)."""
     old, now = saved["sync_knobs"], strategy.sync_config
-    steps, mid_round = sync_state["optimizer_steps"], sync_state["steps_since_sync"] > 0 or in_flight
+    steps, mid_round = sync_state["optimizer_steps"], sync_state["steps_since_sync"] > 0 or replicas_saved
     switched = not old.get("synchronous", False) and steps >= old.get("warmup_steps", 0)
     synchronous_now = now.synchronous or steps < now.warmup_steps
     if switched and synchronous_now and (old.get("warmup_steps", 0) or mid_round):
@@ -128,9 +128,9 @@ def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], stra
                          "cannot be undone. Keep the checkpoint's warm-up, or start a new run.")
     if synchronous_now and mid_round:
         raise ValueError(f"Cannot resume with synchronous steps at optimizer step {steps + 1}: the checkpoint was "
-                         f"written mid-round ({sync_state['steps_since_sync']} local steps since the last sync"
-                         f"{', a round in flight' if in_flight else ''}), when the replicas differ. Resume from a "
-                         "checkpoint written at a sync.")
+                         f"written mid-round ({sync_state['steps_since_sync']} local steps since the last sync, or "
+                         "an overlapped round in flight), when the replicas differ. Resume from a checkpoint written "
+                         "at a sync.")
     for name in ("switch_betas", "switch_reset_moments", "switch_lr_scale"):
         if switched and old.get("warmup_steps", 0) and _plain(getattr(now, name)) != _plain(old.get(name)):
             raise ValueError(f"Cannot change {name} from {old.get(name)!r} to {getattr(now, name)!r}: the switch "
@@ -151,9 +151,10 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
     same_world = restored["world_size"] == self.world_size and not restored.get("partial", False)
     notes = knob_changes(saved, self) if saved is not None else []
     if saved is not None:
-        # every rank reads its own shard (rank 0's for another world size); a round in flight is in all or none
-        in_flight = any(r is not None and "overlap" in r for r in restored["ranks"])
-        refuse_unconvertible(saved, restored["sync"], self, in_flight=in_flight)
+        # every rank reads its own shard (rank 0's for another world size or a partial save): replicas are saved
+        # mid-round, a round in flight included, on every rank alike
+        replicas = any(r is not None and ("params" in r or "overlap" in r) for r in restored["ranks"])
+        refuse_unconvertible(saved, restored["sync"], self, replicas_saved=replicas)
     names_now = [self.parameter_names.get(p, "") for p in self.synchronizer.params]
     same_params = saved is None or saved["sync_names"] == names_now
     if same_params:
@@ -161,7 +162,8 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
     else:  # at a sync (refused otherwise): the model Lightning loaded is the synchronized one
         sync_state = {**restored["sync"], "anchor": [], "outer": {"momentum": []}, "basis_window": []}
         self.synchronizer.load_state_dict(sync_state)
-        self.synchronizer.take_anchor()
+        if restored["sync"]["anchor"]:  # none: written in the synchronous phase, the switch comes at the next step
+            self.synchronizer.take_anchor()
         notes.append("the trainable parameters changed: the anchor is the loaded model, the outer momentum "
                      "restarts")
     mine = restored["ranks"][self.global_rank if same_world else 0]

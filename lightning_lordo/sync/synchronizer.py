@@ -135,8 +135,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         """
         start = time.perf_counter()
         synchronous, lordo, k = self.synchronous_now, self.lordo, self.config.sync_every
-        if not synchronous and not self.anchor:  # a synchronous checkpoint resumed with local steps: switch now,
-            self._switch_to_local()               # before this step, while the replicas are still identical
+        if not synchronous and not self.anchor and self.params:  # a synchronous checkpoint resumed with local
+            self.switch_to_local()  # steps: switch now, before this step, while the replicas are still identical
         if synchronous:
             self.comm.context = f"gradient average (optimizer step {self.optimizer_steps + 1})"
             with signals_deferred(signal.SIGTERM):
@@ -164,7 +164,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
             if switch or self.optimizer_steps % self.config.sync_every == 0:
                 report = self._finish_synchronous_round()
             if switch:
-                self._switch_to_local()
+                self.switch_to_local()
             return report
         self.steps_since_sync += 1
         report = None
@@ -218,7 +218,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         return self._report(seconds=data["seconds"], basis_seconds=data["basis_seconds"],
                             subspace_movement=data["movement"], pseudo_gradient_norm=None, extra={"synchronous": 1.0})
 
-    def _switch_to_local(self) -> None:
+    def switch_to_local(self) -> None:
         """The end of the warm-up (the replicas are identical): take the anchor, apply the switch knobs."""
         self.take_anchor()
         self.steps_since_sync = 0
@@ -342,7 +342,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
                 "steps_since_sync": self.steps_since_sync, "optimizer_steps": self.optimizer_steps,
                 "syncs_done": self.syncs_done, "skipped_syncs": self.skipped_syncs,
                 "consecutive_skips": self.consecutive_skips, "basis_window": self.window.state_dict(),
-                "anchor_step": self._anchor_step}
+                "anchor_step": self.synchronized_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.anchor.load_state_dict(state["anchor"])
