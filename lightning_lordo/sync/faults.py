@@ -145,6 +145,7 @@ class DiscardedRounds:
 
     comm: Any
     params: list[Tensor]
+    buffers: list[Tensor]
     optimizer: Optimizer
     anchor: Any
     config: Any

@@ -135,8 +135,10 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         """
         start = time.perf_counter()
         synchronous, lordo, k = self.synchronous_now, self.lordo, self.config.sync_every
-        if not synchronous and not self.anchor and self.params:  # a synchronous checkpoint resumed with local
-            self.switch_to_local()  # steps: switch now, before this step, while the replicas are still identical
+        # a checkpoint of the synchronous phase resumed with local steps has no anchor yet: switch now, before this
+        # step, while the replicas are still identical
+        if not synchronous and not self.anchor and self.params:
+            self.switch_to_local()
         if synchronous:
             self.comm.context = f"gradient average (optimizer step {self.optimizer_steps + 1})"
             with signals_deferred(signal.SIGTERM):
