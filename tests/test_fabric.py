@@ -361,7 +361,6 @@ def test_example_script_trains_with_two_processes(tmp_path: Path) -> None:
     assert saved["step"] == 64 and saved["lordo"]["optimizer"] == "LoRDO"
 
 
-
 def _save_in_warmup(fabric: Fabric, model: nn.Module, path: Path) -> None:
     net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     run_steps(fabric, net, optimizer, (b for _, b in zip(range(3), fabric.setup_dataloaders(loader()))))
@@ -379,6 +378,8 @@ def _load_past_the_warmup(fabric: Fabric, model: nn.Module, path: Path) -> dict[
     run_steps(fabric, net, optimizer, (b for _, b in zip(range(K), fabric.setup_dataloaders(loader()))))
     fabric.strategy.finish()
     out["identical"] = ranks_identical(flat_params(model))
+    fabric.load(path, {"model": net})  # the model alone, after the switch: the optimizer is not scaled again
+    out["lr_after"] = optimizer.param_groups[0]["lr"]
     return out
 
 
@@ -390,5 +391,15 @@ def test_loading_a_warmup_checkpoint_past_the_warmup_switches_to_local_steps(tmp
     fabric_for(warmup_steps=20).launch(_save_in_warmup, regression_model(0), path)
     out = fabric_for(warmup_steps=2, switch_lr_scale=0.5, switch_betas=(0.8, 0.9)).launch(
         _load_past_the_warmup, regression_model(1), path)
-    assert out["lr"] == pytest.approx(5e-3) and out["betas"] == [0.8, 0.9]
+    assert out["lr"] == pytest.approx(5e-3) and out["betas"] == [0.8, 0.9] and out["lr_after"] == pytest.approx(5e-3)
     assert out["synchronized_step"] == 3 and out["anchor_is_model"] and out["identical"]
+    older = torch.load(path, weights_only=True)
+    del older["lordo"]["synchronous"]  # as written before the phase was recorded: it says so instead of switching
+    torch.save(older, path)
+    with pytest.warns(RuntimeWarning, match="written before LoRDO recorded its phase"):
+        fabric_for(devices=1, warmup_steps=2, switch_lr_scale=0.5).launch(_load_only, regression_model(1), path)
+
+
+def _load_only(fabric: Fabric, model: nn.Module, path: Path) -> None:
+    net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    fabric.load(path, {"model": net, "optimizer": optimizer})

@@ -170,8 +170,9 @@ def test_diloco_resumes_any_optimizers_state_as_it_is(tmp_path: Path) -> None:
 
 
 class ReplicasMeetAtSyncs(L.Callback):
-    """After the resumed run's first step the synchronized model is the loaded one (step 6), and the replicas are
-    identical after every sync: the anchor was taken before the first local step, on every rank alike."""
+    """After the resumed run's first step the synchronized model is the loaded one (step 6), the switch knobs apply
+    (betas, and the scheduler's base LR halved once), and the replicas are identical after every sync: the anchor was
+    taken before the first local step, on every rank alike."""
 
     def __init__(self) -> None:
         self.synchronized: list[int] = []
@@ -179,6 +180,10 @@ class ReplicasMeetAtSyncs(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         sync = trainer.strategy.synchronizer
         self.synchronized.append(sync.synchronized_step)
+        group = trainer.optimizers[0].param_groups[0]
+        assert tuple(group["betas"]) == (0.8, 0.9), group["betas"]
+        assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == pytest.approx([5e-3] * len(
+            trainer.optimizers[0].param_groups))
         if sync.steps_since_sync == 0:
             assert torch.equal(*gather(flat_params(module))), f"replicas differ after step {sync.optimizer_steps}"
 
@@ -195,7 +200,9 @@ def test_a_warmup_checkpoint_resumed_with_local_steps_switches_before_the_first_
     also when the trainable parameters changed."""
     first = _first_fit(tmp_path, BatchNormRegressor(scheduler=True), lordo(sync_every=K, warmup_steps=20))
     torch.manual_seed(0)
-    trainer(lordo(sync_every=K), callbacks=[ReplicasMeetAtSyncs()], max_steps=15, **FIXED_DATA).fit(
+    switch = {"switch_lr_scale": 0.5, "switch_betas": (0.8, 0.9)}
+    strategy = lordo(sync_every=K, warmup_steps=2, **switch)  # past the checkpoint's step 6
+    trainer(strategy, callbacks=[ReplicasMeetAtSyncs()], max_steps=15, **FIXED_DATA).fit(
         FrozenFirst() if frozen else BatchNormRegressor(scheduler=True), epoch_loader(),
         ckpt_path=str(first / "step=6.ckpt"))
 

@@ -13,7 +13,9 @@ boundary the model and buffers are identical on every rank. The file then holds,
   (tensors, numbers and strings: ``torch.load(weights_only=True)`` reads it).
 
 ``fabric.load(path, {"model": model, "optimizer": optimizer, ...})`` restores all of it on every rank: the loaded
-model becomes the synchronized point, the counters and byte totals continue. Every rank resumes from rank 0's
+model becomes the synchronized point, the counters and byte totals continue (a checkpoint saved in the synchronous
+warm-up, loaded into a run past it, switches to local steps there, switch knobs included). Every rank resumes from
+rank 0's
 optimizer state (not bit-exact for the full-rank moments; the compressed payloads' error feedback restarts at
 zero). Loading an optimizer state that was not written by this strategy (a DDP run's AdamW state, say) into it
 raises; load the model only and let the optimizer start fresh.
@@ -21,6 +23,7 @@ raises; load the model only and let the optimizer start fresh.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 from typing_extensions import override
@@ -103,8 +106,18 @@ class SynchronizedCheckpoints:
             self._load_optimizer(proxy[optimizer_key], saved, optimizer_key)
         if saved is not None:
             self._restore_counters(saved)
+        restored_optimizer = optimizer_key is not None and proxy[optimizer_key] is not None
         saved = saved or {}
-        self._new_synchronized_point(saved.get("anchor_step"), switch=saved.get("synchronous", False))
+        if saved and "synchronous" not in saved and self.sync_config.warmup_steps and self.global_rank == 0 \
+                and self.synchronizer is not None and not self.synchronizer.synchronous_now:
+            warnings.warn("fabric.load: this checkpoint was written before LoRDO recorded its phase, so if it was "
+                          "saved in the synchronous warm-up, the switch knobs (switch_betas, switch_lr_scale, "
+                          "switch_reset_moments) are not applied now. Save it again with this version, or set them "
+                          "on the optimizer yourself.", RuntimeWarning, stacklevel=3)
+        # the switch knobs scale the optimizer's groups: once, onto warm-up values (just restored, or never switched)
+        switched = self.synchronizer is not None and self.synchronizer.switched
+        switch = saved.get("synchronous", False) and (restored_optimizer or not switched)
+        self._new_synchronized_point(saved.get("anchor_step"), switch=switch)
         return remainder
 
     def _load_optimizer(self, optimizer_state: dict[str, Any], saved: Optional[dict[str, Any]], key: str) -> None:

@@ -164,8 +164,8 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
         self.synchronizer.load_state_dict(sync_state)
         if restored["sync"]["anchor"]:  # none: written in the synchronous phase, the switch comes at the next step
             self.synchronizer.take_anchor()
-        notes.append("the trainable parameters changed: the anchor is the loaded model, the outer momentum "
-                     "restarts")
+        notes.append("the trainable parameters changed: the synchronized model is the loaded one, the outer "
+                     "momentum restarts")
     mine = restored["ranks"][self.global_rank if same_world else 0]
     self.accountant.load_state_dict(mine["comm"])
     self._restored_optimizer = mine.get("optimizer")  # None for rank 0: Lightning's optimizer_states

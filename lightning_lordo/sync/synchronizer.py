@@ -84,6 +84,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         self.consecutive_skips = 0
         self.anchor = Anchor(self.params, config.anchor_device)
         self._anchor_step = 0  # the optimizer step whose synchronized model the anchor holds
+        self.switched = False  # whether this process applied the switch knobs (the end of the warm-up)
         if not self.synchronous_now:  # the synchronous phase needs no anchor: it is taken at the switch
             self.take_anchor()
         self.outer = OuterStep(config.outer_optimizer, config.outer_lr, config.outer_momentum)
@@ -223,6 +224,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
     def switch_to_local(self) -> None:
         """The end of the warm-up (the replicas are identical): take the anchor, apply the switch knobs."""
         self.take_anchor()
+        self.switched = True
         self.steps_since_sync = 0
         config = self.config
         for group in self.optimizer.param_groups:
