@@ -43,11 +43,13 @@ TAUS = (0, 8, 16)
 SEEDS = (0, 1)
 LR = 0.01
 #: lean: the harness's pinned knobs (the earlier defaults); defaults: today's; compressed: the "lordo_compressed"
-#: preset today; the next two change one of the two ways the defaults differ from the lean knobs (omega, error
-#: feedback), to see which one overlapping is sensitive to; diloco: the same runs without LoRDO
+#: preset today; the next three change one of the ways the defaults differ from the lean knobs (omega, error
+#: feedback, the full-rank term's input), to see which one overlapping is sensitive to; diloco: the same runs
+#: without LoRDO
 KNOBS = {"lean": {}, "defaults": CANDIDATE, "compressed": dict(PRESETS["lordo_compressed"][0]),
          "defaults_omega_0.7": {**CANDIDATE, "omega": 0.7},
          "defaults_no_error_feedback": {**CANDIDATE, "error_feedback": False, "full_rank_input": "gradient"},
+         "defaults_gradient_input": {**CANDIDATE, "full_rank_input": "gradient"},  # error feedback kept
          "diloco": {"lowrank": False}}  # DiLoCo (AdamW local steps): what overlapping costs a method without LoRDO
 
 
