@@ -159,16 +159,13 @@ def main(argv: list[str]) -> int:
     data = str(Path(args.data).resolve())
     records = load(RESULTS)
     kept = args.progress_kept
-
-    def variant(r: dict[str, Any]) -> tuple[int, float]:
-        return r.get("basis_delay", 0), r.get("progress_kept", 1.0)
     # the plugin's runs first (blocking; overlapped unless another fraction is asked for), then the diagnostic's
     diagnostic = kept != 1.0
     plan = [((0, 1.0), tau) for tau in taus if not (tau and diagnostic)]
     plan += [((args.basis_delay, 1.0), 0)] * bool(args.basis_delay)
     plan += [((0, kept), tau) for tau in taus if tau and diagnostic]
     pending = [(v, tau, seed) for v, tau in plan for seed in seeds
-               if not done([r for r in records if "spec" in r and variant(r) == v],
+               if not done([r for r in records if "spec" in r and _variant(r)[3:] == v],
                            spec(data, tau, seed, args.knobs, args.lr, args.model))]
     if pending:
         append(RESULTS, {"header": provenance("python benchmarks/overlap.py " + " ".join(argv))})

@@ -151,9 +151,9 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
     same_world = restored["world_size"] == self.world_size and not restored.get("partial", False)
     notes = knob_changes(saved, self) if saved is not None else []
     if saved is not None:
-        # every rank reads its own shard (rank 0's for another world size or a partial save): replicas are saved
-        # mid-round, a round in flight included, on every rank alike
-        replicas = any(r is not None and ("params" in r or "overlap" in r) for r in restored["ranks"])
+        # every rank reads its own shard (rank 0's for another world size or a partial save); its replica is saved
+        # whenever the replicas differ from the anchor (``mid_round``: a round in flight included), on all alike
+        replicas = any(r is not None and "params" in r for r in restored["ranks"])
         refuse_unconvertible(saved, restored["sync"], self, replicas_saved=replicas)
     names_now = [self.parameter_names.get(p, "") for p in self.synchronizer.params]
     same_params = saved is None or saved["sync_names"] == names_now
