@@ -6,16 +6,17 @@ to R, and nothing else on the machine is affected. Needs root (``ip netns``, ``t
 so and exits with status 2.
 
 For each rate the same model, data and steps are trained with ``ddp``, ``powersgd4`` (DDP + PowerSGD rank 4),
-``diloco``, ``lordo`` (blocking syncs) and ``lordo_overlap`` (``overlap_steps``), also ``lordo_compressed`` with
-and without overlap (``lordo_compressed``: the preset's knobs before it averaged the full-rank moments too;
-``lordo_compressed_preset``: the preset as it is today); ``compute`` is the limit: each worker's local steps with
-no communication at all, as one single-worker run per worker, all at once (so they share the cores as the workers
-of the other runs do). The script
-prints wall times (the whole ``fit``: launch and the setup broadcast included) and the training loop's times (from
-the first step to the last), each as a ratio to ``compute``, the share of DDP's step that is communication
-(1 - compute / ddp), each method's time to a target validation loss (``--target``; default: the
-highest final loss of the methods, which every one reaches) and writes ``results/netlink.json`` and
-``results/netlink_loss_time.png`` (validation loss against wall time). Run it on an otherwise idle machine.
+``diloco``, ``lordo`` (blocking syncs) and ``lordo_overlap`` (``overlap_steps``; both with the harness's pinned
+optimizer knobs, those of the ``"lordo_lean"`` preset, not today's defaults; the full payload), also
+``lordo_compressed`` with and without overlap (``lordo_compressed``: the preset's knobs before it averaged the
+full-rank moments too; ``lordo_compressed_preset``: the preset as it is today); ``compute`` is the limit: each
+worker's local steps with no communication at all, as one single-worker run per worker, all at once (so they share
+the cores as the workers of the other runs do). The script prints wall times (the whole ``fit``: launch and the
+setup broadcast included) and the training loop's times (from the first step to the last), each as a ratio to
+``compute``, the share of DDP's step that is communication (1 - compute / ddp), each method's time to a target
+validation loss (``--target``; default: the highest final loss of the methods, which every one reaches) and writes
+``results/netlink.json`` and ``results/netlink_loss_time.png`` (validation loss against wall time). Run it on an
+otherwise idle machine.
 
 Usage: ``python benchmarks/netlink.py --data ../shared/data/tinyshakespeare.txt`` (as root)
 """
@@ -140,8 +141,9 @@ def figure(results: dict[str, Any], path: Path) -> None:
     finish_panels(fig, axes, "wall seconds", "validation loss", [f"2 workers, {rate}" for rate in rates], path)
 
 
-LABELS = {"ddp": "DDP", "powersgd4": "DDP + PowerSGD r4", "diloco": "DiLoCo", "lordo": "`lordo` (blocking)",
-          "lordo_overlap": "`lordo`, `overlap_steps=8`", "lordo_compressed": "`lordo_compressed` (earlier)",
+LABELS = {"ddp": "DDP", "powersgd4": "DDP + PowerSGD r4", "diloco": "DiLoCo",
+          "lordo": "`lordo_lean` knobs, full payload", "lordo_overlap": "`lordo_lean` knobs, full payload, "
+          "`overlap_steps=8`", "lordo_compressed": "`lordo_compressed` (earlier)",
           "lordo_compressed_overlap": "`lordo_compressed` (earlier), `overlap_steps=8`",
           "lordo_compressed_preset": "`lordo_compressed`", "lordo_compressed_preset_overlap2":
           "`lordo_compressed`, `overlap_steps=2`", "lordo_compressed_preset_overlap4":
