@@ -18,9 +18,10 @@ rounds keeping only the fraction F of each worker's parameter progress since the
 the new anchor, the tau steps' parameter updates are dropped, as torchft's DiLoCo does). ``--consensus-launch
 all|lowrank|fullrank`` (a diagnostic too) starts the steps in flight from the consensus: at each launch every worker
 first replaces its parameters (all of them, the low-rank matrices only, or the others only) by their average, with a
-blocking all-reduce outside the round (what the round then averages is unchanged; the all-reduce costs what
-overlapping saves, so it is no option for the plugin). The diagnostics patch the plugin in this process, which the
-forked workers inherit.
+blocking all-reduce outside the round (with the full payload, what the round then averages is unchanged; the
+all-reduce costs what overlapping saves, so it is no option for the plugin). With plain averaging as the outer step,
+``all`` is a blocking sync of the parameters whose moments, bases and buffers land tau steps later. The diagnostics
+patch the plugin in this process, which the forked workers inherit.
 
     python benchmarks/overlap.py --data ../shared/data/tinyshakespeare.txt [--knobs lean|defaults|compressed|diloco]
         [--taus 2,4] [--seeds 0,1] [--lr 0.01] [--basis-delay 8] [--progress-kept 0.5] [--consensus-launch all]
@@ -193,6 +194,9 @@ def main(argv: list[str]) -> int:
     if args.consensus_launch and (args.basis_delay or args.progress_kept != 1.0):
         raise SystemExit(f"--consensus-launch={args.consensus_launch}: use it without --basis-delay and "
                          "--progress-kept (one diagnostic per invocation)")
+    if args.consensus_launch in ("lowrank", "fullrank") and KNOBS[args.knobs].get("lowrank", True) is False:
+        raise SystemExit(f"--consensus-launch={args.consensus_launch} with --knobs {args.knobs}: every parameter is "
+                         "full-rank there; use --consensus-launch all")
     taus = (0,) if args.basis_delay else (0, *(int(t) for t in args.taus.split(",")))
     seeds = tuple(int(s) for s in args.seeds.split(","))
     data = str(Path(args.data).resolve())
@@ -221,7 +225,8 @@ def main(argv: list[str]) -> int:
                   **({"consensus_launch": launched_from} if launched_from else {}),
                   **run(spec(data, tau, seed, args.knobs, args.lr, args.model))}
         append(RESULTS, record)
-        print(f"overlap_steps={tau:<3} basis_delay={delay} seed={seed} val_loss={record['final_val_loss']:.4f} "
+        print(f"overlap_steps={tau:<3} basis_delay={delay} progress_kept={fraction:g} consensus_launch="
+              f"{launched_from or '-'} seed={seed} val_loss={record['final_val_loss']:.4f} "
               f"wall={record['wall_seconds']:.0f}s", flush=True)
     report(load(RESULTS))
     return 0

@@ -90,7 +90,7 @@ def test_summary_ratios_use_the_references():
     assert lordo["x_compute"] == pytest.approx(1.2)
     assert lordo["loop_x_compute"] == pytest.approx(25 / 20)
     assert lordo["seconds_to_target"] == 10
-    row = next(line for line in lines if line.startswith("| `lordo` (blocking)"))
+    row = next(line for line in lines if line.startswith("| `lordo_lean` knobs, full payload |"))
     assert "| 1.20x |" in row and "| 1.25x |" in row and "| 10.0 s |" in row
     compute_row = next(line for line in lines if line.startswith("| compute only"))
     assert "1.00x |" in compute_row and "(" not in compute_row  # no list of its ratios to itself
@@ -104,7 +104,7 @@ def test_report_rewrites_the_table_and_keeps_the_stored_target(tmp_path, monkeyp
     netlink.write_report(json.loads(path.read_text()), ["1gbit"], None, path)
     assert json.loads(path.read_text())["target"] == 3.05
     table = (tmp_path / "netlink.md").read_text()
-    assert "to 3.050" in table and "abcdef0" in table and "| `lordo` (blocking) |" in table
+    assert "to 3.050" in table and "abcdef0" in table and "| `lordo_lean` knobs, full payload |" in table
     assert drawn == [tmp_path / "netlink_loss_time.png"]
 
 
@@ -122,9 +122,9 @@ def test_time_to_target_is_when_the_validated_model_existed_and_older_overlapped
     results["runs"][-1] = old = {**overlapped, "curve": [{"seconds": 14.0, "val_loss": 3.0}]}
     lines = netlink.summarize(results, ["1gbit"], target=3.1)
     assert old["seconds_to_target"] == 14.0
-    row = next(line for line in lines if line.startswith("| `lordo`, `overlap_steps=8`"))
+    row = next(line for line in lines if line.startswith("| `lordo_lean` knobs, full payload, `overlap_steps=8`"))
     assert "| 14.0 s* |" in row and any(line.startswith("\\* overlapped runs made before") for line in lines)
-    assert "*" not in next(line for line in lines if line.startswith("| `lordo` (blocking)"))
+    assert "*" not in next(line for line in lines if line.startswith("| `lordo_lean` knobs, full payload |"))
 
 
 def test_a_report_covers_every_rate_with_runs_slowest_first():
