@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -272,11 +273,14 @@ def test_single_device_trains_locally_and_sends_nothing() -> None:
     assert fit.callback_metrics["train_loss"] < 0.5
 
 
-def test_monitor_logs_to_csv_and_tensorboard(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [0, 2], ids=["blocking", "overlapped"])
+def test_monitor_logs_to_csv_and_tensorboard(tmp_path: Path, overlap: int) -> None:
+    """Every figure reaches both loggers, once per sync; overlapped, once per landing (6 and 10, launched at 4 and
+    8) and once for the final sync of the 2 steps since the last launch."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     csv, tb = CSVLogger(tmp_path, name="csv", version=0), TensorBoardLogger(tmp_path, name="tb", version=0)
-    fit = trainer(lordo(sync_every=4), logger=[csv, tb], max_steps=10)
+    fit = trainer(lordo(sync_every=4, overlap_steps=overlap), logger=[csv, tb], max_steps=10)
     fit.fit(TinyRegressor(), loader())
     header, *rows = (Path(csv.log_dir) / "metrics.csv").read_text().splitlines()
     columns = header.split(",")
@@ -284,9 +288,14 @@ def test_monitor_logs_to_csv_and_tensorboard(tmp_path: Path) -> None:
                  "sync_seconds", "basis_seconds", "subspace_movement", "pseudo_gradient_norm", "term_ratio",
                  "optimizer_state_bytes", "adamw_state_bytes", "error_feedback_bytes", "sync_buffer_bytes"):
         assert f"lordo/{name}" in columns
-    totals = [float(r.split(",")[columns.index("lordo/bytes_sent_total")]) for r in rows
-              if r.split(",")[columns.index("lordo/bytes_sent_total")]]
-    assert len(totals) == 3 and totals == sorted(totals) and totals[0] > 0  # 2 syncs + the final one
+    logged = [r.split(",") for r in rows if r.split(",")[columns.index("lordo/bytes_sent_total")]]
+    totals = [float(r[columns.index("lordo/bytes_sent_total")]) for r in logged]
+    syncs = [float(r[columns.index("lordo/bytes_sent_sync")]) for r in logged]
+    assert len(totals) == 3 and totals[0] > 0  # 2 syncs (or landings) + the final one
+    # the totals also count traffic outside the rounds (the setup broadcast, Lightning's per-batch flags)
+    assert all(s > 0 for s in syncs) and all(t >= c for t, c in zip(totals, itertools.accumulate(syncs)))
+    assert all(b - a >= s for a, b, s in zip(totals, totals[1:], syncs[1:]))
+    assert [int(r[columns.index("step")]) for r in logged] == ([3, 7, 9] if not overlap else [5, 9, 9])
     events = b"".join(p.read_bytes() for p in Path(tb.log_dir).glob("events.out.tfevents.*"))
     assert b"lordo/bytes_sent_total" in events
 

@@ -4,9 +4,10 @@ The strategy adds one automatically unless the Trainer already has one. After ev
 logs, under ``lordo/`` (per worker; Lightning's loggers write from rank 0):
 
 * ``bytes_sent_sync``, ``bytes_sent_total``: bytes passed to collectives (all purposes, Lightning's own
-  per-batch SIGTERM broadcast included); ``ddp_equivalent_bytes``: what DDP's gradient all-reduce would
-  have passed for the same optimizer steps (0 on one device: DDP sends nothing there); ``bytes_saving_vs_ddp``:
-  their ratio (DDP / LoRDO), 1.0 while neither has sent anything (one device), never NaN;
+  per-batch SIGTERM broadcast included), the total as it was when that sync ended (so an overlapped landing and
+  the final sync logged in one batch each show their own); ``ddp_equivalent_bytes``: what DDP's gradient
+  all-reduce would have passed for the same optimizer steps (0 on one device: DDP sends nothing there);
+  ``bytes_saving_vs_ddp``: their ratio (DDP / LoRDO), 1.0 while neither has sent anything (one device), never NaN;
 * ``wire_bytes_sync``, ``wire_bytes_total``, ``ddp_equivalent_wire_bytes``, ``wire_saving_vs_ddp``: what a worker
   puts on the network by each collective's algorithm (ring all-reduce 2(M-1)/M x the tensor, all-gather (M-1) x
   its chunk; :mod:`lightning_lordo.comm.wire`), DDP priced by the same ring model;
@@ -172,14 +173,15 @@ def saving_ratio(ddp: float, sent: float) -> float:
 def figures(strategy: Any, report: Optional[SyncReport] = None, totals_only: bool = False) -> dict[str, float]:
     """The monitor's figures for ``strategy`` after ``report`` (or the current totals without one; only the byte
     totals with ``totals_only``)."""
-    total = strategy.accountant.total_bytes
+    at_report = report is not None and report.total_bytes is not None  # the totals when that round ended
+    total = report.total_bytes if at_report else strategy.accountant.total_bytes
     ddp = ddp_bytes(strategy)
     out: dict[str, float] = {
         "bytes_sent_total": total,
         "ddp_equivalent_bytes": ddp,
         "bytes_saving_vs_ddp": saving_ratio(ddp, total),
     }
-    wire = strategy.accountant.total_wire_bytes
+    wire = report.total_wire_bytes if at_report else strategy.accountant.total_wire_bytes
     ddp_wire = ddp_wire_bytes(ddp, strategy.world_size)  # DDP's gradients by a float32 ring all-reduce
     out.update({"wire_bytes_total": wire, "ddp_equivalent_wire_bytes": ddp_wire,
                 "wire_saving_vs_ddp": saving_ratio(ddp_wire, wire)})

@@ -46,6 +46,10 @@ class SyncReport:
     # since the previous report, by part (``pseudo_gradients:lowrank``, ``fault_flags``, Lightning's flags, ...)
     bytes_by_part: dict[str, int] = field(default_factory=dict)
     wire_by_part: dict[str, int] = field(default_factory=dict)
+    # the accountant's totals when the round ended (payload and wire, all purposes), so that two reports logged in
+    # one batch (an overlapped landing and the final sync) each show their own; None: read the current totals
+    total_bytes: Optional[int] = None
+    total_wire_bytes: Optional[int] = None
 
     @property
     def bytes_sent(self) -> int:

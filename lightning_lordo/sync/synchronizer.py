@@ -338,7 +338,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         sent = accountant.end_round()
         return SyncReport(index=self.syncs_done, step=self.optimizer_steps, bytes_by_purpose=sent,
                           wire_by_purpose=dict(accountant.last_round_wire), bytes_by_part=accountant.last_parts,
-                          wire_by_part=accountant.last_wire_parts, **figures)
+                          wire_by_part=accountant.last_wire_parts, total_bytes=accountant.total_bytes,
+                          total_wire_bytes=accountant.total_wire_bytes, **figures)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
