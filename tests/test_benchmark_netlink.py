@@ -131,3 +131,12 @@ def test_a_report_covers_every_rate_with_runs_slowest_first():
     results = {"runs": [_run("a", 1, rate="1gbit"), _run("a", 1, rate="100mbit"), _run("b", 1, rate="500kbit")]}
     assert netlink.report_rates(results, ["1gbit"]) == ["500kbit", "100mbit", "1gbit"]
     assert netlink.report_rates({"runs": []}, ["1gbit", "100mbit"]) == ["100mbit", "1gbit"]
+
+
+@pytest.mark.parametrize("missing", ["root", "namespaces"])
+def test_without_root_or_network_namespaces_it_says_so_and_exits_2(monkeypatch, capsys, missing):
+    monkeypatch.setattr(netlink.os, "geteuid", lambda: 1000 if missing == "root" else 0)
+    monkeypatch.setattr(netlink, "has_namespaces", lambda: missing != "namespaces")
+    monkeypatch.setattr(netlink, "run_in_namespace", lambda *a, **k: pytest.fail("nothing may run"))
+    assert netlink.main(["--data", "unused.txt", "--methods", "ddp"]) == 2
+    assert "needs root with network namespaces and tc" in capsys.readouterr().err
