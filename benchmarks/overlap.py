@@ -2,11 +2,11 @@
 2 seeds.
 
 The project's benchmark model (byte-level GPT, d 64 x 2 layers) on ``--data`` (tinyshakespeare), 4 workers, K = 32,
-640 steps (``--model netlink``: ``netlink.py``'s 6.4 M model, 2 workers, 256 steps, 16 validation batches;
-``--model words``: ``compressed.py``'s word-level model on ``--data`` WikiText-2, as the benchmark model), LR
-0.01 (LoRDO's best at K = 32 in ``benchmarks/compressed.py``; ``--lr`` to change it), compared seed by seed with
-the blocking run of the same model, knobs and LR. Resumable: runs already in ``results/overlap.jsonl`` are
-skipped. About 20-60 s per run on 2 idle cores. ``--knobs``: ``lean`` (the harness's pinned knobs, the earlier
+640 steps (``--model netlink``: ``netlink.py``'s 6.4 M model, 2 workers, 256 steps, 16 validation batches; ``--model
+words``: ``compressed.py``'s word-level model on ``--data`` WikiText-2, as the benchmark model), LR 0.01 (LoRDO's
+best at K = 32 in ``benchmarks/compressed.py``; ``--lr`` to change it), compared seed by seed with the blocking run
+of the same model, knobs and LR. Resumable: runs already in ``results/overlap.jsonl`` are skipped. About 20-60 s per
+run on 2 idle cores (the word model: 1-2.5 min). ``--knobs``: ``lean`` (the harness's pinned knobs, the earlier
 defaults), ``defaults`` (today's defaults, ``authors.CANDIDATE``: error feedback, omega 0.97), ``compressed`` (the
 ``"lordo_compressed"`` preset as it is today), one of the defaults' changes, or ``diloco`` (AdamW local steps).
 

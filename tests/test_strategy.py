@@ -275,8 +275,9 @@ def test_single_device_trains_locally_and_sends_nothing() -> None:
 
 @pytest.mark.parametrize("overlap", [0, 2], ids=["blocking", "overlapped"])
 def test_monitor_logs_to_csv_and_tensorboard(tmp_path: Path, overlap: int) -> None:
-    """Every figure reaches both loggers, once per sync; overlapped, once per landing (6 and 10, launched at 4 and
-    8) and once for the final sync of the 2 steps since the last launch."""
+    """The figures reach both loggers (TensorBoard: present); in the CSV once per sync, overlapped once per landing
+    (6 and 10, launched at 4 and 8) and once for the final sync of the 2 steps since the last launch, each row with
+    the totals at the end of its own sync."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     csv, tb = CSVLogger(tmp_path, name="csv", version=0), TensorBoardLogger(tmp_path, name="tb", version=0)

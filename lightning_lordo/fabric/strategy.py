@@ -318,7 +318,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         ``bytes_by_purpose``, ``ddp_equivalent_bytes``, ``bytes_saving_vs_ddp`` (their ratio, ``None`` when
         nothing was sent), ``syncs``, ``skipped_syncs``, ``optimizer_steps``, ``steps_since_sync``,
         ``round_in_flight`` (``overlap_steps``: a round launched and not landed yet) and ``world_size``. The same
-        figures as the Trainer's ``CommunicationMonitor``."""
+        figures as the Trainer's ``CommunicationMonitor`` prints at the end of ``fit`` (the current totals)."""
         total, ddp = self.accountant.total_bytes, self.ddp_equivalent_bytes
         synchronizer = self.synchronizer
         return {

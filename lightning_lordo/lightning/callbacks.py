@@ -171,17 +171,18 @@ def saving_ratio(ddp: float, sent: float) -> float:
 
 
 def figures(strategy: Any, report: Optional[SyncReport] = None, totals_only: bool = False) -> dict[str, float]:
-    """The monitor's figures for ``strategy`` after ``report`` (or the current totals without one; only the byte
-    totals with ``totals_only``)."""
-    at_report = report is not None and report.total_bytes is not None  # the totals when that round ended
-    total = report.total_bytes if at_report else strategy.accountant.total_bytes
+    """The monitor's figures for ``strategy`` after ``report``, with the byte totals at the end of its round (or the
+    current totals without one; only the byte totals with ``totals_only``)."""
+    total = report.total_bytes if report is not None and report.total_bytes is not None \
+        else strategy.accountant.total_bytes
     ddp = ddp_bytes(strategy)
     out: dict[str, float] = {
         "bytes_sent_total": total,
         "ddp_equivalent_bytes": ddp,
         "bytes_saving_vs_ddp": saving_ratio(ddp, total),
     }
-    wire = report.total_wire_bytes if at_report else strategy.accountant.total_wire_bytes
+    wire = report.total_wire_bytes if report is not None and report.total_wire_bytes is not None \
+        else strategy.accountant.total_wire_bytes
     ddp_wire = ddp_wire_bytes(ddp, strategy.world_size)  # DDP's gradients by a float32 ring all-reduce
     out.update({"wire_bytes_total": wire, "ddp_equivalent_wire_bytes": ddp_wire,
                 "wire_saving_vs_ddp": saving_ratio(ddp_wire, wire)})
