@@ -160,9 +160,12 @@ def _lordo_strategy(trainer: Trainer) -> Any:
     return trainer.strategy
 
 
-def ddp_bytes(strategy: Any) -> int:
-    """What DDP's gradient all-reduce would have passed per worker: nothing on one device (DDP sends nothing)."""
-    return strategy.ddp_equivalent_bytes if strategy.world_size > 1 else 0
+def ddp_bytes(strategy: Any, report: Optional[SyncReport] = None) -> int:
+    """What DDP's gradient all-reduce would have passed per worker, by now or by ``report``'s step: nothing on one
+    device (DDP sends nothing)."""
+    if strategy.world_size <= 1:
+        return 0
+    return strategy.ddp_equivalent_bytes if report is None else strategy.ddp_bytes_for(report.step)
 
 
 def saving_ratio(ddp: float, sent: float) -> float:
@@ -175,7 +178,7 @@ def figures(strategy: Any, report: Optional[SyncReport] = None, totals_only: boo
     current totals without one; only the byte totals with ``totals_only``)."""
     total = report.total_bytes if report is not None and report.total_bytes is not None \
         else strategy.accountant.total_bytes
-    ddp = ddp_bytes(strategy)
+    ddp = ddp_bytes(strategy, report)
     out: dict[str, float] = {
         "bytes_sent_total": total,
         "ddp_equivalent_bytes": ddp,

@@ -396,5 +396,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     def ddp_equivalent_bytes(self) -> int:
         """Bytes DDP's gradient all-reduce would pass per worker for the optimizer steps taken so far, with more than
         one device (the monitor's ``lordo/ddp_equivalent_bytes`` and the summary count 0 on one device)."""
-        steps = self.synchronizer.optimizer_steps if self.synchronizer is not None else 0
+        return self.ddp_bytes_for(self.synchronizer.optimizer_steps if self.synchronizer is not None else 0)
+
+    def ddp_bytes_for(self, steps: int) -> int:
+        """Bytes DDP's gradient all-reduce would pass per worker for ``steps`` optimizer steps (see above)."""
         return self._ddp_bytes_per_step * steps
