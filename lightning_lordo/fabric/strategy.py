@@ -128,7 +128,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         self.scheduler: Optional[Any] = None
         self.parameter_names: dict[Tensor, str] = {}
         self._last_module: Optional[nn.Module] = None
-        self._ddp_bytes_per_step = 0
+        self.ddp_bytes_per_step = 0
         self._prepared = False  # the synchronizer's preparation ran for the coming step (e.g. before clipping)
 
     @classmethod
@@ -204,7 +204,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
                 configs = [SimpleNamespace(scheduler=scheduler)] if scheduler is not None else []
                 repoint_schedulers(configs, user_optimizer, optimizer)
         trainable = [p for p in module.parameters() if p.requires_grad]
-        self._ddp_bytes_per_step = nbytes(trainable)
+        self.ddp_bytes_per_step = nbytes(trainable)
         self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
                                          self.communicator, self._overlap_comm)
         self.synchronizer.switch_callbacks.append(self._scale_scheduler)
@@ -311,7 +311,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         """Bytes DDP's gradient all-reduce would have passed for the optimizer steps so far (0 on one process:
         DDP sends nothing there)."""
         steps = self.synchronizer.optimizer_steps if self.synchronizer is not None else 0
-        return self._ddp_bytes_per_step * steps if self.world_size > 1 else 0
+        return self.ddp_bytes_per_step * steps if self.world_size > 1 else 0
 
     def communication_summary(self) -> dict[str, Any]:
         """This rank's traffic so far: ``bytes_sent_total`` (every collective of the plugin, setup included),

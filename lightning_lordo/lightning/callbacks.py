@@ -165,7 +165,7 @@ def ddp_bytes(strategy: Any, report: Optional[SyncReport] = None) -> int:
     device (DDP sends nothing)."""
     if strategy.world_size <= 1:
         return 0
-    return strategy.ddp_equivalent_bytes if report is None else strategy.ddp_bytes_for(report.step)
+    return strategy.ddp_equivalent_bytes if report is None else strategy.ddp_bytes_per_step * report.step
 
 
 def saving_ratio(ddp: float, sent: float) -> float:

@@ -200,7 +200,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         self.synchronizer: Optional[Synchronizer] = None
         self.sync_reports: list[SyncReport] = []
         self.parameter_names: dict[Tensor, str] = {}
-        self._ddp_bytes_per_step = 0
+        self.ddp_bytes_per_step = 0  # what DDP's gradient all-reduce passes per worker and optimizer step
         self._swapped_for_eval = False
         self._restored: Optional[dict[str, Any]] = None
         self._restored_optimizer: Optional[dict[str, Any]] = None
@@ -291,7 +291,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
             repoint_schedulers(self.lr_scheduler_configs, user_optimizer, optimizer)
             self.optimizers = [optimizer]
         trainable = [p for p in module.parameters() if p.requires_grad]
-        self._ddp_bytes_per_step = nbytes(trainable)
+        self.ddp_bytes_per_step = nbytes(trainable)
         self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
                                          self.communicator, self._overlap_comm)
         self.synchronizer.switch_callbacks.append(self._scale_schedulers)
@@ -396,8 +396,5 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     def ddp_equivalent_bytes(self) -> int:
         """Bytes DDP's gradient all-reduce would pass per worker for the optimizer steps taken so far, with more than
         one device (the monitor's ``lordo/ddp_equivalent_bytes`` and the summary count 0 on one device)."""
-        return self.ddp_bytes_for(self.synchronizer.optimizer_steps if self.synchronizer is not None else 0)
-
-    def ddp_bytes_for(self, steps: int) -> int:
-        """Bytes DDP's gradient all-reduce would pass per worker for ``steps`` optimizer steps (see above)."""
-        return self._ddp_bytes_per_step * steps
+        steps = self.synchronizer.optimizer_steps if self.synchronizer is not None else 0
+        return self.ddp_bytes_per_step * steps
