@@ -74,17 +74,25 @@ def spec(data: str, tau: int, seed: int, knobs: str = "lean", lr: float = LR, mo
                    knobs={**KNOBS[knobs], **({"overlap_steps": tau} if tau else {})})
 
 
-_DELAY: list[int] = []  # the delay patched in (at most one: patching twice would stack the delays)
+_PATCHED: dict[str, Any] = {}  # each diagnostic's value patched in (at most one: patching twice would stack it)
+
+
+def _first_patch(flag: str, value: Any) -> bool:
+    """Whether the diagnostic ``flag`` is still to be patched in (with ``value``); a second, other value fails."""
+    if flag in _PATCHED:
+        assert _PATCHED[flag] == value, f"one {flag} per process"
+        return False
+    _PATCHED[flag] = value
+    return True
+
 
 
 def delay_bases(steps: int) -> None:
     """Patch the plugin (this process and the workers it forks) once: a sync's new bases are installed in the
     optimizer-step hook ``steps`` steps after the sync's own (where an overlapped round launched at that sync would
     land); the first bases at once. A diagnostic for blocking syncs only."""
-    if _DELAY:
-        assert _DELAY == [steps], "one --basis-delay per process"
+    if not _first_patch("--basis-delay", steps):
         return
-    _DELAY.append(steps)
     install, count = LoRDO.set_bases, Synchronizer.on_optimizer_step
     pending: dict[int, tuple[LoRDO, Any, int]] = {}  # one entry: (optimizer, bases, steps left)
 
@@ -133,31 +141,21 @@ def report(records: list[dict[str, Any]]) -> None:
                       f"blocking (mean {statistics.fmean(gaps):+.2f} %; {', '.join(f'{x:.4f}' for x, _ in pairs)})")
 
 
-_KEPT: list[float] = []  # the fraction patched in (at most one: patching twice would multiply them)
-
-
 def keep_progress(fraction: float) -> None:
     """Patch the plugin once (this process and the workers it forks): an overlapped landing adds ``fraction`` of each
     worker's parameter progress since the launch to the new anchor (the plugin: all of it). A diagnostic."""
-    if _KEPT:
-        assert _KEPT == [fraction], "one --progress-kept per process"
+    if not _first_patch("--progress-kept", fraction):
         return
-    _KEPT.append(fraction)
     whole = overlapped.progress
     overlapped.progress = lambda round_, params: [fraction * t for t in whole(round_, params)]
-
-
-_CONSENSUS: list[str] = []  # the parameters patched in (at most one choice: patching twice would stack them)
 
 
 def consensus_launch(which: str) -> None:
     """Patch the plugin once (this process and the workers it forks): each overlapped launch first averages the
     parameters ``which`` names (``all``, ``lowrank``: the low-rank matrices, ``fullrank``: the others) over the
     workers, blocking, outside the round's bytes, so the steps in flight start from the consensus. A diagnostic."""
-    if _CONSENSUS:
-        assert _CONSENSUS == [which], "one --consensus-launch per process"
+    if not _first_patch("--consensus-launch", which):
         return
-    _CONSENSUS.append(which)
     launch = Synchronizer._launch
 
     def _launch(self: Synchronizer) -> None:
