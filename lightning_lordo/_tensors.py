@@ -55,6 +55,31 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
     return all(bool(torch.stack(flags).all()) for flags in per_device.values())
 
 
+def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
+    """One bool per tensor, whether its L2 norm is finite (NaN or Inf in it, or a norm past the float range), computed
+    where the tensors are and not read: a caller combines many such flags into one host read. Empty: ``[]`` on the
+    CPU. The norms come from one ``_foreach_norm`` per device; :func:`norms` returns them."""
+    return norms(tensors).isfinite()
+
+
+def norms(tensors: Sequence[Tensor]) -> Tensor:
+    """The L2 norm of each tensor (float32), stacked on the first tensor's device, in one ``_foreach_norm`` per
+    device (no host read)."""
+    if not tensors:
+        return torch.zeros(0)
+    first = tensors[0].device
+    per_device: dict[torch.device, list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        per_device[t.device].append(i)
+    if len(per_device) == 1:
+        return torch.stack(torch._foreach_norm(list(tensors))).float()
+    out = torch.empty(len(tensors), device=first)
+    for index in per_device.values():
+        found = torch.stack(torch._foreach_norm([tensors[i] for i in index])).float()
+        out[torch.tensor(index, device=first)] = found.to(first)
+    return out
+
+
 def nbytes(tensors: Iterable[Tensor]) -> int:
     """numel x itemsize, summed."""
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -527,12 +527,10 @@ def test_full_rank_gradient_basis_moments_are_adam_moments(shape):
 
 # ---------------------------------------------------------------------------------------- rotation
 def _set_basis(opt: LoRDO, p: Tensor, new: Tensor) -> None:
-    """Install a chosen basis exactly as ``install_bases`` does after computing one: the group's transition
-    from the old basis, then store it. (Going through an SVD would fix each column only up to its sign, so an
-    identical basis could not be installed that way; the public path is tested separately below.)"""
-    state = opt.state[p]
-    opt._transition(state, opt.param_groups[0], state["basis"], new)
-    state["basis"] = new
+    """Install a chosen basis exactly as ``install_bases`` does after computing one (``set_bases``: the group's
+    transition from the old basis, then store it). Going through an SVD would fix each column only up to its sign, so
+    an identical basis could not be computed that way."""
+    opt.set_bases({p: new})
 
 
 def _signed_permutation(r: int) -> Tensor:

@@ -25,11 +25,10 @@ from lightning_lordo.config import (
     check_optimizer_knobs,
     resolve_rank,
 )
+from lightning_lordo.optim import bases as bases_module
 from lightning_lordo.optim import conversion, fullrank, functional, report
 from lightning_lordo.optim.error_feedback import fold_error_feedback
-from lightning_lordo.optim.projection import compute_basis, random_basis, rotate_moments, subspace_movement
-
-_LOWRANK_MOMENTS = ("exp_avg", "exp_avg_sq")
+from lightning_lordo.optim.projection import compute_basis, random_basis, subspace_movement
 
 
 class LoRDO(Optimizer):
@@ -228,6 +227,11 @@ class LoRDO(Optimizer):
         for bucket in by_device.values():
             fullrank.adamw_grouped(bucket, [self.state[p] for p in bucket], h, self._step_counts(bucket))
 
+    def _stacked(self, p: Tensor) -> bool:
+        """Whether ``p``'s matrices take the stacked layout (the accelerators' default: one batched op per shape where
+        each launch costs); the CPU's default works matrix by matrix, and so do new bases there."""
+        return self.foreach and (self.in_place is False or (self.in_place is None and p.device.type != "cpu"))
+
     def _fused_for(self, p: Tensor) -> bool:
         """Whether ``p`` (an AdamW parameter) takes torch's fused AdamW: ``fused=True``, or ``None`` on the CPU."""
         if not self.foreach or math_dtype(p.dtype) != p.dtype:
@@ -309,30 +313,37 @@ class LoRDO(Optimizer):
     def compute_bases(self, sources: Mapping[Tensor, Tensor], generation: Optional[int] = None) -> dict[Tensor, Tensor]:
         """New bases, without changing anything: ``{param: basis}`` (float32, ``a x r``, canonical orientation)
         for each low-rank parameter in ``sources`` (``{param: matrix}``, e.g. the averaged pseudo-gradient, whose
-        top-r left singular subspace becomes the basis; warm-started from the current basis)."""
-        bases = {}
+        top-r left singular subspace becomes the basis; warm-started from the current basis). With ``foreach``,
+        same-shape matrices are stacked (:mod:`~lightning_lordo.optim.bases`)."""
+        bases, stacked, warms = {}, [], {}
         for index, (p, group, r) in enumerate(self._lowrank_entries()):
-            if p in sources:
-                bases[p] = compute_basis(
-                    canonical(sources[p], p), r, group["projection"], warm=self.state.get(p, {}).get("basis"),
-                    power_iters=group["power_iters"], oversample=group["oversample"],
-                    seed=self._seed_for(index, p, generation))
-        return bases
+            if p not in sources:
+                continue
+            warm = warms[p] = self.state.get(p, {}).get("basis")
+            if self._stacked(p) and bases_module.batchable(group, warm):
+                stacked.append((p, group, r))
+                continue
+            bases[p] = compute_basis(
+                canonical(sources[p], p), r, group["projection"], warm=warm, power_iters=group["power_iters"],
+                oversample=group["oversample"], seed=self._seed_for(index, p, generation))
+        bases.update(bases_module.compute_stacked(stacked, sources, warms))
+        return {p: bases[p] for p, _, _ in self._lowrank_entries() if p in bases}  # in parameter order
 
     @torch.no_grad()
     def set_bases(self, bases: Mapping[Tensor, Tensor]) -> dict[Tensor, Tensor]:
         """Install ``bases`` (from :meth:`compute_bases`) and move each matrix's moments into its new basis
-        (``transition``). Local tensor math only. Returns ``{param: movement}``, the fraction of the old subspace
-        the new basis lost (0-d tensors; only for parameters that had a basis before)."""
+        (``transition``). Local tensor math only (with ``foreach``, stacked by shape). Returns ``{param: movement}``,
+        the fraction of the old subspace the new basis lost (0-d tensors; only for parameters that had a basis)."""
+        entries = [(p, g, r) for p, g, r in self._lowrank_entries() if p in bases]
+        states = [self._init_lowrank_state(p, g, r) for p, g, r in entries]
+        if entries and self._stacked(entries[0][0]):
+            return bases_module.install_stacked(entries, states, bases, fold_error_feedback)
         movement = {}
-        for p, group, r in self._lowrank_entries():
-            if p not in bases:
-                continue
-            state = self._init_lowrank_state(p, group, r)
+        for (p, group, _), state in zip(entries, states):
             old, new = state.get("basis"), bases[p]
             fold_error_feedback(state)  # in the basis it was unfolded in
             if old is not None:
-                self._transition(state, group, old, new)
+                bases_module.transition_reference(state, group, old, new)
                 movement[p] = subspace_movement(old, new)
             state["basis"] = new
         return movement
@@ -349,23 +360,6 @@ class LoRDO(Optimizer):
 
     def _lowrank_entries(self) -> list[tuple[Tensor, dict[str, Any], int]]:
         return [(p, g, r) for g in self.param_groups for p in g["params"] if (r := self.lowrank_rank(p, g))]
-
-    def _transition(self, state: dict[str, Tensor], group: dict[str, Any], old: Tensor, new: Tensor) -> None:
-        kind = group["transition"]
-        t = state["step"].item()
-        if kind == "keep" or t == 0:
-            return
-        if kind == "reset":
-            for key in (*_LOWRANK_MOMENTS, "factored_row", "factored_col"):
-                if key in state:
-                    state[key].zero_()
-            state["step"].zero_()
-            return
-        beta1, beta2 = group["betas"]
-        u, v = rotate_moments(state["exp_avg"], state["exp_avg_sq"], new.mT @ old, 1 - beta1**t, 1 - beta2**t,
-                              clamp=group["variance_clamp"])
-        state["exp_avg"].copy_(u)
-        state["exp_avg_sq"].copy_(v)
 
     # ------------------------------------------------------------------ state and accounting
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

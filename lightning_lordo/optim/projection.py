@@ -21,7 +21,8 @@ random_basis = random_orthonormal  # a seeded random ``a x r`` orthonormal basis
 
 
 def power_basis(m: Tensor, warm: Tensor, iters: int) -> Tensor:
-    """Block power iteration on ``M M^T`` warm-started from ``warm`` (``iters`` steps, QR after each)."""
+    """Block power iteration on ``M M^T`` warm-started from ``warm`` (``iters`` steps, QR after each); batched over
+    leading dimensions (a stack of same-shape matrices is one batched matmul and one batched QR per step)."""
     m = m.float()
     q = warm.float()
     for _ in range(iters):
@@ -41,8 +42,8 @@ def randomized_basis(m: Tensor, r: int, oversample: int, iters: int, seed: int) 
 
 
 def svd_basis(m: Tensor, r: int) -> Tensor:
-    """The exact top-``r`` left singular vectors of ``M``."""
-    return torch.linalg.svd(m.float(), full_matrices=False).U[:, :r].contiguous()
+    """The exact top-``r`` left singular vectors of ``M`` (batched over leading dimensions)."""
+    return torch.linalg.svd(m.float(), full_matrices=False).U[..., :r].contiguous()
 
 
 def compute_basis(
@@ -91,7 +92,9 @@ def rotate_moments(
     return new_avg, new_sq
 
 
-def subspace_movement(old: Tensor, new: Tensor) -> Tensor:
-    """How much of the old subspace the new basis lost: ``1 - ||Q_new^T Q_old||_F^2 / r`` in [0, 1]."""
-    r = old.shape[1]
-    return (1.0 - (new.mT @ old).square().sum() / r).clamp_(min=0.0)
+def subspace_movement(old: Tensor, new: Tensor, change: Optional[Tensor] = None) -> Tensor:
+    """How much of the old subspace the new basis lost: ``1 - ||Q_new^T Q_old||_F^2 / r`` in [0, 1] (one value per
+    matrix of a stack; ``change``: ``Q_new^T Q_old`` when already computed)."""
+    r = old.shape[-1]
+    change = new.mT @ old if change is None else change
+    return (1.0 - change.square().sum(dim=(-2, -1)) / r).clamp_(min=0.0)

@@ -1,0 +1,111 @@
+"""New bases for many low-rank matrices at once (SPEC §4.4-4.5), the grouped path of :meth:`LoRDO.compute_bases` and
+:meth:`LoRDO.set_bases`.
+
+Matrices of one shape (and rank, projection and device) are stacked, so a power step is one batched matmul pair and
+one batched QR for the whole stack, and the rotation of the moments one batched product: the number of dispatched
+operations of a sync grows with the number of distinct shapes, not with the number of matrices (a GPT has three).
+The per-matrix functions of :mod:`lightning_lordo.optim.projection` are the readable reference; tests compare both.
+Nothing here reads a value back to the host but the CPU step counters (one stacked read per call).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_lordo._tensors import is_tall
+from lightning_lordo.optim.projection import power_basis, rotate_moments, subspace_movement, svd_basis
+
+#: ``(parameter, its group, its rank)``, as :meth:`LoRDO._lowrank_entries` lists them.
+Entry = tuple[Tensor, dict[str, Any], int]
+_RESET_KEYS = ("exp_avg", "exp_avg_sq", "factored_row", "factored_col")
+
+
+def batchable(group: Mapping[str, Any], warm: Any) -> bool:
+    """Whether a matrix's next basis can be computed in a stack: exact SVD, or power steps from a warm start (the
+    randomized finder and the first power basis draw seeded random numbers per matrix)."""
+    return group["projection"] == "svd" or (group["projection"] == "power" and warm is not None)
+
+
+def compute_stacked(entries: Sequence[Entry], sources: Mapping[Tensor, Tensor], warm: Mapping[Tensor, Any]
+                    ) -> dict[Tensor, Tensor]:
+    """``{param: basis}`` for ``entries`` (all :func:`batchable`), one stack per shape, rank, projection, power steps
+    and device; each basis is a view of its stack (``a x r``, float32, canonical orientation)."""
+    stacks: dict[tuple[Any, ...], list[Tensor]] = defaultdict(list)
+    for p, group, r in entries:
+        key = (tuple(p.shape), r, group["projection"], group["power_iters"], sources[p].device)
+        stacks[key].append(p)
+    bases: dict[Tensor, Tensor] = {}
+    for (_, r, projection, iters, _), params in stacks.items():
+        stacked = torch.stack([sources[p] for p in params])  # the parameters' orientation
+        m = stacked.mT if is_tall(params[0]) else stacked
+        if projection == "svd":
+            q = svd_basis(m, r)
+        else:
+            q = power_basis(m, torch.stack([warm[p] for p in params]), iters)
+        bases.update(zip(params, q.unbind(0)))
+    return bases
+
+
+def install_stacked(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]], bases: Mapping[Tensor, Tensor],
+                    fold: Callable[[dict[str, Tensor]], None]) -> dict[Tensor, Tensor]:
+    """Install ``bases`` into ``states`` (one per entry) and move the moments into them (``transition``), stacked by
+    shape, rank, knobs and step count; ``fold`` folds an unfolded error-feedback buffer first (in its old basis).
+    Returns ``{param: movement}`` (0-d tensors, not read) for the matrices that had a basis."""
+    steps = torch.stack([s["step"] for s in states]).tolist() if states else []  # CPU counters: one read
+    stacks: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for i, ((p, group, _), state) in enumerate(zip(entries, states)):
+        fold(state)
+        if state.get("basis") is None:
+            state["basis"] = bases[p]
+            continue
+        key = (tuple(p.shape), group["transition"], group["variance_clamp"], tuple(group["betas"]),
+               steps[i], state["basis"].device)
+        stacks[key].append(i)
+    movement: dict[Tensor, Tensor] = {}
+    for (_, transition, clamp, (beta1, beta2), t, _), index in stacks.items():
+        group_states = [states[i] for i in index]
+        old = torch.stack([s["basis"] for s in group_states])
+        new = torch.stack([bases[entries[i][0]] for i in index])
+        change = new.mT @ old
+        if transition == "reset" and t:
+            for key in _RESET_KEYS:
+                present = [s[key] for s in group_states if key in s]
+                if present:
+                    torch._foreach_zero_(present)
+            torch._foreach_zero_([s["step"] for s in group_states])
+        elif transition == "rotate" and t:
+            exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in group_states], [s["exp_avg_sq"] for s in group_states]
+            u, v = rotate_moments(torch.stack(exp_avgs), torch.stack(exp_avg_sqs), change, 1 - beta1**t,
+                                  1 - beta2**t, clamp=clamp)
+            torch._foreach_copy_(exp_avgs, u.unbind(0))
+            torch._foreach_copy_(exp_avg_sqs, v.unbind(0))
+        moved = subspace_movement(old, new, change).unbind(0)
+        for i, m in zip(index, moved):
+            states[i]["basis"] = bases[entries[i][0]]
+            movement[entries[i][0]] = m
+    return movement
+
+
+def transition_reference(state: dict[str, Tensor], group: Mapping[str, Any], old: Tensor, new: Tensor) -> None:
+    """One matrix's moments moved from basis ``old`` into ``new`` by its group's ``transition`` (the reference of
+    :func:`install_stacked`; the caller installs ``new``)."""
+    kind = group["transition"]
+    t = state["step"].item()
+    if kind == "keep" or t == 0:
+        return
+    if kind == "reset":
+        for key in _RESET_KEYS:
+            if key in state:
+                state[key].zero_()
+        state["step"].zero_()
+        return
+    beta1, beta2 = group["betas"]
+    u, v = rotate_moments(state["exp_avg"], state["exp_avg_sq"], new.mT @ old, 1 - beta1**t, 1 - beta2**t,
+                          clamp=group["variance_clamp"])
+    state["exp_avg"].copy_(u)
+    state["exp_avg_sq"].copy_(v)
