@@ -54,11 +54,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:LoRDO. rank=4 is larger than the
 # One process: the Synchronizer with a communicator that fails on demand
 # ---------------------------------------------------------------------------------------------------------------
 class FlakyCommunicator(Communicator):
-    """One process (collectives are no-ops) that raises ``error`` at the collective of ``purpose`` once armed."""
+    """Two identical workers simulated in one process (an average is the value itself, a broadcast changes nothing;
+    with a world size of 1 the synchronizer would skip the buffers' and moments' collectives) that raises ``error``
+    at the collective of ``purpose`` once armed."""
 
     def __init__(self, purpose: str = "", error: Optional[BaseException] = None) -> None:
         super().__init__(CommAccountant(), timedelta(seconds=5))
         self.purpose, self.error, self.armed = purpose, error, False
+
+    @property
+    def world_size(self) -> int:
+        return 2
 
     def _maybe_fail(self, purpose: str) -> None:
         if self.armed and purpose.partition(":")[0] == self.purpose:  # "pseudo_gradients:lowrank" too
@@ -66,13 +72,11 @@ class FlakyCommunicator(Communicator):
             assert self.error is not None
             raise self.error
 
-    def all_reduce_mean(self, tensors: Sequence[Tensor], purpose: str) -> None:
+    def all_reduce_mean(self, tensors: Sequence[Tensor], purpose: str, in_round: bool = True) -> None:
         self._maybe_fail(purpose)
-        super().all_reduce_mean(tensors, purpose)
 
-    def broadcast(self, tensors: Sequence[Tensor], purpose: str, src: int = 0) -> None:
+    def broadcast(self, tensors: Sequence[Tensor], purpose: str, src: int = 0, in_round: bool = True) -> None:
         self._maybe_fail(purpose)
-        super().broadcast(tensors, purpose, src)
 
 
 def _model() -> nn.Module:

@@ -246,7 +246,7 @@ def _scenario(rank: int, comm: Communicator, kind: str, dtype: str = "float32", 
         result = payload.reduce(comm, ds, "pseudo_gradients")
         counted = comm.accountant.end_round()
         payload.commit(result)
-        record.append(dict(before=before, after=payload.state_dict(), finite=result.finite,
+        record.append(dict(before=before, after=payload.state_dict(), finite=bool(result.finite),
                            averaged=result.averaged, bases=getattr(result, "bases", None), traffic=result.traffic,
                            counted=counted, error_norm=payload.error_norm()))
     return record
@@ -426,12 +426,12 @@ def test_a_non_finite_pseudo_gradient_on_one_worker_flags_the_round_on_all_and_c
             assert rec["finite"] == (t != bad_round), (r, t)
             if t != bad_round:
                 continue
-            assert rec["averaged"] == [] or SCENARIOS[name]["kind"] == "dense"
+            assert not all(bool(torch.isfinite(a).all()) for a in rec["averaged"])
             for key, before in rec["before"].items():
                 assert all(torch.equal(x, y) for x, y in zip(before, rec["after"][key], strict=True)), key
-            if SCENARIOS[name]["kind"] == "lowrank":  # P was already non-finite: the B message was skipped
+            if SCENARIOS[name]["kind"] == "lowrank":  # both messages travel: nothing is read back mid-round
                 full = _expected_bytes(name.replace("nan-", "").replace("inf-", ""))
-                assert 0 < rec["counted"]["pseudo_gradients"] < full
+                assert rec["counted"]["pseudo_gradients"] == full
     # the round after works again, on every worker
     assert all(per_rank[r][bad_round + 1]["finite"] for r in range(WORLD))
 

@@ -33,7 +33,8 @@ Transactions. ``reduce`` never changes the payload's state: it returns a round (
 state pending), and ``commit(round)`` installs the new state once the caller's whole synchronization succeeded. A
 round whose averaged values are not finite (NaN/Inf on any worker makes every worker's average non-finite, so all
 ranks agree without a message) has ``finite=False`` and its ``commit`` is a no-op: neither ``e`` nor ``R`` moves.
-The second collective is skipped when the averaged P is already non-finite (on all ranks alike).
+Both collectives run even when the averaged P is non-finite (its NaN/Inf are zeroed for the QR), so that no value is
+read back to the host in the middle of a round; the round's ``finite`` flag is a device tensor.
 
 Typical use by a synchronizer (``deltas``: the low-rank matrices' pseudo-gradients, original orientation)::
 
@@ -52,14 +53,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
 from lightning_lordo._tensors import (
-    all_finite,
     canonical,
+    finite_flags,
     is_tall,
     mix_seed,
     nbytes,
@@ -79,17 +80,18 @@ class LowRankRound:
     """One round of :class:`LowRankPayload` (nothing of the payload changed yet: see ``commit``).
 
     Attributes:
-        finite: whether the averaged P and B are finite (identical on all ranks). If not, ``averaged`` and
-            ``bases`` are empty and ``commit`` is a no-op.
+        finite: whether the averaged P and B are finite (identical on all ranks): a 0-d bool tensor, not read
+            (a synchronizer combines it with its other checks into one host read and may set a ``bool``). If not,
+            ``averaged`` is not finite and ``commit`` is a no-op.
         averaged: per matrix, the applied averaged update ``Q B`` (float32, original orientation).
         bases: per matrix, ``Q`` (float32, ``a x r``, canonical orientation), bitwise identical on all ranks.
-        traffic: bytes counted, by collective kind (two collectives, or one when P was non-finite).
+        traffic: bytes counted, by collective kind (two collectives).
         errors: per matrix, the sync-level error feedback ``commit`` installs (canonical; empty without error
             feedback).
         right: per matrix, the right factor ``R = orth(B^T)`` (``b x r``) ``commit`` installs.
     """
 
-    finite: bool
+    finite: Union[bool, Tensor]
     averaged: list[Tensor]
     bases: list[Tensor]
     traffic: dict[str, int]
@@ -153,23 +155,22 @@ class LowRankPayload:
         p_msg = quantized_mean(comm, [(w @ r).mT for w, r in zip(work, rights)], purpose, self.payload_dtype,
                                self.reduction)
         traffic = dict(p_msg.traffic)
-        if not all_finite(p_msg.means):  # identical on all ranks: all skip the second message
-            return LowRankRound(False, [], [], traffic, version=self._version)
-        bases = [orthonormalize(p.mT) for p in p_msg.means]
+        # no host read here: a non-finite P (identical on all ranks) is zeroed for the QR and flags the round
+        p_finite = finite_flags(p_msg.means).all()
+        bases = [orthonormalize(torch.nan_to_num(p, 0.0, 0.0, 0.0).mT) for p in p_msg.means]
         # message 2: B_m = Q^T D_m, r x b
         b_msg = quantized_mean(comm, [q.mT @ w for q, w in zip(bases, work)], purpose, self.payload_dtype,
                                self.reduction)
         for kind, sent in b_msg.traffic.items():
             traffic[kind] = traffic.get(kind, 0) + sent
-        if not all_finite(b_msg.means):
-            return LowRankRound(False, [], [], traffic, version=self._version)
+        finite = p_finite & finite_flags(b_msg.means).all()
         averaged = []
         for d, q, b in zip(deltas, bases, b_msg.means):
             update = q @ b
             averaged.append((update.mT if is_tall(d) else update).contiguous())
         errors = [w.sub_(q @ s) for w, q, s in zip(work, bases, b_msg.sent)] if self.error_feedback else []
         right = [orthonormalize(b.mT) for b in b_msg.means]
-        return LowRankRound(True, averaged, bases, traffic, errors, right, self._version)
+        return LowRankRound(finite, averaged, bases, traffic, errors, right, self._version)
 
     def commit(self, result: LowRankRound) -> None:
         """Install the round's error feedback and right factors (a no-op for a non-finite round).
@@ -186,6 +187,10 @@ class LowRankPayload:
             self._errors = result.errors
 
     # ------------------------------------------------------------------ state
+    def error_tensors(self) -> list[Tensor]:
+        """This worker's sync-level error feedback, one tensor per matrix (empty without error feedback)."""
+        return list(self._errors)
+
     def error_norm(self) -> float:
         """The L2 norm of this worker's sync-level error feedback, over all matrices (for the monitor)."""
         return total_norm(self._errors)
@@ -268,3 +273,4 @@ class LowRankPayload:
                 self._right.append(random_orthonormal(max(d.shape), r, seed, d.device))
         if self.error_feedback and not self._errors:
             self._errors = [torch.zeros(sorted(d.shape), device=d.device) for d in deltas]
+

@@ -62,12 +62,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import all_finite, math_dtype, total_norm
+from lightning_lordo._tensors import finite_flags, math_dtype, total_norm
 from lightning_lordo._tensors import nbytes as tensor_bytes
 from lightning_lordo.comm.int8 import dequantize_int8, quantize_int8
 from lightning_lordo.comm.reduce_scatter import int8_reduce_scatter_mean
@@ -161,11 +161,13 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
     """
     how = resolve_reduction(payload_dtype, reduction, comm.world_size)
     full = payload_dtype == "float32" and how == "all_reduce"  # no compression: float64 stays float64
-    xs = [t.detach().to(math_dtype(t.dtype) if full else torch.float32) for t in tensors]
+    xs = [_as(t, math_dtype(t.dtype) if full else torch.float32) for t in tensors]
     shapes = [x.shape for x in xs]
     if not xs:
         return QuantizedMean([], [], {})
     world = comm.world_size
+    if full and world == 1:  # nothing travels and nothing is rounded: the mean is the input
+        return QuantizedMean(xs, xs, {})
     if full:
         means = [x.clone() for x in xs]
         comm.all_reduce_mean(means, purpose)
@@ -222,6 +224,12 @@ def _decode_int8(row: Tensor, layout: list[tuple[torch.Size, int]], shapes: list
     return out
 
 
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` detached, in ``dtype``: itself when it already is (no op dispatched), else a copy."""
+    t = t.detach() if t.requires_grad else t
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _split(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
     out, offset = [], 0
     for shape in shapes:
@@ -239,13 +247,14 @@ class AverageRound:
     """One round of :class:`QuantizedAverager` (nothing of the averager changed yet: see ``commit``).
 
     Attributes:
-        finite: whether every average is finite (identical on all ranks); if not, ``commit`` is a no-op.
+        finite: whether every average is finite (identical on all ranks): a 0-d bool tensor, not read (a
+            synchronizer combines it with its other checks into one host read); if not, ``commit`` is a no-op.
         averaged: the float32 averages, shaped as the inputs.
         traffic: bytes counted, by collective kind.
         errors: the error feedback ``commit`` installs (``None``: none kept, float32 payloads).
     """
 
-    finite: bool
+    finite: Union[bool, Tensor]
     averaged: list[Tensor]
     traffic: dict[str, int]
     errors: Optional[list[Tensor]]
@@ -278,7 +287,8 @@ class QuantizedAverager:
             ValueError: the tensors do not match the shapes of the error feedback kept so far.
             CollectiveTimeout: from the communicator.
         """
-        xs = [t.detach().to(math_dtype(t.dtype)).clone() for t in tensors]
+        exact = self.payload_dtype == "float32" and self._errors is None  # nothing is added or kept: no copy
+        xs = [_as(t, math_dtype(t.dtype)) if exact else t.detach().to(math_dtype(t.dtype)).clone() for t in tensors]
         if self._errors is not None:
             if [e.shape for e in self._errors] != [x.shape for x in xs]:
                 raise ValueError("QuantizedAverager.reduce: the tensors' shapes "
@@ -288,7 +298,7 @@ class QuantizedAverager:
                 x.add_(e.to(x.device))
         result = quantized_mean(comm, xs, purpose, self.payload_dtype, self.reduction)
         errors = None if self.payload_dtype == "float32" else [x.sub_(s) for x, s in zip(xs, result.sent)]
-        return AverageRound(all_finite(result.means), result.means, result.traffic, errors, self._version)
+        return AverageRound(finite_flags(result.means).all(), result.means, result.traffic, errors, self._version)
 
     def commit(self, result: AverageRound) -> None:
         """Install the round's error feedback (a no-op for a non-finite round).
@@ -300,6 +310,10 @@ class QuantizedAverager:
         self._version += 1
         if result.finite:
             self._errors = result.errors
+
+    def error_tensors(self) -> list[Tensor]:
+        """This worker's error feedback (empty when none is kept)."""
+        return list(self._errors or [])
 
     def error_norm(self) -> float:
         """The L2 norm of this worker's error feedback, over all tensors (0 when none)."""

@@ -9,13 +9,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_lordo._tensors import all_finite, mix_seed, seeded_normal
+from lightning_lordo._tensors import all_finite, finite_flags, mix_seed, seeded_normal
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.comm.quantization import quantized_mean
 from lightning_lordo.config import SyncConfig
@@ -35,7 +35,10 @@ class Exchange:
         buffers: the floating buffers' averages and the other buffers from rank 0.
         state: by purpose (``moments``, ``error_feedback``), the optimizer state to overwrite with its averages.
         bases: the new bases (``{param: basis}``), identical on every worker.
-        reset: the parameters whose averaged optimizer state is not finite (reset at commit, on every worker).
+        checked: the parameters whose averaged optimizer state ``state_finite`` checks, in order.
+        state_finite: one bool per ``checked`` parameter, whether its averaged state is finite (a tensor, read at
+            the commit with the round's other figures; a non-finite one is reset there, on every worker alike).
+        norm: the L2 norm of the averaged pseudo-gradients (a 0-d tensor, read at the commit).
         basis_seconds: the time spent computing the bases.
         finite: whether the averaged pseudo-gradients are finite (if not, only ``buffers`` is filled in).
     """
@@ -45,31 +48,40 @@ class Exchange:
     buffers: tuple[list[Tensor], list[Tensor]]
     state: dict[str, StateEntries] = field(default_factory=dict)
     bases: dict[Tensor, Tensor] = field(default_factory=dict)
-    reset: list[Tensor] = field(default_factory=list)
+    checked: list[Tensor] = field(default_factory=list)
+    state_finite: Optional[Tensor] = None
+    norm: Optional[Tensor] = None
     basis_seconds: float = 0.0
     finite: bool = True  # False: the averaged pseudo-gradient is not finite (the round is discarded everywhere)
 
 
 def average_buffers(comm: Communicator, buffers: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-    """Floating buffers averaged and the others from rank 0, as copies. A non-finite average (identical on all
-    workers) is replaced by the mean of the finite values (one more all-reduce, only then), with a warning."""
-    local = [b for b in buffers if b.is_floating_point()]
-    floating = [b.detach().clone() for b in local]
+    """Floating buffers averaged and the others from rank 0, as copies (nothing alone: one process has nothing to
+    average). Reads nothing: :func:`repair_buffers` handles a non-finite average."""
+    if comm.world_size == 1:
+        return [], []
+    floating = [b.detach().clone() for b in buffers if b.is_floating_point()]
     others = [b.detach().clone() for b in buffers if not b.is_floating_point()]
     comm.all_reduce_mean(floating, "buffers")
-    if not all_finite(floating):
-        finite = [torch.isfinite(b) for b in local]
-        sums = [torch.where(f, b, torch.zeros_like(b)) for f, b in zip(finite, local)]
-        counts = [f.float() for f in finite]
-        comm.all_reduce_mean(sums + counts, "buffers")  # means of both: their ratio is the finite mean
-        floating = [torch.where(c > 0, s.float() / c.clamp(min=1e-30), b.float()).to(b.dtype)
-                    for s, c, b in zip(sums, counts, local)]
-        if comm.rank == 0:
-            left = "" if all_finite(floating) else " Some values are non-finite on every worker and stay so."
-            warnings.warn(f"LoRDO {comm.context}: module buffers are not finite on some worker; they are averaged "
-                          f"over the workers where they are finite.{left}", RuntimeWarning, stacklevel=4)
     comm.broadcast(others, "buffers")
     return floating, others
+
+
+def repair_buffers(comm: Communicator, buffers: Sequence[Tensor]) -> list[Tensor]:
+    """The floating buffers' averages when their plain average was not finite (identical on all workers): the mean
+    of the finite values (one more all-reduce, only then), with a warning."""
+    local = [b for b in buffers if b.is_floating_point()]
+    finite = [torch.isfinite(b) for b in local]
+    sums = [torch.where(f, b, torch.zeros_like(b)) for f, b in zip(finite, local)]
+    counts = [f.float() for f in finite]
+    comm.all_reduce_mean(sums + counts, "buffers")  # means of both: their ratio is the finite mean
+    floating = [torch.where(c > 0, s.float() / c.clamp(min=1e-30), b.float()).to(b.dtype)
+                for s, c, b in zip(sums, counts, local)]
+    if comm.rank == 0:
+        left = "" if all_finite(floating) else " Some values are non-finite on every worker and stay so."
+        warnings.warn(f"LoRDO {comm.context}: module buffers are not finite on some worker; they are averaged "
+                      f"over the workers where they are finite.{left}", RuntimeWarning, stacklevel=4)
+    return floating
 
 
 def commit_buffers(buffers: Sequence[Tensor], floating: list[Tensor], others: list[Tensor]) -> None:
@@ -107,31 +119,38 @@ def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncC
 
 
 def average_state(comm: Communicator, state: dict[str, list[tuple[Tensor, list[Tensor]]]], config: SyncConfig
-                  ) -> tuple[dict[str, StateEntries], list[Tensor]]:
-    """Averages of ``state`` (from :func:`averaged_state`), in ``config.moments_dtype``, and the parameters whose
-    averages are not finite (the same on every worker, the averages being identical), in the order of ``state``."""
+                  ) -> tuple[dict[str, StateEntries], list[Tensor], Optional[Tensor]]:
+    """Averages of ``state`` (from :func:`averaged_state`), in ``config.moments_dtype``; the parameters checked and,
+    per parameter, whether its averages are finite (a bool tensor, not read; identical on every worker, the averages
+    being identical). Alone nothing is averaged (the state stays as it is, and is only checked)."""
     out: dict[str, StateEntries] = {}
-    bad: dict[Tensor, None] = {}  # an ordered set
+    checked: dict[Tensor, list[Tensor]] = {}  # parameter -> the tensors whose finiteness decides its reset
     for purpose, entries in state.items():
         tensors = [t for _, ts in entries for t in ts]
         if not tensors:
             continue
-        if config.moments_dtype == "float32":
+        if comm.world_size == 1:
+            means = tensors
+        elif config.moments_dtype == "float32":
             means = [t.detach().clone() for t in tensors]
             comm.all_reduce_mean(means, purpose)
-        elif comm.world_size > 1:
+        else:
             means = [m.to(t.dtype) for t, m in zip(tensors, quantized_mean(comm, tensors, purpose,
                                                                          config.moments_dtype).means)]
-        else:  # alone nothing is averaged: the state stays as it is
-            means = [t.detach().clone() for t in tensors]
-        out[purpose], offset = [], 0
+        rows, offset = [], 0
         for p, ts in entries:
             mine = means[offset: offset + len(ts)]
             offset += len(ts)
-            out[purpose].append((p, ts, mine))
-            if not all_finite(mine):
-                bad[p] = None
-    return out, list(bad)
+            rows.append((p, ts, mine))
+            checked.setdefault(p, []).extend(mine)
+        if comm.world_size > 1:
+            out[purpose] = rows
+    if not checked:
+        return out, [], None
+    flat = [t for ts in checked.values() for t in ts]
+    owner = torch.tensor([i for i, ts in enumerate(checked.values()) for _ in ts], device=flat[0].device)
+    bad = torch.zeros(len(checked), device=flat[0].device).index_add_(0, owner, (~finite_flags(flat)).float())
+    return out, list(checked), bad == 0
 
 
 def commit_state(entries: dict[str, StateEntries]) -> None:

@@ -50,20 +50,31 @@ class Anchor:
         for a, p in zip(self.tensors, self.params):
             a.copy_(p.detach())
 
+    def _beside(self, params: Sequence[Tensor]) -> bool:
+        """Whether the anchor has the parameters' device and dtype, and that dtype is the one LoRDO computes in:
+        then a whole-model operation is one ``foreach`` op."""
+        return all(a.device == p.device and a.dtype == p.dtype == math_dtype(p.dtype)
+                   for a, p in zip(self.tensors, params))
+
+    @torch.no_grad()
     def deltas(self, params: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
         """Each worker's pseudo-gradient ``anchor - params`` (old minus new, as DiLoCo), on the parameters'
         device, in float32 (float64 for float64 parameters); ``params``: copies of them to use instead."""
+        params = self.params if params is None else list(params)
+        if self._beside(params):
+            return torch._foreach_sub(self.tensors, params)
         out = []
-        for a, p in zip(self.tensors, self.params if params is None else params):
+        for a, p in zip(self.tensors, params):
             dtype = math_dtype(p.dtype)
             out.append(a.to(device=p.device, dtype=dtype, non_blocking=True) - p.detach().to(dtype))
         return out
 
+    @torch.no_grad()
     def set(self, values: Sequence[Tensor]) -> None:
         """Anchor and parameters become ``values`` (the new synchronized point)."""
-        for a, p, v in zip(self.tensors, self.params, values):
-            a.copy_(v)
-            p.detach().copy_(v)
+        if self.tensors:
+            torch._foreach_copy_(self.tensors, list(values))
+            torch._foreach_copy_(self.params, list(values))
 
     def restore(self) -> None:
         """The parameters go back to the anchor (a discarded round)."""
@@ -120,6 +131,8 @@ class OuterStep:
         """The new synchronized point from the averaged ``delta`` (left as it is); the SGD momentum moves (call it
         at commit)."""
         if self.kind == "average":
+            if all(a.device == d.device and a.dtype == d.dtype for a, d in zip(anchor.tensors, delta)):
+                return torch._foreach_sub(anchor.tensors, list(delta))
             return [a.to(device=d.device, dtype=d.dtype) - d for a, d in zip(anchor.tensors, delta)]
         sgd = self._optimizer(anchor)
         for a, d in zip(anchor.tensors, delta):  # a copy: SGD's foreach Nesterov path adds the momentum into grad

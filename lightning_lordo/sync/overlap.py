@@ -29,6 +29,7 @@ same step. The final synchronization of ``fit`` lands the round in flight first.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -129,8 +130,7 @@ def corrected(round_: Launch, result: ex.Exchange, optimizer: Optimizer, live_bu
         live = [b for b in live_buffers if b.is_floating_point() == floating]
         snap = [b for b in round_.buffers if b.is_floating_point() == floating]
         new.append([m + (x - c) for m, x, c in zip(means, live, snap, strict=True)])
-    return ex.Exchange(result.averaged, result.payload_rounds, (new[0], new[1]), state, result.bases, result.reset,
-                       result.basis_seconds, result.finite)
+    return dataclasses.replace(result, buffers=(new[0], new[1]), state=state)
 
 
 def progress(round_: Launch, params: Sequence[Tensor]) -> list[Tensor]:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import mix_seed
+from lightning_lordo._tensors import mix_seed, norms
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.comm.quantization import QuantizedAverager
@@ -85,26 +85,42 @@ class PseudoGradientPayloads:
         """Whether any message is compressed (low-rank or reduced precision): then it keeps error feedback."""
         return any(isinstance(m, LowRankPayload) or m.payload_dtype != "float32" for _, _, m, _ in self.groups)
 
-    def reduce(self, comm: Communicator, local: Sequence[Tensor]) -> tuple[list[Tensor], list[tuple[Any, Any]]]:
-        """The averaged pseudo-gradients (float32; float64 parameters' full-precision ones stay float64) and the
-        rounds to commit if the whole sync succeeds. Changes nothing here. A non-finite round (NaN/Inf on any
-        worker, so on every worker alike) comes back as non-finite averages."""
+    def reduce(self, comm: Communicator, local: Sequence[Tensor]
+               ) -> tuple[list[Tensor], list[tuple[Any, Any]], Optional[Tensor]]:
+        """The averaged pseudo-gradients (float32; float64 parameters' full-precision ones stay float64), the
+        rounds to commit if the whole sync succeeds, and whether every message's averages are finite (a 0-d bool
+        tensor, not read; ``None`` without messages). Changes nothing here. A non-finite round (NaN/Inf on any
+        worker, so on every worker alike) has non-finite averages or a false flag."""
         averaged: list[Tensor] = list(local)
         rounds: list[tuple[Any, Any]] = []
+        flags = []
         for _, positions, message, purpose in self.groups:
+            if not positions:
+                continue
             result = message.reduce(comm, [local[i] for i in positions], purpose)
             rounds.append((message, result))
+            flags.append(result.finite)
             for n, i in enumerate(positions):
-                if isinstance(message, QuantizedAverager):
-                    averaged[i] = result.averaged[n].to(local[i].dtype)
-                else:
-                    averaged[i] = (result.averaged[n] if result.finite
-                                   else torch.full_like(local[i], float("nan"), dtype=torch.float32))
-        return averaged, rounds
+                averaged[i] = result.averaged[n].to(local[i].dtype) if isinstance(message, QuantizedAverager) \
+                    else result.averaged[n]
+        finite = torch.stack(flags).all() if flags else None
+        return averaged, rounds, finite
+
+    @staticmethod
+    def resolve(rounds: Sequence[tuple[Any, Any]], finite: bool) -> None:
+        """Record the round's finiteness, read once by the synchronizer, on each message's round (their commits
+        then read nothing)."""
+        for _, result in rounds:
+            result.finite = finite
 
     def error_norm(self) -> float:
         """Norm of this worker's sync-level error feedback (SPEC §5), over every message."""
         return math.sqrt(sum(m.error_norm() ** 2 for _, _, m, _ in self.groups))
+
+    def error_norm_tensor(self) -> Tensor:
+        """:meth:`error_norm` as a 0-d tensor where the buffers are, not read."""
+        errors = [e for _, _, m, _ in self.groups for e in m.error_tensors()]
+        return torch.linalg.vector_norm(norms(errors)) if errors else torch.zeros(())
 
     def state_dict(self) -> dict[str, Any]:
         """Per worker, for checkpoints: ``{"averager": the last group's, "lowrank": ..., "lowrank_averager": ...,

@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_lordo._tensors import all_finite, nbytes
+from lightning_lordo._tensors import finite_flags, nbytes, norms
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.lordo import LoRDO
@@ -272,12 +272,21 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
                  refresh: bool = True) -> ex.Exchange:
         """Every collective of a round on ``comm`` and, when ``refresh``, the new bases; reads only its arguments
         and the payloads', bases' and basis window's state (which change only at a commit), so it may run on
-        another thread (``overlap_steps``)."""
-        averaged, rounds = self.payloads.reduce(comm, local)
-        buffers = ex.average_buffers(comm, buffers)
-        if not all_finite(averaged):  # identical on all workers: they all discard the round
-            return ex.Exchange(averaged, rounds, buffers, finite=False)
-        state, reset = ex.average_state(comm, entries, self.config)
+        another thread (``overlap_steps``). One host read: whether the pseudo-gradients and the buffers are finite
+        (the commit reads the round's other figures at once)."""
+        averaged, rounds, payload_finite = self.payloads.reduce(comm, local)
+        floating, others = ex.average_buffers(comm, buffers)
+        magnitudes = norms(averaged)
+        finite = magnitudes.isfinite().all()
+        if payload_finite is not None:
+            finite = finite & payload_finite.to(finite.device)
+        ok, buffers_ok = torch.stack([finite, finite_flags(floating).all().to(finite.device)]).tolist()
+        if not buffers_ok:  # identical on all workers: all repair them together
+            floating = ex.repair_buffers(comm, buffers)
+        if not ok:  # identical on all workers: they all discard the round
+            return ex.Exchange(averaged, rounds, (floating, others), finite=False)
+        self.payloads.resolve(rounds, True)
+        state, checked, state_finite = ex.average_state(comm, entries, self.config)
         basis_start = time.perf_counter()
         bases = {}
         if self.lordo is not None and refresh:
@@ -286,8 +295,10 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
             sources = self.window.sources(sources) if self.window else sources
             bases = self._bases(sources, comm, generation) if shared else \
                 self.lordo.compute_bases(sources, generation)
-        return ex.Exchange(averaged, rounds, buffers, state, bases, reset, time.perf_counter() - basis_start)
+        return ex.Exchange(averaged, rounds, (floating, others), state, bases, checked, state_finite,
+                           torch.linalg.vector_norm(magnitudes), time.perf_counter() - basis_start)
 
+    @torch.no_grad()
     def land(self, round_: ex.Exchange, start: float, progress: Optional[list[Tensor]] = None,
              step: Optional[int] = None) -> SyncReport:
         """Commit an exchanged round (or discard a non-finite one on every worker) and report it; ``progress``:
@@ -295,32 +306,42 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         (``None``: now), kept on top of the new synchronized point (``overlap_steps``)."""
         if not round_.finite:
             return self._discard(start, round_.buffers)
-        averaged = round_.averaged
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in averaged]))) \
-            if averaged else 0.0
         with record_function("lordo.commit"), signals_deferred(signal.SIGINT):
-            movement = self._commit(round_, progress)
+            figures = self._commit(round_, progress)
             self._anchor_step = self.optimizer_steps if step is None else step
-        extra = {"reset_moments": float(len(round_.reset))} if round_.reset else {}
+        reset = figures.pop("reset")
+        extra = {"reset_moments": float(reset)} if reset else {}
         if self.payloads.compressed:
-            extra["sync_error_feedback_norm"] = self.payloads.error_norm()
-        return self._finish(start, round_.basis_seconds, _mean_movement(movement), norm, extra=extra)
+            extra["sync_error_feedback_norm"] = figures["error_norm"]
+        return self._finish(start, round_.basis_seconds, figures["movement"], figures["norm"], extra=extra)
 
-    def _commit(self, round_: ex.Exchange, progress: Optional[list[Tensor]] = None) -> dict[Tensor, Tensor]:
-        """Local and unable to fail: the exchanged round becomes this worker's state."""
+    def _commit(self, round_: ex.Exchange, progress: Optional[list[Tensor]] = None) -> dict[str, Any]:
+        """Local and unable to fail: the exchanged round becomes this worker's state. Reads the round's figures
+        back to the host once: the norm, the subspace movement, the sync-level error feedback's norm and which
+        parameters' averaged state is not finite (those are reset, on every worker alike)."""
         new = self.outer.apply(self.anchor, round_.averaged)
         ex.commit_state(round_.state)
         movement = self.lordo.set_bases(round_.bases) if self.lordo is not None else {}
         self.window.commit(dict(zip(self.params, round_.averaged)), refreshed=bool(round_.bases))
-        for p in round_.reset:
-            reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
         ex.commit_buffers(self.buffers, *round_.buffers)
         for payload, payload_round in round_.payload_rounds:
             payload.commit(payload_round)
         self.anchor.set(new)
-        for p, moved in zip(self.params, progress or []):
-            p.detach().add_(moved)
-        return movement
+        if progress:
+            torch._foreach_add_(self.params, progress)
+        device = round_.norm.device if round_.norm is not None else torch.device("cpu")
+        moved = torch.stack(list(movement.values())).mean() if movement else torch.tensor(float("nan"))
+        error_norm = self.payloads.error_norm_tensor() if self.payloads.compressed else torch.zeros(())
+        state_finite = round_.state_finite if round_.state_finite is not None else torch.ones(0, dtype=torch.bool)
+        figures = torch.cat([t.to(device=device, dtype=torch.float32).reshape(-1) for t in
+                             (round_.norm if round_.norm is not None else torch.zeros(()), moved, error_norm,
+                              state_finite)]).tolist()  # the commit's one host read
+        norm, movement_mean, error = figures[:3]
+        reset = [p for p, ok in zip(round_.checked, figures[3:]) if not ok]
+        for p in reset:
+            reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
+        return {"norm": norm, "movement": None if movement_mean != movement_mean else movement_mean,
+                "error_norm": error, "reset": len(reset)}
 
     def _finish(self, start: float, basis_seconds: float, movement: Optional[float], norm: float,
                 skipped: bool = False, extra: Optional[dict[str, float]] = None) -> SyncReport:

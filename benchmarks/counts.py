@@ -1,0 +1,220 @@
+"""What a GPU pays for, counted on the CPU: host reads and dispatched ops per sync and per optimizer step.
+
+On an accelerator every read of a device value back to the host (``.item()``, ``bool()``, ``.tolist()``) stalls the
+host until the device has caught up, and every dispatched op is at least one kernel launch. Neither needs a GPU to
+count: :class:`Counts` counts both while the code runs on the CPU, in the accelerators' layout (``LoRDO.in_place =
+False``: stacked same-shape matrices, batched bases). Values computed only from LoRDO's step counters, which live in
+host memory on an accelerator too, are not device reads and are not counted.
+
+Printed (one run, counts do not depend on the machine):
+
+1. ``sync``: host reads and dispatched ops of one sync, per parameter tensor, at world size 1 and 2 (gloo, fork), for
+   the presets' knobs, on a 4-layer GPT.
+2. ``step``: dispatched ops of one optimizer step, LoRDO against torch's foreach and fused AdamW, on a 12-layer
+   GPT-2-small-shaped parameter set (the widths do not change the counts; they are scaled down to run in seconds).
+
+Usage: ``python benchmarks/counts.py`` (about 20 s). Writes ``results/counts.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_lordo import LoRDO
+from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.config import LEAN_KNOBS, SyncConfig
+from lightning_lordo.lightning.convert import full_rank_params
+from lightning_lordo.models import CharGPT
+from lightning_lordo.strategy_knobs import PRESETS
+from lightning_lordo.sync.synchronizer import Synchronizer
+
+READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.allclose")
+#: The presets whose syncs are counted: their optimizer knobs and synchronization knobs.
+SYNC_PRESETS = ("lordo", "lordo_lean", "lordo_compressed")
+
+
+class Counts(TorchDispatchMode):
+    """Counts dispatched ops and host reads (``item``/``bool``/``equal`` and ``Tensor.tolist``) while active.
+
+    Args:
+        host: tensors that live in host memory on an accelerator too (LoRDO's step counters): reads of them, and of
+            anything computed from them alone, are not device reads.
+    """
+
+    def __init__(self, host: Iterable[Tensor] = ()) -> None:
+        super().__init__()
+        self.ops, self.reads = 0, 0
+        self.by_op: dict[str, int] = {}
+        self._host = WeakIdKeyDictionary()
+        for t in host:
+            self._host[t] = True
+        self._tolist: Callable[..., Any] = Tensor.tolist
+
+    def _is_host(self, t: Any) -> bool:
+        return isinstance(t, Tensor) and t in self._host
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func)
+        self.ops += 1
+        self.by_op[name] = self.by_op.get(name, 0) + 1
+        inputs = [a for a in _flat(list(args) + list((kwargs or {}).values())) if isinstance(a, Tensor)]
+        host = bool(inputs) and all(self._is_host(a) for a in inputs)
+        if name.startswith(READS) and not host:
+            self.reads += 1
+        out = func(*args, **(kwargs or {}))
+        if host:
+            for t in _flat([out]):
+                if isinstance(t, Tensor):
+                    self._host[t] = True
+        return out
+
+    def __enter__(self) -> Counts:
+        counts = self
+        original = self._tolist
+
+        def tolist(t: Tensor) -> Any:
+            if not counts._is_host(t):
+                counts.reads += 1
+            return original(t)
+
+        Tensor.tolist = tolist  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+
+def _flat(values: Any) -> list[Any]:
+    out = []
+    for v in values:
+        out.extend(_flat(v) if isinstance(v, (list, tuple)) else [v])
+    return out
+
+
+def step_counters(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [s["step"] for s in optimizer.state.values() if isinstance(s.get("step"), Tensor)]
+
+
+def preset_knobs(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A preset's optimizer knobs and synchronization knobs."""
+    knobs = PRESETS[name][0]
+    optimizer = {k: v for k, v in knobs.items() if k in LEAN_KNOBS or k in ("rank", "omega")}
+    return optimizer, {k: v for k, v in knobs.items() if k not in optimizer}
+
+
+def count_sync(preset: str, steps: int = 6, sync_every: int = 2) -> dict[str, Any]:
+    """Host reads and dispatched ops of the last sync of a short run (the process group, if any, is set up)."""
+    previous, LoRDO.in_place = LoRDO.in_place, False  # the accelerators' layout
+    try:
+        torch.manual_seed(0)
+        model = CharGPT(vocab_size=256, d_model=64, n_layers=4, n_heads=4, seq_len=32)
+        params = list(model.parameters())
+        knobs, sync_knobs = preset_knobs(preset)
+        opt = LoRDO(params, lr=1e-3, rank=8, full_rank=full_rank_params(model), **knobs)
+        comm = Communicator(CommAccountant(), timedelta(seconds=60))
+        sync = Synchronizer(params, [], opt, SyncConfig(sync_every=sync_every, **sync_knobs), comm)
+        x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(comm.rank))
+        for step in range(steps):
+            opt.zero_grad()
+            model(x).float().mean().backward()
+            sync.before_optimizer_step()
+            opt.step()
+            if step < steps - 1:
+                sync.on_optimizer_step()
+        with Counts(step_counters(opt)) as counts:
+            report = sync.on_optimizer_step()
+        assert report is not None, "the counted step did not sync"
+    finally:
+        LoRDO.in_place = previous
+    return {"preset": preset, "world": comm.world_size, "tensors": len(params), "reads": counts.reads,
+            "ops": counts.ops, "ops_per_tensor": round(counts.ops / len(params), 2)}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        rows = [count_sync(name) for name in SYNC_PRESETS]
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(rows, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def count_syncs_two_processes() -> list[dict[str, Any]]:
+    """:func:`count_sync` for every preset with 2 processes (fork, gloo); rank 0's counts (rank 1's are checked to
+    be the same)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "counts")
+        mp.start_processes(_worker, args=(2, port, out), nprocs=2, start_method="fork")
+        ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
+    assert ranks[0] == ranks[1], f"the ranks counted differently: {ranks}"
+    return ranks[0]
+
+
+def count_step(make: Callable[[list[Tensor], torch.nn.Module], torch.optim.Optimizer]) -> int:
+    """Dispatched ops of one optimizer step on a GPT-2-small-shaped set (12 layers, tied head; widths scaled)."""
+    torch.manual_seed(0)
+    model = CharGPT(vocab_size=512, d_model=96, n_layers=12, n_heads=4, seq_len=64, tie_weights=True)
+    params = list(model.parameters())
+    opt = make(params, model)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.step()
+    with Counts(step_counters(opt)) as counts:
+        opt.step()
+    return counts.ops
+
+
+def count_steps() -> dict[str, Any]:
+    previous, LoRDO.in_place = LoRDO.in_place, False
+    try:
+        row = {"adamw_foreach": count_step(lambda ps, m: torch.optim.AdamW(ps, foreach=True)),
+               "adamw_fused": count_step(lambda ps, m: torch.optim.AdamW(ps, fused=True))}
+        for name in ("lordo", "lordo_lean"):
+            knobs = preset_knobs(name)[0]
+            row[name] = count_step(lambda ps, m, k=knobs: LoRDO(ps, rank=12, full_rank=full_rank_params(m), **k))
+    finally:
+        LoRDO.in_place = previous
+    row.update({f"{name}_over_foreach": round(row[name] / row["adamw_foreach"], 2) for name in ("lordo", "lordo_lean")})
+    return row
+
+
+def main() -> None:
+    from harness import ROOT, provenance
+
+    sync_rows = [count_sync(name) for name in SYNC_PRESETS] + count_syncs_two_processes()
+    print("sync (accelerators' layout, 4-layer GPT, 68 parameter tensors)")
+    print(f"{'preset':<18}{'world':>6}{'host reads':>12}{'ops':>8}{'ops/tensor':>12}")
+    for r in sync_rows:
+        print(f"{r['preset']:<18}{r['world']:>6}{r['reads']:>12}{r['ops']:>8}{r['ops_per_tensor']:>12}")
+    step = count_steps()
+    print("\nstep (GPT-2-small-shaped set, 12 layers): dispatched ops", json.dumps(step))
+    result = {"provenance": provenance("python benchmarks/counts.py"), "sync": sync_rows, "step": step}
+    path = ROOT / "results" / "counts.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
