@@ -13,6 +13,7 @@ Nothing is silently clamped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ BASIS_SCOPES = ("global", "local")
 INITIAL_BASES = ("gradient", "random")
 PAYLOADS = ("full", "lowrank")
 PAYLOAD_DTYPES = ("float32", "bfloat16", "int8")
-ANCHOR_DEVICES = ("param", "cpu")
+ANCHOR_DEVICES = ("auto", "param", "cpu")
 TIMEOUT_RANGE_S = (1.0, 365 * 24 * 3600.0)
 
 #: Defaults of the optimizer knobs. ``lr``, ``betas``, ``eps`` and ``weight_decay`` mean what they mean in
@@ -228,9 +229,10 @@ class SyncConfig:
         switch_betas: at the end of the warm-up, set the optimizer's betas to this pair (``None``: keep them).
         switch_reset_moments: at the end of the warm-up, zero the optimizer's moments (bases are kept).
         switch_lr_scale: at the end of the warm-up, multiply the learning rate (and the LR schedulers' base LRs).
-        anchor_device: where the anchor (the last synchronized parameters) lives: ``"param"`` (the parameters'
-            device) or ``"cpu"`` (pinned host memory when training on a GPU: one model less of GPU memory, one
-            host-to-device copy of the model per sync).
+        anchor_device: where the anchor (the last synchronized parameters) lives: ``"auto"`` (the default: pinned
+            host memory when the parameters are on an accelerator, where it saves one model of device memory, else
+            beside the parameters), ``"param"`` (the parameters' device, also on an accelerator: no host-to-device
+            copy at a sync) or ``"cpu"`` (host memory, pinned on an accelerator; the same as ``"auto"``).
         fullrank_rank: compress the pseudo-gradients of the full-rank 2-D parameters (embeddings, output heads)
             with a low-rank message of this rank (PowerSGD-style, warm-started, per-worker error feedback; they keep
             their AdamW step and moments, only the message is compressed). A matrix where ``r (a + b) >= a b``
@@ -271,7 +273,7 @@ class SyncConfig:
     switch_betas: Optional[tuple[float, float]] = None
     switch_reset_moments: bool = False
     switch_lr_scale: float = 1.0
-    anchor_device: str = "param"
+    anchor_device: str = "auto"
     fullrank_rank: int = 0
     moments_every: int = 1
     basis_every: int = 1
@@ -347,6 +349,14 @@ class SyncConfig:
                 raise _fail(local[0], getattr(self, local[0]), "it must be left at its default with synchronous=True "
                             "(every step is synchronous low-rank DDP: no local rounds, no switch)",
                             "Drop it, or use warmup_steps=N for a synchronous start followed by local steps.")
+
+    def alone(self) -> SyncConfig:
+        """The knobs one process runs with: nothing travels, so nothing is compressed, averaged or broadcast (a sync
+        is the outer step and the basis refresh from the pseudo-gradient). ``"lordo_compressed"`` then trains exactly
+        as ``"lordo_lean"``, whose optimizer knobs it shares."""
+        return dataclasses.replace(self, payload="full", payload_dtype="float32", fullrank_rank=0, moments_every=1,
+                                   average_fullrank_moments=False, average_error_feedback=False,
+                                   broadcast_bases=False)
 
     @property
     def moments_dtype(self) -> str:

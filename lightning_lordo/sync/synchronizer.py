@@ -72,7 +72,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         self.params = list(params)
         self.buffers = list(buffers)
         self.optimizer = optimizer
-        self.config = config
+        self.config = config = config.alone() if communicator.world_size == 1 else config
         self.comm = communicator
         # overlap_steps: the rounds' collectives run on a thread over this communicator's (side) group
         self.overlap_comm = overlap_communicator or communicator

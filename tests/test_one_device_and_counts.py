@@ -1,0 +1,101 @@
+"""What a GPU pays for in a sync, counted on the CPU (``benchmarks/counts.py``), and one process's sync, which is the
+basis refresh alone: nothing compressed, averaged or broadcast."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from strategy_helpers import TinyRegressor, loader, lordo, trainer
+from torch import nn
+
+from lightning_lordo import LoRDO
+from lightning_lordo.config import SyncConfig
+from lightning_lordo.strategy_knobs import PRESETS
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import counts  # noqa: E402
+
+
+def _fit(preset: str, steps: int = 12) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    module = TinyRegressor()
+    trainer(lordo(sync_every=4, start_method="popen", **PRESETS[preset][0]), devices=1, max_steps=steps).fit(
+        module, loader())
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def test_alone_the_compressed_preset_follows_the_lean_preset_bit_for_bit() -> None:
+    """``"lordo_compressed"`` with one device has nothing to send, so it compresses nothing: its trajectory is
+    ``"lordo_lean"``'s (the same optimizer knobs), bit for bit, over three syncs."""
+    compressed, lean = _fit("lordo_compressed"), _fit("lordo_lean")
+    assert all(torch.equal(a, b) for a, b in zip(compressed, lean, strict=True))
+    default = _fit("lordo")  # and the comparison can fail: other knobs give another trajectory
+    assert not all(torch.equal(a, b) for a, b in zip(default, lean, strict=True))
+
+
+def test_alone_the_sync_knobs_that_only_shape_messages_are_neutral() -> None:
+    config = SyncConfig(payload="lowrank", payload_dtype="int8", fullrank_rank=16, moments_every=4,
+                        average_fullrank_moments=True, broadcast_bases=True, sync_every=8).alone()
+    assert (config.payload, config.payload_dtype, config.fullrank_rank, config.moments_every) == ("full", "float32",
+                                                                                                  0, 1)
+    assert not (config.average_fullrank_moments or config.broadcast_bases) and config.sync_every == 8
+
+
+@pytest.mark.parametrize("preset", counts.SYNC_PRESETS)
+def test_a_sync_reads_back_at_most_two_values_alone(preset: str) -> None:
+    row = counts.count_sync(preset)
+    assert row["world"] == 1 and row["reads"] <= 2, row
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_reads_back_at_most_two_values_with_two_workers() -> None:
+    rows = counts.count_syncs_two_processes()
+    assert [r["preset"] for r in rows] == list(counts.SYNC_PRESETS)
+    assert all(r["world"] == 2 and r["reads"] <= 2 for r in rows), rows
+
+
+def test_the_counter_sees_reads_of_device_values_but_not_of_step_counters() -> None:
+    """The counter can fail: ``.item()``, ``bool()`` and ``.tolist()`` of a computed value count, reads of the step
+    counters (host memory on an accelerator too) and of what is computed from them alone do not."""
+    step, value = torch.tensor(3.0), torch.randn(4)
+    with counts.Counts([step]) as c:
+        step.item()
+        torch.stack([step, step]).tolist()
+        value.sum().item()
+        bool(value.abs().max() > 0)
+        value.tolist()
+    assert c.reads == 3
+
+
+def test_an_optimizer_step_dispatches_fewer_ops_than_foreach_adamw() -> None:
+    """Issue target: at most 1.5x the ops of torch's foreach AdamW on a GPT-2-small-shaped set (accelerators'
+    layout)."""
+    row = counts.count_steps()
+    assert row["lordo_over_foreach"] <= 1.5 and row["lordo_lean_over_foreach"] <= 1.5, row
+
+
+def test_stacked_bases_match_the_per_matrix_reference() -> None:
+    """New bases and rotated moments in the accelerators' stacked layout against the per-matrix path, on random
+    inputs (tall, wide, two shapes, two ranks, each transition)."""
+    def run(stacked: bool, transition: str) -> list[torch.Tensor]:
+        previous, LoRDO.in_place = LoRDO.in_place, (False if stacked else None)
+        try:
+            gen = torch.Generator().manual_seed(3)
+            params = [nn.Parameter(torch.randn(s, generator=gen)) for s in [(12, 30), (12, 30), (30, 12), (16, 16)]]
+            opt = LoRDO(params, lr=0.01, rank=4, transition=transition, power_iters=2)
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+            moved = opt.install_bases({p: torch.randn(p.shape, generator=gen) for p in params})
+            return [t for p in params for t in (opt.state[p]["basis"], opt.state[p]["exp_avg"],
+                                                  opt.state[p]["exp_avg_sq"], moved[p])]
+        finally:
+            LoRDO.in_place = previous
+
+    for transition in ("rotate", "reset", "keep"):
+        for a, b in zip(run(True, transition), run(False, transition), strict=True):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), transition
