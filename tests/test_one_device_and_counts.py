@@ -99,3 +99,22 @@ def test_stacked_bases_match_the_per_matrix_reference() -> None:
     for transition in ("rotate", "reset", "keep"):
         for a, b in zip(run(True, transition), run(False, transition), strict=True):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), transition
+
+
+def test_a_lowrank_matrix_its_rank_does_not_compress_travels_in_full() -> None:
+    """The low-rank payload's guard (as the full-rank matrices' one): a 16 x 24 matrix at rank 16 would send
+    16 x 40 numbers (2,560 B) for its 384 (1,536 B), so it travels in full; a 64 x 96 one at rank 16 is compressed."""
+    from lightning_lordo.comm.lowrank import LowRankPayload
+    from lightning_lordo.comm.quantization import QuantizedAverager
+    from lightning_lordo.sync.payloads import PseudoGradientPayloads
+
+    small, large, bias = nn.Parameter(torch.zeros(16, 24)), nn.Parameter(torch.zeros(64, 96)), nn.Parameter(
+        torch.zeros(16))
+    payloads = PseudoGradientPayloads([small, large, bias], {small: 16, large: 16}, SyncConfig(payload="lowrank"))
+    groups = {name: (positions, type(message)) for name, positions, message, _ in payloads.groups}
+    assert groups["lowrank"] == ([1], LowRankPayload)
+    assert groups["lowrank_in_full"] == ([0], QuantizedAverager)
+    assert groups["fullrank"] == ([2], QuantizedAverager)
+    assert LowRankPayload.traffic_bytes([(16, 24)], [16]) == 2560 > 16 * 24 * 4
+    full = PseudoGradientPayloads([small, large, bias], {small: 16, large: 16}, SyncConfig(payload="full"))
+    assert [positions for _, positions, _, _ in full.groups] == [[0, 1], [2]]  # the full payload: unchanged

@@ -104,7 +104,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         switch_betas: at the end of the warm-up, the optimizer's new betas (``null``: keep them).
         switch_reset_moments: at the end of the warm-up, zero the optimizer's moments.
         switch_lr_scale: at the end of the warm-up, multiply the learning rate.
-        anchor_device: where the anchor lives: ``param`` (the parameters' device) or ``cpu`` (pinned on a GPU).
+        anchor_device: where the anchor lives: ``auto`` (pinned host memory when the parameters are on an
+            accelerator, else beside them), ``param`` (the parameters' device) or ``cpu`` (host memory).
         fullrank_rank: rank of the full-rank 2-D parameters' pseudo-gradient messages (0: sent in full).
         moments_every: average the moments at every n-th sync only.
         basis_every: recompute the bases at every n-th sync only, from the pseudo-gradients summed since.
@@ -159,7 +160,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         switch_betas: Optional[tuple[float, float]] = SyncConfig.switch_betas,
         switch_reset_moments: bool = SyncConfig.switch_reset_moments,
         switch_lr_scale: float = SyncConfig.switch_lr_scale,
-        anchor_device: Literal["param", "cpu"] = SyncConfig.anchor_device,
+        anchor_device: Literal["auto", "param", "cpu"] = SyncConfig.anchor_device,
         fullrank_rank: int = SyncConfig.fullrank_rank,
         moments_every: int = SyncConfig.moments_every,
         basis_every: int = SyncConfig.basis_every,

@@ -26,10 +26,11 @@ class Anchor:
 
     Args:
         params: the trainable parameters, in the order every worker uses.
-        device: ``"param"`` (each parameter's device) or ``"cpu"`` (pinned when the parameters are on a GPU).
+        device: ``"param"`` (each parameter's device), or ``"auto"`` / ``"cpu"``: host memory, pinned where the
+            parameters are on an accelerator (on the CPU that is the parameters' own device).
     """
 
-    def __init__(self, params: Sequence[Tensor], device: str = "param") -> None:
+    def __init__(self, params: Sequence[Tensor], device: str = "auto") -> None:
         self.params = list(params)
         self.device = device
         self.tensors: list[Tensor] = []

@@ -5,7 +5,9 @@ worker):
 
 1. ``lowrank``: the low-rank matrices of the LoRDO optimizer, by :class:`~lightning_lordo.comm.lowrank.LowRankPayload`
    (``payload="lowrank"``) or, with ``payload="full"``, by a
-   :class:`~lightning_lordo.comm.quantization.QuantizedAverager`;
+   :class:`~lightning_lordo.comm.quantization.QuantizedAverager`; with ``payload="lowrank"``, a matrix whose rank-r
+   message would not be smaller than itself (``r (a + b) >= a b``, e.g. 16 x 24 at rank 16) travels in full instead,
+   by a ``QuantizedAverager`` of its own (``lowrank_in_full``), as PowerSGD's minimum compression rate does;
 2. ``fullrank_matrices`` (``fullrank_rank > 0``): the other 2-D parameters (embeddings, output heads) for which a
    rank-r message is smaller (``r (a + b) < a b``), by a ``LowRankPayload`` of rank ``fullrank_rank``. They keep
    their AdamW step and moments; only the message is compressed, with its own error feedback;
@@ -57,9 +59,13 @@ class PseudoGradientPayloads:
                              "with 'diloco' use payload='full' (payload_dtype may still be bfloat16 or int8, and "
                              "fullrank_rank compresses the 2-D parameters).")
         lowrank = [i for i, p in enumerate(params) if p in ranks]
+        # the low-rank payload's guard, as the full-rank matrices': a matrix its rank does not compress travels in full
+        sent_in_full = [i for i in lowrank if config.payload == "lowrank" and not compressible(params[i].shape,
+                                                                                              ranks[params[i]])]
+        lowrank = [i for i in lowrank if i not in set(sent_in_full)]
         matrices = [i for i, p in enumerate(params)
                     if p not in ranks and compressible(p.shape, config.fullrank_rank)]
-        rest = [i for i in range(len(params)) if i not in set(lowrank) | set(matrices)]
+        rest = [i for i in range(len(params)) if i not in set(lowrank) | set(sent_in_full) | set(matrices)]
         dtype = config.payload_dtype
         #: ``(name, positions, message, purpose)`` per group that has parameters, in reduction order
         self.groups: list[tuple[str, list[int], Any, str]] = []
@@ -67,6 +73,8 @@ class PseudoGradientPayloads:
             message: Any = (LowRankPayload([ranks[params[i]] for i in lowrank], seed=config.seed, payload_dtype=dtype)
                             if config.payload == "lowrank" else QuantizedAverager(dtype))
             self.groups.append(("lowrank", lowrank, message, LOWRANK_PART))
+        if sent_in_full:
+            self.groups.append(("lowrank_in_full", sent_in_full, QuantizedAverager(dtype), LOWRANK_PART))
         if matrices:
             seed = mix_seed(config.seed, 0, offset=32_452_843)  # not the low-rank payload's right factors
             message = LowRankPayload([config.fullrank_rank] * len(matrices), seed=seed, payload_dtype=dtype)
