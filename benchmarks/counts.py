@@ -9,7 +9,7 @@ host memory on an accelerator too, are not device reads and are not counted.
 Printed (one run, counts do not depend on the machine):
 
 1. ``sync``: host reads and dispatched ops of one sync, per parameter tensor, at world size 1 and 2 (gloo, fork), for
-   the presets' knobs, on a 4-layer GPT.
+   the presets' knobs, on a 12-layer GPT (widths scaled down: they do not change the counts).
 2. ``step``: dispatched ops of one optimizer step, LoRDO against torch's foreach and fused AdamW, on a 12-layer
    GPT-2-small-shaped parameter set (the widths do not change the counts; they are scaled down to run in seconds).
 
@@ -122,7 +122,7 @@ def count_sync(preset: str, steps: int = 6, sync_every: int = 2) -> dict[str, An
     previous, LoRDO.in_place = LoRDO.in_place, False  # the accelerators' layout
     try:
         torch.manual_seed(0)
-        model = CharGPT(vocab_size=256, d_model=64, n_layers=4, n_heads=4, seq_len=32)
+        model = CharGPT(vocab_size=256, d_model=64, n_layers=12, n_heads=4, seq_len=32)
         params = list(model.parameters())
         knobs, sync_knobs = preset_knobs(preset)
         opt = LoRDO(params, lr=1e-3, rank=8, full_rank=full_rank_params(model), **knobs)
@@ -204,7 +204,7 @@ def main() -> None:
     from harness import ROOT, provenance
 
     sync_rows = [count_sync(name) for name in SYNC_PRESETS] + count_syncs_two_processes()
-    print("sync (accelerators' layout, 4-layer GPT, 68 parameter tensors)")
+    print("sync (accelerators' layout, 12-layer GPT, 196 parameter tensors)")
     print(f"{'preset':<18}{'world':>6}{'host reads':>12}{'ops':>8}{'ops/tensor':>12}")
     for r in sync_rows:
         print(f"{r['preset']:<18}{r['world']:>6}{r['reads']:>12}{r['ops']:>8}{r['ops_per_tensor']:>12}")

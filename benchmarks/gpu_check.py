@@ -79,7 +79,8 @@ def _params(device: torch.device, dtype: torch.dtype, seed: int) -> list[nn.Para
 
 def _run(params: list[nn.Parameter], knobs: dict[str, Any], foreach: bool, steps: int = 5,
          cls: type[LoRDO] = LoRDO) -> list[Tensor]:
-    opt = cls(params, lr=0.02, rank=8, error_feedback=True, foreach=foreach, **knobs)
+    # float32 error feedback: "auto" would keep it in bfloat16 on the GPU and float32 on the CPU reference
+    opt = cls(params, lr=0.02, rank=8, error_feedback=True, foreach=foreach, **{"ef_dtype": "float32", **knobs})
     generator = torch.Generator().manual_seed(7)
     for _ in range(steps):
         for p in params:

@@ -337,8 +337,9 @@ def provenance(command: str) -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                                 check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "lightning_lordo", "benchmarks",
-                                     ":!benchmarks/results"],
+        # pathspecs from the repository's top (ROOT is benchmarks/, where relative ones would match nothing)
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", ":(top)lightning_lordo", ":(top)benchmarks",
+                                     ":(top,exclude)benchmarks/results"],
                                     capture_output=True, text=True, cwd=ROOT).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = "unknown", True

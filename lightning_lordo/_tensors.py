@@ -19,6 +19,12 @@ def canonical(t: Tensor, p: Tensor) -> Tensor:
     return t.mT if p.shape[0] > p.shape[1] else t
 
 
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for matrices, or for stacks of them as one ``bmm`` (``@`` on stacks dispatches four ops: it expands
+    and reshapes its operands around the ``bmm``)."""
+    return torch.bmm(a, b) if a.dim() == 3 and b.dim() == 3 else a @ b
+
+
 def is_tall(t: Tensor) -> bool:
     return t.shape[0] > t.shape[1]
 

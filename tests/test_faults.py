@@ -75,6 +75,10 @@ class FlakyCommunicator(Communicator):
     def all_reduce_mean(self, tensors: Sequence[Tensor], purpose: str, in_round: bool = True) -> None:
         self._maybe_fail(purpose)
 
+    def mean(self, tensors: Sequence[Tensor], purpose: str) -> list[Tensor]:
+        self._maybe_fail(purpose)
+        return [t.detach().clone() for t in tensors]
+
     def broadcast(self, tensors: Sequence[Tensor], purpose: str, src: int = 0, in_round: bool = True) -> None:
         self._maybe_fail(purpose)
 

@@ -123,6 +123,23 @@ class Communicator:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
+    def mean(self, tensors: Sequence[Tensor], purpose: str) -> list[Tensor]:
+        """The average of ``tensors`` across workers as new tensors (the inputs are not changed): each bucket is
+        flattened into one new buffer, averaged in place, and returned as views of it, so no copy is made besides
+        the flattening. Alone: the inputs themselves (nothing to average)."""
+        if self.world_size == 1 or not tensors:
+            return list(tensors)
+        out: list[Tensor] = []
+        for bucket in _buckets(tensors):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            self._run(partial(dist.all_reduce, flat, group=self.group, async_op=True), purpose, "all_reduce",
+                      flat.device)
+            nbytes = flat.numel() * flat.element_size()
+            self.accountant.add(purpose, nbytes, True, wire_bytes("all_reduce", nbytes, self.world_size))
+            flat.div_(self.world_size)
+            out.extend(v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in bucket]), bucket))
+        return out
+
     def all_reduce_sum(self, flat: Tensor, purpose: str) -> int:
         """Sum the 1-D contiguous ``flat`` across workers in place, in its own dtype (a bfloat16 sum is rounded to
         bfloat16 by the backend). Counted: ``numel x itemsize``. Returns the bytes counted (0 alone)."""

@@ -169,8 +169,7 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
     if full and world == 1:  # nothing travels and nothing is rounded: the mean is the input
         return QuantizedMean(xs, xs, {})
     if full:
-        means = [x.clone() for x in xs]
-        comm.all_reduce_mean(means, purpose)
+        means = comm.mean(xs, purpose)
         traffic = {"all_reduce": tensor_bytes(xs)} if world > 1 else {}
         return QuantizedMean(means, xs, traffic)
 

@@ -84,7 +84,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         transition: moments on a basis change: ``rotate`` (LDAdam), ``reset`` or ``keep`` (ablation).
         variance_clamp: clamp the variance v_hat - u_hat^2 at 0 before rotating.
         error_feedback: keep what the projection drops in a full-size buffer per matrix.
-        ef_dtype: dtype of that buffer: ``float32`` or ``bfloat16``.
+        ef_dtype: dtype of that buffer: ``auto`` (bfloat16 on an accelerator, float32 on the CPU), ``float32`` or
+            ``bfloat16``.
         ef_decay: the buffer's decay per step, in (0, 1].
         outer_optimizer: ``average`` or ``nesterov`` (DiLoCo's outer SGD).
         outer_lr: learning rate of the Nesterov outer step.
@@ -140,7 +141,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         transition: Literal["rotate", "reset", "keep"] = OPTIMIZER_DEFAULTS["transition"],
         variance_clamp: bool = OPTIMIZER_DEFAULTS["variance_clamp"],
         error_feedback: bool = OPTIMIZER_DEFAULTS["error_feedback"],
-        ef_dtype: Literal["float32", "bfloat16"] = OPTIMIZER_DEFAULTS["ef_dtype"],
+        ef_dtype: Literal["auto", "float32", "bfloat16"] = OPTIMIZER_DEFAULTS["ef_dtype"],
         ef_decay: float = OPTIMIZER_DEFAULTS["ef_decay"],
         outer_optimizer: Literal["average", "nesterov"] = SyncConfig.outer_optimizer,
         outer_lr: float = SyncConfig.outer_lr,

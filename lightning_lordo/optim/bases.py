@@ -71,7 +71,7 @@ def install_stacked(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]
         group_states = [states[i] for i in index]
         old = torch.stack([s["basis"] for s in group_states])
         new = torch.stack([bases[entries[i][0]] for i in index])
-        change = new.mT @ old
+        change = torch.bmm(new.mT, old)
         if transition == "reset" and t:
             for key in _RESET_KEYS:
                 present = [s[key] for s in group_states if key in s]

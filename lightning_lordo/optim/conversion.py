@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_lordo._tensors import canonical, math_dtype
-from lightning_lordo.config import EF_DTYPES
+from lightning_lordo.config import ef_dtype_for
 from lightning_lordo.optim.error_feedback import EF_PROJECTION, fold_error_feedback
 
 
@@ -46,11 +46,11 @@ def _conform_lowrank(optimizer: Optimizer, p: Tensor, group: dict[str, Any], sta
                      label: str) -> list[str]:
     changes = []
     if group["error_feedback"] and "error_feedback" in state:
-        wanted = EF_DTYPES[group["ef_dtype"]]
+        wanted = ef_dtype_for(group["ef_dtype"], p.device)
         if state["error_feedback"].dtype != wanted:
             fold_error_feedback(state)  # E itself, then cast
             state["error_feedback"] = state["error_feedback"].to(wanted)
-            changes.append(f"{label}: error feedback cast to {group['ef_dtype']}")
+            changes.append(f"{label}: error feedback cast to {str(wanted).removeprefix('torch.')}")
     elif "error_feedback" in state:
         state.pop(EF_PROJECTION, None)
         del state["error_feedback"]

@@ -19,10 +19,10 @@ from torch.optim import Optimizer
 
 from lightning_lordo._tensors import canonical, math_dtype, mix_seed
 from lightning_lordo.config import (
-    EF_DTYPES,
     OPTIMIZER_DEFAULTS,
     check_knob_combinations,
     check_optimizer_knobs,
+    ef_dtype_for,
     resolve_rank,
 )
 from lightning_lordo.optim import bases as bases_module
@@ -58,7 +58,8 @@ class LoRDO(Optimizer):
             ``"reset"`` (zero them and restart bias correction) or ``"keep"`` (GaLore; for ablations only).
         variance_clamp: clamp the variance estimate ``v_hat - u_hat^2`` at 0 before rotating (LDAdam).
         error_feedback: keep what the projection drops in a full-size buffer and add it back next step.
-        ef_dtype: dtype of that buffer, ``"float32"`` or ``"bfloat16"``.
+        ef_dtype: dtype of that buffer, ``"auto"`` (bfloat16 on an accelerator, float32 on the CPU), ``"float32"``
+            or ``"bfloat16"``.
         ef_decay: ``gamma``, the buffer's decay per step (1 keeps everything).
         seed: seed of random bases and randomized projections (use the same on every worker).
         full_rank: parameters that take the AdamW step whatever their group's rank (the strategy passes
@@ -259,7 +260,7 @@ class LoRDO(Optimizer):
             state["exp_avg"] = torch.zeros(r, b, dtype=torch.float32, device=p.device)
             state["exp_avg_sq"] = torch.zeros(r, b, dtype=torch.float32, device=p.device)
         if group["error_feedback"] and "error_feedback" not in state:
-            state["error_feedback"] = canonical(torch.zeros_like(p, dtype=EF_DTYPES[group["ef_dtype"]]), p)  # as p.grad
+            state["error_feedback"] = canonical(torch.zeros_like(p, dtype=ef_dtype_for(group["ef_dtype"], p.device)), p)
         if group["normalizer"] == "factored" and "factored_row" not in state:
             state["factored_row"] = torch.zeros(a, dtype=torch.float32, device=p.device)
             state["factored_col"] = torch.zeros(b, dtype=torch.float32, device=p.device)

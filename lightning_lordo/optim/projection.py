@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import orthonormalize, random_orthonormal, seeded_normal
+from lightning_lordo._tensors import matmul, orthonormalize, random_orthonormal, seeded_normal
 
 random_basis = random_orthonormal  # a seeded random ``a x r`` orthonormal basis
 
@@ -26,7 +26,7 @@ def power_basis(m: Tensor, warm: Tensor, iters: int) -> Tensor:
     m = m.float()
     q = warm.float()
     for _ in range(iters):
-        q = orthonormalize(m @ (m.mT @ q))
+        q = orthonormalize(matmul(m, matmul(m.mT, q)))
     return q
 
 
@@ -84,11 +84,11 @@ def rotate_moments(
     be negative (``v`` and ``u`` are separate moving averages); ``clamp`` sets it to 0 before rotating, as LDAdam
     does (then no absolute value is needed), otherwise the absolute value of the result is taken.
     """
-    new_avg = change @ exp_avg
+    new_avg = matmul(change, exp_avg)
     variance = exp_avg_sq / bias2 - exp_avg.square() / bias1**2
     if clamp:
         variance.clamp_(min=0.0)
-    new_sq = (change.square() @ variance + new_avg.square() / bias1**2).abs_().mul_(bias2)
+    new_sq = (matmul(change.square(), variance) + new_avg.square() / bias1**2).abs_().mul_(bias2)
     return new_avg, new_sq
 
 
@@ -96,5 +96,5 @@ def subspace_movement(old: Tensor, new: Tensor, change: Optional[Tensor] = None)
     """How much of the old subspace the new basis lost: ``1 - ||Q_new^T Q_old||_F^2 / r`` in [0, 1] (one value per
     matrix of a stack; ``change``: ``Q_new^T Q_old`` when already computed)."""
     r = old.shape[-1]
-    change = new.mT @ old if change is None else change
+    change = matmul(new.mT, old) if change is None else change
     return (1.0 - change.square().sum(dim=(-2, -1)) / r).clamp_(min=0.0)

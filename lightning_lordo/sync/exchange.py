@@ -60,9 +60,8 @@ def average_buffers(comm: Communicator, buffers: Sequence[Tensor]) -> tuple[list
     average). Reads nothing: :func:`repair_buffers` handles a non-finite average."""
     if comm.world_size == 1:
         return [], []
-    floating = [b.detach().clone() for b in buffers if b.is_floating_point()]
+    floating = comm.mean([b.detach() for b in buffers if b.is_floating_point()], "buffers")
     others = [b.detach().clone() for b in buffers if not b.is_floating_point()]
-    comm.all_reduce_mean(floating, "buffers")
     comm.broadcast(others, "buffers")
     return floating, others
 
@@ -132,8 +131,7 @@ def average_state(comm: Communicator, state: dict[str, list[tuple[Tensor, list[T
         if comm.world_size == 1:
             means = tensors
         elif config.moments_dtype == "float32":
-            means = [t.detach().clone() for t in tensors]
-            comm.all_reduce_mean(means, purpose)
+            means = comm.mean(tensors, purpose)
         else:
             means = [m.to(t.dtype) for t, m in zip(tensors, quantized_mean(comm, tensors, purpose,
                                                                          config.moments_dtype).means)]
@@ -154,10 +152,9 @@ def average_state(comm: Communicator, state: dict[str, list[tuple[Tensor, list[T
 
 
 def commit_state(entries: dict[str, StateEntries]) -> None:
-    for purpose_entries in entries.values():
-        for _, tensors, means in purpose_entries:
-            for t, mean in zip(tensors, means):
-                t.copy_(mean)
+    targets = [t for rows in entries.values() for _, tensors, _ in rows for t in tensors]
+    if targets:
+        torch._foreach_copy_(targets, [m for rows in entries.values() for _, _, means in rows for m in means])
 
 
 def average_gradients(comm: Communicator, params: Sequence[Tensor]) -> None:

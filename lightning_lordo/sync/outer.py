@@ -44,12 +44,12 @@ class Anchor:
             return torch.empty_like(p, memory_format=torch.contiguous_format)
         return torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
 
+    @torch.no_grad()
     def take(self) -> None:
         """The anchor becomes the parameters as they are now (allocated on first use)."""
         if not self.tensors:
             self.tensors = [self._storage(p) for p in self.params]
-        for a, p in zip(self.tensors, self.params):
-            a.copy_(p.detach())
+        _copy(self.tensors, self.params)
 
     def _beside(self, params: Sequence[Tensor]) -> bool:
         """Whether the anchor has the parameters' device and dtype, and that dtype is the one LoRDO computes in:
@@ -74,8 +74,8 @@ class Anchor:
     def set(self, values: Sequence[Tensor]) -> None:
         """Anchor and parameters become ``values`` (the new synchronized point)."""
         if self.tensors:
-            torch._foreach_copy_(self.tensors, list(values))
-            torch._foreach_copy_(self.params, list(values))
+            _copy(self.tensors, list(values))
+            _copy(self.params, list(values))
 
     def restore(self) -> None:
         """The parameters go back to the anchor (a discarded round)."""
@@ -119,6 +119,17 @@ class Anchor:
         return nbytes(self.tensors)
 
 
+def _copy(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
+    """``targets[i].copy_(sources[i])``: one ``foreach`` op where every pair shares a device, else (the anchor in
+    host memory) one copy per tensor: asynchronous to the device, blocking to the host (whose readers, e.g. a
+    checkpoint, do not wait for the device)."""
+    if all(t.device == s.device for t, s in zip(targets, sources)):
+        torch._foreach_copy_(list(targets), list(sources))
+        return
+    for t, s in zip(targets, sources):
+        t.copy_(s, non_blocking=t.device.type != "cpu")
+
+
 class OuterStep:
     """``average`` (the new anchor is ``anchor - delta``) or ``nesterov`` (DiLoCo: torch's SGD with Nesterov
     momentum on the anchor, ``lr`` and ``momentum`` from the config)."""
@@ -129,12 +140,18 @@ class OuterStep:
         self._buffers: list[Tensor] = []  # restored momentum, installed when the SGD is built on the anchor
 
     def apply(self, anchor: Anchor, delta: Sequence[Tensor]) -> list[Tensor]:
-        """The new synchronized point from the averaged ``delta`` (left as it is); the SGD momentum moves (call it
-        at commit)."""
+        """The new synchronized point from the averaged ``delta``; the SGD momentum moves (call it at commit).
+        Averaging computes it in place, into ``delta`` (the commit's last use of it), so a sync holds no second
+        copy of the model: ``delta <- -(delta - anchor)``, which is ``anchor - delta`` bit for bit."""
         if self.kind == "average":
-            if all(a.device == d.device and a.dtype == d.dtype for a, d in zip(anchor.tensors, delta)):
-                return torch._foreach_sub(anchor.tensors, list(delta))
-            return [a.to(device=d.device, dtype=d.dtype) - d for a, d in zip(anchor.tensors, delta)]
+            delta = list(delta)
+            if all(a.device == d.device for a, d in zip(anchor.tensors, delta)):
+                torch._foreach_sub_(delta, anchor.tensors)
+            else:  # the anchor in host memory: one tensor at a time on the device
+                for a, d in zip(anchor.tensors, delta):
+                    d.sub_(a.to(d.device, non_blocking=True))
+            torch._foreach_neg_(delta)
+            return delta
         sgd = self._optimizer(anchor)
         for a, d in zip(anchor.tensors, delta):  # a copy: SGD's foreach Nesterov path adds the momentum into grad
             a.grad = d.to(device=a.device, dtype=a.dtype, copy=True)

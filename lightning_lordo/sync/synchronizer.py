@@ -319,14 +319,19 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         """Local and unable to fail: the exchanged round becomes this worker's state. Reads the round's figures
         back to the host once: the norm, the subspace movement, the sync-level error feedback's norm and which
         parameters' averaged state is not finite (those are reset, on every worker alike)."""
-        new = self.outer.apply(self.anchor, round_.averaged)
+        self.window.commit(dict(zip(self.params, round_.averaged)), refreshed=bool(round_.bases))
+        # alone, averaging leaves the replica where it is (anchor - (anchor - params)): it becomes the anchor as is
+        alone = self.comm.world_size == 1 and self.config.outer_optimizer == "average" and progress is None
+        new = None if alone else self.outer.apply(self.anchor, round_.averaged)  # the averages' last use
         ex.commit_state(round_.state)
         movement = self.lordo.set_bases(round_.bases) if self.lordo is not None else {}
-        self.window.commit(dict(zip(self.params, round_.averaged)), refreshed=bool(round_.bases))
         ex.commit_buffers(self.buffers, *round_.buffers)
         for payload, payload_round in round_.payload_rounds:
             payload.commit(payload_round)
-        self.anchor.set(new)
+        if new is None:
+            self.anchor.take()
+        else:
+            self.anchor.set(new)
         if progress:
             torch._foreach_add_(self.params, progress)
         device = round_.norm.device if round_.norm is not None else torch.device("cpu")

@@ -1,4 +1,4 @@
-"""What a GPU pays for in a sync, counted on the CPU (``benchmarks/counts.py``), and one process's sync, which is the
+"""What a GPU pays for, counted on the CPU (``benchmarks/counts.py``); one process's sync, which is the
 basis refresh alone: nothing compressed, averaged or broadcast."""
 
 from __future__ import annotations
@@ -118,3 +118,17 @@ def test_a_lowrank_matrix_its_rank_does_not_compress_travels_in_full() -> None:
     assert LowRankPayload.traffic_bytes([(16, 24)], [16]) == 2560 > 16 * 24 * 4
     full = PseudoGradientPayloads([small, large, bias], {small: 16, large: 16}, SyncConfig(payload="full"))
     assert [positions for _, positions, _, _ in full.groups] == [[0, 1], [2]]  # the full payload: unchanged
+
+
+def test_error_feedback_is_bfloat16_on_accelerators_and_float32_on_the_cpu_by_default() -> None:
+    from lightning_lordo.config import OPTIMIZER_DEFAULTS, ef_dtype_for
+
+    assert OPTIMIZER_DEFAULTS["ef_dtype"] == "auto"
+    assert ef_dtype_for("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert ef_dtype_for("auto", torch.device("cpu")) == torch.float32
+    assert ef_dtype_for("float32", torch.device("cuda", 0)) == torch.float32
+    p = nn.Parameter(torch.randn(8, 16))
+    opt = LoRDO([p], rank=2, error_feedback=True)
+    p.grad = torch.randn(8, 16)
+    opt.step()
+    assert opt.state[p]["error_feedback"].dtype == torch.float32

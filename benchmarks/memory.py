@@ -1,0 +1,173 @@
+"""Device memory of LoRDO against fused AdamW, counted from the tensors' storages (what a GPU would hold).
+
+For each configuration, one process-local run on the CPU: an optimizer step (which creates the optimizer state) and
+a sync (which creates the synchronization buffers), then every storage is counted once:
+
+* ``params``, ``grads``: the model's parameters and gradients;
+* ``optimizer``: every optimizer state tensor but LoRDO's error-feedback buffers; ``error_feedback``: those buffers
+  (bfloat16, as ``ef_dtype="auto"`` keeps them on an accelerator, unless the row says float32);
+* ``sync``: the anchor (only where it stays on the parameters' device: ``anchor_device="param"``; ``"auto"`` puts it
+  in pinned host memory on an accelerator), the outer momentum and the payloads' state;
+* ``transient``: the largest number of bytes that a sync allocates and holds at once (:class:`LiveBytes`, which
+  follows every storage the sync's ops create until it is freed).
+
+Ratios are to fused AdamW's resident bytes (params + grads + 2 moments). The model is GPT-2-medium-shaped (24
+layers, d 1024, vocabulary 50257, untied head: 406 M parameters, float32), one process (one device). Takes about
+3 minutes and 8 GB of memory; ``--small`` runs a 4-layer, d 256 version in seconds.
+
+Usage: ``python benchmarks/memory.py [--small]``. Writes ``results/memory.json`` (``memory-small.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+from counts import preset_knobs
+from harness import ROOT, provenance
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_lordo import LoRDO
+from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.config import SyncConfig
+from lightning_lordo.lightning.convert import full_rank_params
+from lightning_lordo.models import CharGPT
+from lightning_lordo.sync.synchronizer import Synchronizer
+
+#: name -> (preset, optimizer knobs over the preset's, sync knobs over the preset's)
+CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "lordo": ("lordo", {"ef_dtype": "bfloat16"}, {}),  # on an accelerator "auto" is bfloat16
+    "lordo, ef float32": ("lordo", {"ef_dtype": "float32"}, {}),
+    "lordo, anchor on the device": ("lordo", {"ef_dtype": "bfloat16"}, {"anchor_device": "param"}),
+    "lordo_lean": ("lordo_lean", {}, {}),
+    "lordo_lean, anchor on the device": ("lordo_lean", {}, {"anchor_device": "param"}),
+}
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages that ops create while active and that are still alive, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, int] = {}  # storage pointer -> live tensors created here that use it
+        self._sizes: dict[int, int] = {}
+
+    def _release(self, ptr: int) -> None:
+        self._refs[ptr] -= 1
+        if self._refs[ptr] == 0:
+            self.live -= self._sizes.pop(ptr)
+            del self._refs[ptr]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        seen = {t.untyped_storage().data_ptr() for t in _tensors([args, kwargs or {}])}
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors([out]):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen and ptr not in self._refs:
+                continue  # an input's storage that existed before (in place, or a view of it)
+            if ptr not in self._refs:
+                self._refs[ptr], self._sizes[ptr] = 0, t.untyped_storage().nbytes()
+                self.live += self._sizes[ptr]
+                self.peak = max(self.peak, self.live)
+            self._refs[ptr] += 1
+            weakref.finalize(t, self._release, ptr)
+        return out
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def storage_bytes(tensors: list[Tensor], counted: set[int]) -> int:
+    """Bytes of the storages of ``tensors`` not in ``counted`` (which is updated)."""
+    total = 0
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr not in counted:
+            counted.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def model(small: bool) -> CharGPT:
+    torch.manual_seed(0)
+    if small:
+        return CharGPT(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, seq_len=128)
+    return CharGPT(vocab_size=50257, d_model=1024, n_layers=24, n_heads=16, seq_len=512)
+
+
+def measure(name: str, small: bool) -> dict[str, Any]:
+    net = model(small)
+    params = list(net.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    sync = None
+    if name == "adamw (fused)":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(params, fused=True)
+        opt.step()
+    else:
+        preset, opt_knobs, sync_knobs = CONFIGS[name]
+        knobs, config = preset_knobs(preset)
+        opt = LoRDO(params, rank=16, full_rank=full_rank_params(net), **{**knobs, **opt_knobs})
+        comm = Communicator(CommAccountant(), timedelta(minutes=5))
+        sync = Synchronizer(params, [], opt, SyncConfig(sync_every=1, **{**config, **sync_knobs}), comm)
+        sync.before_optimizer_step()
+        opt.step()
+    counted: set[int] = set()
+    row: dict[str, Any] = {"config": name, "params": storage_bytes(params, counted),
+                           "grads": storage_bytes([p.grad for p in params], counted)}
+    states = [(k, v) for s in opt.state.values() for k, v in s.items() if isinstance(v, Tensor)]
+    row["optimizer"] = storage_bytes([v for k, v in states if k != "error_feedback"], counted)
+    row["error_feedback"] = storage_bytes([v for k, v in states if k == "error_feedback"], counted)
+    row["sync"], row["transient"] = 0, 0
+    if sync is not None:
+        with LiveBytes() as live:
+            sync.on_optimizer_step()  # sync_every=1: a sync
+        row["transient"] = live.peak
+        on_device = sync.config.anchor_device == "param"
+        buffers = (sync.anchor.tensors if on_device else []) + sync.outer.momentum_buffers() + \
+            [t for _, _, m, _ in sync.payloads.groups for t in _tensors(m.state_dict())]
+        row["sync"] = storage_bytes(buffers, counted)
+    row["resident"] = sum(row[k] for k in ("params", "grads", "optimizer", "error_feedback", "sync"))
+    del opt, sync, net, params
+    gc.collect()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--small", action="store_true", help="a 4-layer, d 256 model (seconds)")
+    args = parser.parse_args()
+    rows = [measure(name, args.small) for name in ("adamw (fused)", *CONFIGS)]
+    adamw = rows[0]["resident"]
+    model_bytes = rows[0]["params"]
+    gb = 1e9
+    print(f"{'configuration':<34}{'resident GB':>12}{'/ AdamW':>9}{'optimizer':>11}{'EF':>8}{'sync':>8}"
+          f"{'sync transient (models)':>25}")
+    for r in rows:
+        r["over_adamw"] = round(r["resident"] / adamw, 3)
+        r["transient_models"] = round(r["transient"] / model_bytes, 2)
+        print(f"{r['config']:<34}{r['resident'] / gb:>12.2f}{r['over_adamw']:>8.2f}x{r['optimizer'] / gb:>11.2f}"
+              f"{r['error_feedback'] / gb:>8.2f}{r['sync'] / gb:>8.2f}{r['transient_models']:>25}")
+    suffix = "-small" if args.small else ""
+    path = ROOT / "results" / f"memory{suffix}.json"
+    command = "python benchmarks/memory.py" + (" --small" if args.small else "")
+    path.write_text(json.dumps({"provenance": provenance(command), "rows": rows}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
