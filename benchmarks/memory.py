@@ -105,8 +105,8 @@ def storage_bytes(tensors: list[Tensor], counted: set[int]) -> int:
 def model(small: bool) -> CharGPT:
     torch.manual_seed(0)
     if small:
-        return CharGPT(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, seq_len=128)
-    return CharGPT(vocab_size=50257, d_model=1024, n_layers=24, n_heads=16, seq_len=512)
+        return CharGPT(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, seq_len=128, tie_weights=False)
+    return CharGPT(vocab_size=50257, d_model=1024, n_layers=24, n_heads=16, seq_len=512, tie_weights=False)
 
 
 def measure(name: str, small: bool) -> dict[str, Any]:

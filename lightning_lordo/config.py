@@ -250,6 +250,8 @@ class SyncConfig:
             began (:mod:`lightning_lordo.sync.overlap`). The ``tau`` steps start from each worker's own point, not
             from the average still in flight. With the default optimizer knobs that costs loss that grows with
             ``tau`` (+0.31 % at 1, +2.29 % at 4 on the benchmark model; README, "What overlapping costs in loss").
+        bucket_cap_mb: the most pseudo-gradient (float32 MB) a one-process sync holds at once: it works bucket by
+            bucket (:mod:`lightning_lordo.sync.alone`), as DDP's gradient buckets.
         max_skipped_syncs: after this many consecutive discarded rounds (non-finite values on some worker every
             time) the run stops with an error naming the ranks, instead of training on with a frozen model.
     """
@@ -279,6 +281,7 @@ class SyncConfig:
     basis_every: int = 1
     overlap_steps: int = 0
     max_skipped_syncs: int = 3
+    bucket_cap_mb: float = 64.0
 
     def __post_init__(self) -> None:
         check_positive_int("sync_every", self.sync_every)
@@ -301,6 +304,7 @@ class SyncConfig:
                         "Pass e.g. timeout=timedelta(minutes=5).")
         self.timeout = given if isinstance(given, timedelta) else timedelta(seconds=float(seconds))
         check_positive_int("max_skipped_syncs", self.max_skipped_syncs)
+        self.bucket_cap_mb = check_positive("bucket_cap_mb", self.bucket_cap_mb)
         check_positive_int("fullrank_rank", self.fullrank_rank, minimum=0)
         check_positive_int("moments_every", self.moments_every)
         check_positive_int("basis_every", self.basis_every)

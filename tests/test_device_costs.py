@@ -132,3 +132,51 @@ def test_error_feedback_is_bfloat16_on_accelerators_and_float32_on_the_cpu_by_de
     p.grad = torch.randn(8, 16)
     opt.step()
     assert opt.state[p]["error_feedback"].dtype == torch.float32
+
+
+def _alone_run(general: bool, cap_mb: float, monkeypatch: pytest.MonkeyPatch
+               ) -> tuple[list[torch.Tensor], list[int], int]:
+    """Three one-process syncs of a small GPT (bucket by bucket, or the general path); returns the parameters, anchor
+    and optimizer state after them, the parameters' float32 bytes and the largest transient of a sync."""
+    from datetime import timedelta
+
+    import memory  # benchmarks/memory.py: LiveBytes
+
+    from lightning_lordo.comm.communicator import CommAccountant, Communicator
+    from lightning_lordo.lightning.convert import full_rank_params
+    from lightning_lordo.models import CharGPT
+    from lightning_lordo.sync import alone
+    from lightning_lordo.sync.synchronizer import Synchronizer
+
+    if general:
+        monkeypatch.setattr(alone, "applies", lambda sync: False)
+    torch.manual_seed(0)
+    net = CharGPT(vocab_size=256, d_model=64, n_layers=2, n_heads=4, seq_len=16, tie_weights=False)
+    params = list(net.parameters())
+    opt = LoRDO(params, lr=1e-2, rank=4, error_feedback=True, full_rank=full_rank_params(net))
+    sync = Synchronizer(params, [], opt, SyncConfig(sync_every=2, bucket_cap_mb=cap_mb),
+                        Communicator(CommAccountant(), timedelta(seconds=30)))
+    gen = torch.Generator().manual_seed(1)
+    peak = 0
+    for step in range(6):
+        opt.zero_grad()
+        net(torch.randint(0, 256, (2, 16), generator=gen)).square().mean().backward()
+        sync.before_optimizer_step()
+        opt.step()
+        with memory.LiveBytes() as live:
+            sync.on_optimizer_step()
+        peak = max(peak, live.peak) if step % 2 else peak
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return [p.detach().clone() for p in params] + sync.anchor.tensors + state, [p.numel() * 4 for p in params], peak
+
+
+def test_one_process_syncs_bucket_by_bucket_as_the_general_path_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-process sync (``sync/alone.py``) gives the general path's parameters, anchor and optimizer state bit
+    for bit, and holds at most a bucket of pseudo-gradient at once where the general path holds the whole model."""
+    cap_mb = 0.05  # about a tenth of this model
+    bucketed, sizes, bucketed_peak = _alone_run(False, cap_mb, monkeypatch)
+    whole, _, whole_peak = _alone_run(True, cap_mb, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(bucketed, whole, strict=True))
+    assert whole_peak >= sum(sizes)  # the general path: the whole pseudo-gradient at once
+    # one bucket (or the largest tensor, a bucket of its own) and the bases, moments and norms (well under 64 KB)
+    assert bucketed_peak <= max(cap_mb * 2**20, max(sizes)) + 64 * 1024 < sum(sizes) / 2, (bucketed_peak, sum(sizes))

@@ -84,6 +84,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("moments_every", 0, "0"), ("moments_every", 1.5, "1.5"), ("moments_every", None, "None"),
     ("basis_every", 0, "0"), ("basis_every", 2.0, "2.0"), ("basis_every", True, "True"),
     ("overlap_steps", -1, "-1"), ("overlap_steps", 16, "16"), ("overlap_steps", 1.0, "1.0"),
+    ("bucket_cap_mb", 0, "0"), ("bucket_cap_mb", INF, "inf"), ("bucket_cap_mb", "25", "'25'"),
     # the strategy's own arguments
     ("lowrank", 1, "1"), ("lowrank", "yes", "'yes'"),
     ("monitor", 0, "0"), ("monitor", None, "None"),
@@ -106,7 +107,8 @@ GOOD: list[tuple[Any, ...]] = [
     ("average_fullrank_moments", True), ("average_error_feedback", True), ("warmup_steps", 0),
     ("warmup_steps", 100), ("synchronous", True), ("switch_betas", (0.999, 0.999), {"warmup_steps": 8}),
     ("switch_reset_moments", True, {"warmup_steps": 8}), ("switch_lr_scale", 0.5, {"warmup_steps": 8}),
-    ("anchor_device", "cpu"), ("anchor_device", "param"),
+    ("anchor_device", "cpu"), ("anchor_device", "param"), ("anchor_device", "auto"), ("bucket_cap_mb", 25),
+    ("bucket_cap_mb", 0.5), ("ef_dtype", "auto", {"error_feedback": True}),
     ("fullrank_rank", 0), ("fullrank_rank", 4), ("moments_every", 1), ("moments_every", 4),
     ("basis_every", 1), ("basis_every", 8),
     ("overlap_steps", 0), ("overlap_steps", 15),

@@ -1,10 +1,9 @@
 """``LoRDOStrategy``: Lightning's DDP strategy without the per-step gradient all-reduce.
 
-Each rank trains its own replica with local LoRDO steps; every ``sync_every`` optimizer steps (and at the end
-of ``fit``) the ranks synchronize (``lightning_lordo.sync``). The model is never wrapped in
-``DistributedDataParallel``: parameters and buffers are broadcast from rank 0 once at setup (skipped when a
-32-byte digest shows every rank already holds rank 0's, e.g. a seeded model), and each rank draws its own data
-through Lightning's usual distributed sampler.
+Each rank trains its own replica with local LoRDO steps; every ``sync_every`` optimizer steps (and at the end of fit)
+the ranks synchronize (``lightning_lordo.sync``). The model is never wrapped in ``DistributedDataParallel``: parameters
+and buffers are broadcast from rank 0 once at setup (skipped when a 32-byte digest shows every rank already holds rank
+0's, e.g. a seeded model), and each rank draws its own data through Lightning's usual distributed sampler.
 
 Validation during ``fit`` and every checkpoint see the *synchronized* model (the anchor), identical on all
 ranks and free to produce; it lags the local replicas by the steps since the last sync (with ``overlap_steps``,
@@ -84,12 +83,10 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         transition: moments on a basis change: ``rotate`` (LDAdam), ``reset`` or ``keep`` (ablation).
         variance_clamp: clamp the variance v_hat - u_hat^2 at 0 before rotating.
         error_feedback: keep what the projection drops in a full-size buffer per matrix.
-        ef_dtype: dtype of that buffer: ``auto`` (bfloat16 on an accelerator, float32 on the CPU), ``float32`` or
-            ``bfloat16``.
+        ef_dtype: dtype of that buffer: ``auto`` (bfloat16 on an accelerator), ``float32`` or ``bfloat16``.
         ef_decay: the buffer's decay per step, in (0, 1].
         outer_optimizer: ``average`` or ``nesterov`` (DiLoCo's outer SGD).
-        outer_lr: learning rate of the Nesterov outer step.
-        outer_momentum: momentum of the Nesterov outer step.
+        outer_lr, outer_momentum: learning rate and momentum of the Nesterov outer step.
         average_moments: average the low-rank moments at each sync.
         basis_scope: ``global`` (bases from the averaged pseudo-gradient) or ``local`` (each worker's own).
         initial_basis: first bases from the averaged first ``gradient``, or seeded ``random`` ones.
@@ -98,22 +95,22 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         broadcast_bases: compute the bases on rank 0 only and broadcast them.
         timeout: timeout of every collective, in seconds (1 s to one year) or a timedelta.
         seed: seed of random bases and randomized projections.
-        average_fullrank_moments: also average the full-rank optimizer state at each sync.
-        average_error_feedback: also average the error-feedback buffers at each sync.
+        average_fullrank_moments, average_error_feedback: also average the full-rank optimizer state, or the
+            error-feedback buffers, at each sync.
         warmup_steps: the first N optimizer steps synchronous (low-rank DDP), local steps after.
         synchronous: every step synchronous (the ``lowrank_ddp`` preset).
         switch_betas: at the end of the warm-up, the optimizer's new betas (``null``: keep them).
-        switch_reset_moments: at the end of the warm-up, zero the optimizer's moments.
-        switch_lr_scale: at the end of the warm-up, multiply the learning rate.
-        anchor_device: where the anchor lives: ``auto`` (pinned host memory when the parameters are on an
-            accelerator, else beside them), ``param`` (the parameters' device) or ``cpu`` (host memory).
+        switch_reset_moments, switch_lr_scale: at the end of the warm-up, zero the optimizer's moments, or multiply
+            the learning rate.
+        anchor_device: where the anchor lives: ``auto`` (host memory on an accelerator), ``param`` or ``cpu``.
         fullrank_rank: rank of the full-rank 2-D parameters' pseudo-gradient messages (0: sent in full).
         moments_every: average the moments at every n-th sync only.
         basis_every: recompute the bases at every n-th sync only, from the pseudo-gradients summed since.
         overlap_steps: 0 (blocking syncs), or tau < sync_every: a round's collectives overlap tau local steps.
         max_skipped_syncs: consecutive non-finite rounds after which the run stops.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend:
-            as in Lightning's ``DDPStrategy`` (the checkpoint IO defaults to an atomic one).
+        bucket_cap_mb: the most pseudo-gradient (MB) a one-process sync holds at once.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend: as
+            in Lightning's ``DDPStrategy`` (the checkpoint IO defaults to an atomic one).
     """
 
     strategy_name = "lordo"
@@ -167,6 +164,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         basis_every: int = SyncConfig.basis_every,
         overlap_steps: int = SyncConfig.overlap_steps,
         max_skipped_syncs: int = SyncConfig.max_skipped_syncs,
+        bucket_cap_mb: float = SyncConfig.bucket_cap_mb,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[Any]] = None,
         cluster_environment: Optional[Any] = None,

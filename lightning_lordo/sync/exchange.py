@@ -83,6 +83,21 @@ def repair_buffers(comm: Communicator, buffers: Sequence[Tensor]) -> list[Tensor
     return floating
 
 
+def read_figures(round_: Exchange, movement: dict[Tensor, Tensor], error_norm: Optional[Tensor]
+                 ) -> tuple[float, Optional[float], float, list[Tensor]]:
+    """The committed round's figures in one host read: the pseudo-gradients' norm, the mean subspace movement
+    (``None`` without new bases), the payloads' error-feedback norm (0 without), and the parameters whose averaged
+    optimizer state is not finite (to reset, on every worker alike)."""
+    device = round_.norm.device if round_.norm is not None else torch.device("cpu")
+    moved = torch.stack(list(movement.values())).mean() if movement else torch.tensor(float("nan"))
+    parts = [round_.norm if round_.norm is not None else torch.zeros(()), moved,
+             error_norm if error_norm is not None else torch.zeros(()),
+             round_.state_finite if round_.state_finite is not None else torch.ones(0, dtype=torch.bool)]
+    values = torch.cat([t.to(device=device, dtype=torch.float32).reshape(-1) for t in parts]).tolist()
+    reset = [p for p, ok in zip(round_.checked, values[3:]) if not ok]
+    return values[0], (None if values[1] != values[1] else values[1]), values[2], reset
+
+
 def commit_buffers(buffers: Sequence[Tensor], floating: list[Tensor], others: list[Tensor]) -> None:
     targets = [b for b in buffers if b.is_floating_point()] + [b for b in buffers if not b.is_floating_point()]
     for b, new in zip(targets, floating + others):

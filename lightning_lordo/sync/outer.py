@@ -51,21 +51,26 @@ class Anchor:
             self.tensors = [self._storage(p) for p in self.params]
         _copy(self.tensors, self.params)
 
-    def _beside(self, params: Sequence[Tensor]) -> bool:
+    @staticmethod
+    def _beside(anchors: Sequence[Tensor], params: Sequence[Tensor]) -> bool:
         """Whether the anchor has the parameters' device and dtype, and that dtype is the one LoRDO computes in:
         then a whole-model operation is one ``foreach`` op."""
-        return all(a.device == p.device and a.dtype == p.dtype == math_dtype(p.dtype)
-                   for a, p in zip(self.tensors, params))
+        return all(a.device == p.device and a.dtype == p.dtype == math_dtype(p.dtype) for a, p in zip(anchors, params))
 
     @torch.no_grad()
-    def deltas(self, params: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
+    def deltas(self, params: Optional[Sequence[Tensor]] = None, indices: Optional[Sequence[int]] = None
+               ) -> list[Tensor]:
         """Each worker's pseudo-gradient ``anchor - params`` (old minus new, as DiLoCo), on the parameters'
-        device, in float32 (float64 for float64 parameters); ``params``: copies of them to use instead."""
+        device, in float32 (float64 for float64 parameters); ``params``: copies of them to use instead;
+        ``indices``: only those parameters' (a bucket)."""
         params = self.params if params is None else list(params)
-        if self._beside(params):
-            return torch._foreach_sub(self.tensors, params)
+        anchors = self.tensors
+        if indices is not None:
+            params, anchors = [params[i] for i in indices], [anchors[i] for i in indices]
+        if self._beside(anchors, params):
+            return torch._foreach_sub(anchors, params)
         out = []
-        for a, p in zip(self.tensors, params):
+        for a, p in zip(anchors, params):
             dtype = math_dtype(p.dtype)
             out.append(a.to(device=p.device, dtype=dtype, non_blocking=True) - p.detach().to(dtype))
         return out

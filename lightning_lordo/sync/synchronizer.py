@@ -44,8 +44,8 @@ from lightning_lordo._tensors import finite_flags, nbytes, norms
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.lordo import LoRDO
+from lightning_lordo.sync import alone, overlap
 from lightning_lordo.sync import exchange as ex
-from lightning_lordo.sync import overlap
 from lightning_lordo.sync.basis_window import BasisWindow
 from lightning_lordo.sync.faults import DiscardedRounds, reset_moments, reset_optimizer_state, signals_deferred
 from lightning_lordo.sync.outer import Anchor, OuterStep
@@ -257,9 +257,11 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         self.comm.accountant.start_round()
         self.comm.context = f"sync {self.syncs_done + 1} (optimizer step {self.optimizer_steps})"
         with record_function("lordo.exchange"):
-            local = self.anchor.deltas()
-            round_ = self.exchange(self.comm, local, self.buffers, self.averaged_entries(), self.optimizer_steps,
-                                   self.window.due(self.syncs_done + 1))
+            if alone.applies(self):  # one process: the basis refresh alone, bucket by bucket
+                round_ = alone.exchange(self)
+            else:
+                round_ = self.exchange(self.comm, self.anchor.deltas(), self.buffers, self.averaged_entries(),
+                                       self.optimizer_steps, self.window.due(self.syncs_done + 1))
         return self.land(round_, start)
 
     def averaged_entries(self, fold: bool = True) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
@@ -334,19 +336,11 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
             self.anchor.set(new)
         if progress:
             torch._foreach_add_(self.params, progress)
-        device = round_.norm.device if round_.norm is not None else torch.device("cpu")
-        moved = torch.stack(list(movement.values())).mean() if movement else torch.tensor(float("nan"))
-        error_norm = self.payloads.error_norm_tensor() if self.payloads.compressed else torch.zeros(())
-        state_finite = round_.state_finite if round_.state_finite is not None else torch.ones(0, dtype=torch.bool)
-        figures = torch.cat([t.to(device=device, dtype=torch.float32).reshape(-1) for t in
-                             (round_.norm if round_.norm is not None else torch.zeros(()), moved, error_norm,
-                              state_finite)]).tolist()  # the commit's one host read
-        norm, movement_mean, error = figures[:3]
-        reset = [p for p, ok in zip(round_.checked, figures[3:]) if not ok]
+        error_norm = self.payloads.error_norm_tensor() if self.payloads.compressed else None
+        norm, movement_mean, error, reset = ex.read_figures(round_, movement, error_norm)  # the commit's one read
         for p in reset:
             reset_optimizer_state(self.optimizer, p, clear=self.lordo is None and self._clear_to_reset)
-        return {"norm": norm, "movement": None if movement_mean != movement_mean else movement_mean,
-                "error_norm": error, "reset": len(reset)}
+        return {"norm": norm, "movement": movement_mean, "error_norm": error, "reset": len(reset)}
 
     def _finish(self, start: float, basis_seconds: float, movement: Optional[float], norm: float,
                 skipped: bool = False, extra: Optional[dict[str, float]] = None) -> SyncReport:
