@@ -15,6 +15,8 @@
 6. ``lightning``: one Lightning fit per strategy, each in its own process (``gpu_fit.py``): a 406 M-parameter
    GPT-2-medium-shaped GPT, bf16-mixed, 4 x 512 tokens, 40 steps, against ``strategy="auto"`` with fused AdamW:
    step time (median, mean, syncs included), peak GPU memory, sync time, host reads per sync, last loss.
+7. ``memory``: resident bytes of fused AdamW, ``"lordo"`` and ``"lordo_lean"`` on the 406 M model counted from the
+   storages (``memory.py``), checked against ``torch.cuda.memory_allocated``, and a sync's transient.
 
 ``--cpu`` runs the same on the CPU (smaller speed and step sets, 3 speed repeats, a tiny GPT in the fits: about
 2 minutes on 2 cores, the speed section most of it). Writes ``results/gpu_check.json`` (or ``gpu_check-cpu.json``)
@@ -23,7 +25,7 @@ with the provenance, prints the tables, and exits non-zero if any check failed. 
 
 GPU runtime, estimated: optimizer ~30 s, fit ~20 s, synchronizer ~30 s (two spawned processes), speed ~20 s, step
 ~40 s (creating the 1.5 B Llama-shaped set and its AdamW state dominates), lightning 6 processes x (~20 s start-up:
-imports, CUDA, model init + 40 steps x ~0.1 s + syncs) ~ 2.5-3 min: about 5 minutes in all, under the 8.
+imports, CUDA, model init + 40 steps x ~0.1 s + syncs) ~ 2.5-3 min, memory ~30 s: about 5.5 minutes in all.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 import torch.distributed as dist
 from gpu_fit import check_lightning
 from harness import ROOT, provenance
+from memory import check as check_memory
 from speed import LAYOUTS
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -375,7 +378,7 @@ def main(argv: list[str]) -> int:
         "optimizer": lambda: check_optimizer(device), "fit": lambda: check_fit(device),
         "synchronizer": lambda: check_synchronizer(device),
         "speed": lambda: check_speed(device, *((2, 3) if cpu else (12, 10))), "step": lambda: check_step(device, cpu),
-        "lightning": lambda: check_lightning(cpu)}
+        "lightning": lambda: check_lightning(cpu), "memory": lambda: check_memory(device, small=cpu)}
     for name, check in checks.items():
         start = time.perf_counter()
         try:

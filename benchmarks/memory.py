@@ -15,7 +15,8 @@ Ratios are to fused AdamW's resident bytes (params + grads + 2 moments). The mod
 layers, d 1024, vocabulary 50257, untied head: 406 M parameters, float32), one process (one device). Takes about
 3 minutes and 8 GB of memory; ``--small`` runs a 4-layer, d 256 version in seconds.
 
-Usage: ``python benchmarks/memory.py [--small]``. Writes ``results/memory.json`` (``memory-small.json``).
+Usage: ``python benchmarks/memory.py [--small] [--device cuda]``. Writes ``results/memory.json`` (``memory-small.json``,
+``memory-cuda.json``); on a GPU each row also gives ``torch.cuda.memory_allocated`` to check the count against.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def model(small: bool) -> CharGPT:
     return CharGPT(vocab_size=50257, d_model=1024, n_layers=24, n_heads=16, seq_len=512, tie_weights=False)
 
 
-def measure(name: str, small: bool) -> dict[str, Any]:
-    net = model(small)
+def measure(name: str, small: bool, device: str = "cpu") -> dict[str, Any]:
+    net = model(small).to(device)
     params = list(net.parameters())
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
@@ -142,16 +143,31 @@ def measure(name: str, small: bool) -> dict[str, Any]:
             [t for _, _, m, _ in sync.payloads.groups for t in _tensors(m.state_dict())]
         row["sync"] = storage_bytes(buffers, counted)
     row["resident"] = sum(row[k] for k in ("params", "grads", "optimizer", "error_feedback", "sync"))
+    if device.startswith("cuda"):  # the storages against the allocator (the step counters live on the host)
+        row["cuda_allocated"] = torch.cuda.memory_allocated(device)
     del opt, sync, net, params
     gc.collect()
     return row
 
 
+def check(device: torch.device, small: bool) -> dict[str, Any]:
+    """``gpu_check.py``'s memory section: fused AdamW, ``"lordo"`` and ``"lordo_lean"`` on ``device``; on a GPU the
+    counted storages must account for what the allocator holds (within 5 % and 64 MB)."""
+    rows = [measure(name, small, str(device)) for name in ("adamw (fused)", "lordo", "lordo_lean")]
+    for r in rows:
+        r["over_adamw"] = round(r["resident"] / rows[0]["resident"], 3)
+    counted = all(abs(r["cuda_allocated"] - r["resident"]) <= 0.05 * r["resident"] + 2**26
+                  for r in rows if "cuda_allocated" in r)
+    return {"ok": counted, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true", help="a 4-layer, d 256 model (seconds)")
+    parser.add_argument("--device", default="cpu", help="where the model lives, e.g. cuda (then the counts are "
+                        "checked against torch.cuda.memory_allocated, and the error feedback's dtype is the device's)")
     args = parser.parse_args()
-    rows = [measure(name, args.small) for name in ("adamw (fused)", *CONFIGS)]
+    rows = [measure(name, args.small, args.device) for name in ("adamw (fused)", *CONFIGS)]
     adamw = rows[0]["resident"]
     model_bytes = rows[0]["params"]
     gb = 1e9
@@ -161,10 +177,12 @@ def main() -> None:
         r["over_adamw"] = round(r["resident"] / adamw, 3)
         r["transient_models"] = round(r["transient"] / model_bytes, 2)
         print(f"{r['config']:<34}{r['resident'] / gb:>12.2f}{r['over_adamw']:>8.2f}x{r['optimizer'] / gb:>11.2f}"
-              f"{r['error_feedback'] / gb:>8.2f}{r['sync'] / gb:>8.2f}{r['transient_models']:>25}")
-    suffix = "-small" if args.small else ""
+              f"{r['error_feedback'] / gb:>8.2f}{r['sync'] / gb:>8.2f}{r['transient_models']:>25}"
+              + (f"  (cuda allocated {r['cuda_allocated'] / gb:.2f} GB)" if "cuda_allocated" in r else ""))
+    suffix = ("-small" if args.small else "") + ("" if args.device == "cpu" else f"-{args.device.split(':')[0]}")
     path = ROOT / "results" / f"memory{suffix}.json"
-    command = "python benchmarks/memory.py" + (" --small" if args.small else "")
+    command = "python benchmarks/memory.py" + (" --small" if args.small else "") + (
+        "" if args.device == "cpu" else f" --device {args.device}")
     path.write_text(json.dumps({"provenance": provenance(command), "rows": rows}, indent=1) + "\n")
     print(f"wrote {path}")
 
