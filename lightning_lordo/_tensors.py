@@ -69,21 +69,22 @@ def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def norms(tensors: Sequence[Tensor]) -> Tensor:
-    """The L2 norm of each tensor (float32), stacked on the first tensor's device, in one ``_foreach_norm`` per
-    device (no host read)."""
+    """The L2 norm of each tensor, accumulated in float32 at least (a float16 tensor's own norm would overflow at
+    65504) and returned in float32, stacked on the first tensor's device: one ``_foreach_norm`` per device and
+    precision, no host read."""
     if not tensors:
         return torch.zeros(0)
     first = tensors[0].device
-    per_device: dict[torch.device, list[int]] = defaultdict(list)
+    kinds: dict[tuple[torch.device, bool], list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
-        per_device[t.device].append(i)
-    if len(per_device) == 1:
-        return torch.stack(torch._foreach_norm(list(tensors))).float()
-    out = torch.empty(len(tensors), device=first)
-    for index in per_device.values():
-        found = torch.stack(torch._foreach_norm([tensors[i] for i in index])).float()
-        out[torch.tensor(index, device=first)] = found.to(first)
-    return out
+        kinds[(t.device, t.dtype == torch.float64)].append(i)
+    found: dict[int, Tensor] = {}
+    for (_, wide), index in kinds.items():
+        part = [tensors[i] for i in index]  # float64 keeps its own precision (float32 would narrow it)
+        found.update(zip(index, torch._foreach_norm(part) if wide else torch._foreach_norm(part, 2, torch.float32)))
+    if len(kinds) == 1:
+        return torch.stack([found[i] for i in range(len(tensors))]).float()
+    return torch.stack([found[i].to(device=first, dtype=torch.float32) for i in range(len(tensors))])
 
 
 def nbytes(tensors: Iterable[Tensor]) -> int:

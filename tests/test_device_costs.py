@@ -180,3 +180,54 @@ def test_one_process_syncs_bucket_by_bucket_as_the_general_path_does(monkeypatch
     assert whole_peak >= sum(sizes)  # the general path: the whole pseudo-gradient at once
     # one bucket (or the largest tensor, a bucket of its own) and the bases, moments and norms (well under 64 KB)
     assert bucketed_peak <= max(cap_mb * 2**20, max(sizes)) + 64 * 1024 < sum(sizes) / 2, (bucketed_peak, sum(sizes))
+
+
+def test_one_process_overlapped_rounds_with_module_buffers() -> None:
+    """Alone nothing is averaged, buffers included: an overlapped round lands with the live buffers as they are (it
+    used to fail, zipping no averages with the live buffers)."""
+    from datetime import timedelta
+
+    from lightning_lordo.comm.communicator import CommAccountant, Communicator
+    from lightning_lordo.sync.synchronizer import Synchronizer
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    params = list(net.parameters())
+    opt = LoRDO(params, lr=1e-2, rank=2)
+    sync = Synchronizer(params, list(net.buffers()), opt, SyncConfig(sync_every=4, overlap_steps=1),
+                        Communicator(CommAccountant(), timedelta(seconds=30)))
+    reports = []
+    for _ in range(10):
+        opt.zero_grad()
+        net(torch.randn(6, 8)).square().mean().backward()
+        sync.before_optimizer_step()
+        opt.step()
+        reports.append(sync.on_optimizer_step())
+    landed = [r for r in reports if r is not None]
+    assert len(landed) == 2 and not any(r.skipped for r in landed)
+    assert torch.isfinite(net[1].running_mean).all() and net[1].num_batches_tracked.item() == 10
+
+
+def test_finiteness_of_half_precision_tensors_is_not_an_overflow_of_their_norm() -> None:
+    from lightning_lordo._tensors import finite_flags
+
+    big = torch.full((65536,), 300.0, dtype=torch.float16)  # finite; its float16 norm would be inf
+    assert finite_flags([big, torch.randn(3)]).tolist() == [True, True]
+    big[7] = float("nan")
+    assert finite_flags([big]).tolist() == [False]
+
+
+def test_low_rank_payload_state_saved_before_the_guard_loads_into_the_split_groups() -> None:
+    """A checkpoint whose low-rank payload covered a matrix its rank does not compress: the state of the matrices it
+    still sends is kept (by position), that matrix's restarts."""
+    from lightning_lordo.sync.payloads import PseudoGradientPayloads
+
+    small, large, other = (nn.Parameter(torch.zeros(s)) for s in [(16, 24), (64, 96), (48, 96)])
+    config = SyncConfig(payload="lowrank")
+    payloads = PseudoGradientPayloads([small, large, other], {small: 16, large: 16, other: 16}, config)
+    right = [torch.randn(24, 16), torch.randn(96, 16), torch.randn(96, 16)]  # as saved: all three, in order
+    errors = [torch.randn(16, 24), torch.randn(64, 96), torch.randn(48, 96)]
+    payloads.load_state_dict({"lowrank": {"right": right, "errors": errors}, "averager": {"errors": []}})
+    state = payloads.lowrank_payload.state_dict()
+    assert [tuple(r.shape) for r in state["right"]] == [(96, 16), (96, 16)]
+    assert torch.equal(state["right"][0], right[1]) and torch.equal(state["errors"][1], errors[2])

@@ -105,39 +105,35 @@ class Communicator:
 
     def all_reduce_mean(self, tensors: Sequence[Tensor], purpose: str, in_round: bool = True) -> None:
         """Average ``tensors`` across workers in place (flattened into buckets of one dtype and device);
-        ``in_round=False``: counted in the totals only (traffic that belongs to no synchronization round).
-
-        On an exception some buckets may already hold averaged values: pass copies when that matters.
+        ``in_round=False``: counted in the totals only (traffic that belongs to no synchronization round). Every
+        collective runs before anything is written, so a failed one leaves the tensors as they were.
         """
-        if self.world_size == 1 or not tensors:
-            return
-        for bucket in _buckets(tensors):
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            issue = partial(dist.all_reduce, flat, group=self.group, async_op=True)
-            self._run(issue, purpose, "all_reduce", flat.device)
-            nbytes = flat.numel() * flat.element_size()
-            self.accountant.add(purpose, nbytes, in_round, wire_bytes("all_reduce", nbytes, self.world_size))
-            flat.div_(self.world_size)
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        for bucket, means in self._bucket_means(tensors, purpose, in_round):
+            torch._foreach_copy_(bucket, means)
 
     def mean(self, tensors: Sequence[Tensor], purpose: str) -> list[Tensor]:
         """The average of ``tensors`` across workers as new tensors (the inputs are not changed): each bucket is
         flattened into one new buffer, averaged in place, and returned as views of it, so no copy is made besides
         the flattening. Alone: the inputs themselves (nothing to average)."""
-        if self.world_size == 1 or not tensors:
+        if self.world_size == 1:
             return list(tensors)
-        out: list[Tensor] = []
+        return [m for _, means in self._bucket_means(tensors, purpose, True) for m in means]
+
+    def _bucket_means(self, tensors: Sequence[Tensor], purpose: str, in_round: bool
+                      ) -> list[tuple[list[Tensor], list[Tensor]]]:
+        """Per bucket (one dtype and device, at most ``_MESSAGE_BYTES``), its tensors and their averages (views of
+        one flat buffer, all-reduced); nothing alone."""
+        if self.world_size == 1 or not tensors:
+            return []
+        out = []
         for bucket in _buckets(tensors):
             flat = torch.cat([t.reshape(-1) for t in bucket])
             self._run(partial(dist.all_reduce, flat, group=self.group, async_op=True), purpose, "all_reduce",
                       flat.device)
             nbytes = flat.numel() * flat.element_size()
-            self.accountant.add(purpose, nbytes, True, wire_bytes("all_reduce", nbytes, self.world_size))
+            self.accountant.add(purpose, nbytes, in_round, wire_bytes("all_reduce", nbytes, self.world_size))
             flat.div_(self.world_size)
-            out.extend(v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in bucket]), bucket))
+            out.append((bucket, [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in bucket]), bucket)]))
         return out
 
     def all_reduce_sum(self, flat: Tensor, purpose: str) -> int:

@@ -40,7 +40,7 @@ Typical use by a synchronizer (``deltas``: the low-rank matrices' pseudo-gradien
 
     payload = LowRankPayload(ranks=[4, 4, 8], seed=config.seed, payload_dtype="int8")
     result = payload.reduce(comm, deltas, "pseudo_gradients")
-    if not result.finite:
+    if not result.finite:                 # a 0-d tensor: reading it waits for the device
         ...                               # discard the round on every worker (the state did not move)
     new_anchor = [a - u for a, u in zip(anchor, result.averaged)]
     optimizer.install_bases(...result.averaged...)  # its power step on Q B returns span(Q) = result.bases
@@ -81,8 +81,9 @@ class LowRankRound:
 
     Attributes:
         finite: whether the averaged P and B are finite (identical on all ranks): a 0-d bool tensor, not read
-            (a synchronizer combines it with its other checks into one host read and may set a ``bool``). If not,
-            ``averaged`` is not finite and ``commit`` is a no-op.
+            (a synchronizer combines it with its other checks into one host read and may set a ``bool``). If not, the
+            round must be discarded (its ``averaged`` may still look finite, e.g. after an overflow of P) and
+            ``commit`` is a no-op.
         averaged: per matrix, the applied averaged update ``Q B`` (float32, original orientation).
         bases: per matrix, ``Q`` (float32, ``a x r``, canonical orientation), bitwise identical on all ranks.
         traffic: bytes counted, by collective kind (two collectives).

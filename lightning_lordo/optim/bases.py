@@ -20,6 +20,8 @@ from torch import Tensor
 from lightning_lordo._tensors import is_tall
 from lightning_lordo.optim.projection import power_basis, rotate_moments, subspace_movement, svd_basis
 
+#: The most bytes of one stack of same-shape matrices (a copy of them: larger groups are computed in several stacks).
+STACK_BYTES = 64 * 2**20
 #: ``(parameter, its group, its rank)``, as :meth:`LoRDO._lowrank_entries` lists them.
 Entry = tuple[Tensor, dict[str, Any], int]
 _RESET_KEYS = ("exp_avg", "exp_avg_sq", "factored_row", "factored_col")
@@ -40,15 +42,20 @@ def compute_stacked(entries: Sequence[Entry], sources: Mapping[Tensor, Tensor], 
         key = (tuple(p.shape), r, group["projection"], group["power_iters"], sources[p].device)
         stacks[key].append(p)
     bases: dict[Tensor, Tensor] = {}
-    for (_, r, projection, iters, _), params in stacks.items():
-        stacked = torch.stack([sources[p] for p in params])  # the parameters' orientation
-        m = stacked.mT if is_tall(params[0]) else stacked
-        if projection == "svd":
-            q = svd_basis(m, r)
-        else:
-            q = power_basis(m, torch.stack([warm[p] for p in params]), iters)
-        bases.update(zip(params, q.unbind(0)))
+    for (_, r, projection, iters, _), same in stacks.items():
+        per_stack = max(1, STACK_BYTES // (same[0].numel() * 4))  # the stack is a copy: bound it
+        for start in range(0, len(same), per_stack):
+            bases.update(_stacked_bases(same[start:start + per_stack], sources, warm, r, projection, iters))
     return bases
+
+
+def _stacked_bases(params: Sequence[Tensor], sources: Mapping[Tensor, Tensor], warm: Mapping[Tensor, Any], r: int,
+                   projection: str, iters: int) -> dict[Tensor, Tensor]:
+    """The bases of same-shape ``params``, one stacked computation."""
+    stacked = torch.stack([sources[p] for p in params])  # the parameters' orientation
+    m = stacked.mT if is_tall(params[0]) else stacked
+    q = svd_basis(m, r) if projection == "svd" else power_basis(m, torch.stack([warm[p] for p in params]), iters)
+    return dict(zip(params, q.unbind(0)))
 
 
 def install_stacked(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]], bases: Mapping[Tensor, Tensor],

@@ -8,9 +8,10 @@ matrices of one shape together, so that their bases are still one stacked comput
 computed, and the bucket is freed. The transient memory of a sync is one bucket plus the bases.
 
 The result is an :class:`~lightning_lordo.sync.exchange.Exchange` like the general path's, committed by the same
-:meth:`Synchronizer.land` (its ``averaged`` is empty: with the anchor taken as is, nothing reads it), and bit for bit
-the general path's trajectory (tested). Used when the world size is 1, the outer step is averaging, bases are
-refreshed at every sync (``basis_every=1``) and the sync blocks.
+:meth:`Synchronizer.land` (its ``averaged`` is empty: with the anchor taken as is, nothing reads it). On the CPU it is
+bit for bit the general path's trajectory (tested); on an accelerator a shape split over several buckets is stacked
+in smaller batches, whose kernels may round differently in the last bits. Used when the world size is 1, the outer
+step is averaging, bases are refreshed at every sync (``basis_every=1``) and the sync blocks.
 """
 
 from __future__ import annotations

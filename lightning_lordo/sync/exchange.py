@@ -40,7 +40,7 @@ class Exchange:
             the commit with the round's other figures; a non-finite one is reset there, on every worker alike).
         norm: the L2 norm of the averaged pseudo-gradients (a 0-d tensor, read at the commit).
         basis_seconds: the time spent computing the bases.
-        finite: whether the averaged pseudo-gradients are finite (if not, only ``buffers`` is filled in).
+        finite: whether the averaged pseudo-gradients are finite (if not, ``state`` and ``bases`` stay empty).
     """
 
     averaged: list[Tensor]
@@ -160,10 +160,16 @@ def average_state(comm: Communicator, state: dict[str, list[tuple[Tensor, list[T
             out[purpose] = rows
     if not checked:
         return out, [], None
-    flat = [t for ts in checked.values() for t in ts]
-    owner = torch.tensor([i for i, ts in enumerate(checked.values()) for _ in ts], device=flat[0].device)
-    bad = torch.zeros(len(checked), device=flat[0].device).index_add_(0, owner, (~finite_flags(flat)).float())
-    return out, list(checked), bad == 0
+    return out, list(checked), _per_parameter(finite_flags([t for ts in checked.values() for t in ts]),
+                                              [len(ts) for ts in checked.values()])
+
+
+def _per_parameter(flags: Tensor, counts: list[int]) -> Tensor:
+    """Per parameter, whether all of its ``counts[i]`` consecutive ``flags`` hold; nothing copied from the host when
+    every parameter has as many tensors (the usual case: two moments each)."""
+    if len(set(counts)) == 1:
+        return flags.view(len(counts), counts[0]).all(dim=1)
+    return torch.stack([part.all() for part in flags.split(counts)])
 
 
 def commit_state(entries: dict[str, StateEntries]) -> None:

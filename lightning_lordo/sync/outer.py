@@ -82,26 +82,29 @@ class Anchor:
             _copy(self.tensors, list(values))
             _copy(self.params, list(values))
 
+    @torch.no_grad()
     def restore(self) -> None:
         """The parameters go back to the anchor (a discarded round)."""
-        for a, p in zip(self.tensors, self.params):
-            p.detach().copy_(a)
+        _copy(self.params, self.tensors)
 
+    @torch.no_grad()
     def swap_in(self) -> None:
         """Put the anchor into the model (validation, checkpoints of the synchronized model) until :meth:`swap_out`:
-        O(1) by exchanging storages where dtype and device match, else through a copy of the local replicas."""
+        O(1) by exchanging storages where dtype and device match, else through a copy of the local replicas kept
+        where the anchor is (host memory: the device holds no second model meanwhile)."""
         if all(a.dtype == p.dtype and a.device == p.device for a, p in zip(self.tensors, self.params)):
             self._exchange()
             return
-        self._saved = [p.detach().clone() for p in self.params]
+        self._saved = [self._storage(p) for p in self.params]
+        _copy(self._saved, self.params)
         self.restore()
 
+    @torch.no_grad()
     def swap_out(self) -> None:
         if self._saved is None:
             self._exchange()
             return
-        for p, saved in zip(self.params, self._saved):
-            p.detach().copy_(saved)
+        _copy(self.params, self._saved)
         self._saved = None
 
     def _exchange(self) -> None:
@@ -126,13 +129,20 @@ class Anchor:
 
 def _copy(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
     """``targets[i].copy_(sources[i])``: one ``foreach`` op where every pair shares a device, else (the anchor in
-    host memory) one copy per tensor: asynchronous to the device, blocking to the host (whose readers, e.g. a
-    checkpoint, do not wait for the device)."""
+    host memory) one asynchronous copy per tensor, and, when CUDA tensors were copied to the host, one wait for the
+    stream at the end (the host's readers, e.g. a checkpoint, do not wait for the device themselves)."""
     if all(t.device == s.device for t, s in zip(targets, sources)):
         torch._foreach_copy_(list(targets), list(sources))
         return
+    waits = set()
     for t, s in zip(targets, sources):
-        t.copy_(s, non_blocking=t.device.type != "cpu")
+        to_host = t.device.type == "cpu" and s.device.type != "cpu"
+        asynchronous = not to_host or (s.device.type == "cuda" and t.is_pinned())
+        t.copy_(s, non_blocking=asynchronous)
+        if to_host and asynchronous:
+            waits.add(s.device)
+    for device in waits:
+        torch.cuda.current_stream(device).synchronize()
 
 
 class OuterStep:

@@ -129,7 +129,8 @@ def corrected(round_: Launch, result: ex.Exchange, optimizer: Optimizer, live_bu
     for floating, means in ((True, result.buffers[0]), (False, result.buffers[1])):
         live = [b for b in live_buffers if b.is_floating_point() == floating]
         snap = [b for b in round_.buffers if b.is_floating_point() == floating]
-        new.append([m + (x - c) for m, x, c in zip(means, live, snap, strict=True)])
+        # alone nothing was averaged (no means): the live buffers stay as they are
+        new.append([m + (x - c) for m, x, c in zip(means, live, snap, strict=True)] if means else [])
     return dataclasses.replace(result, buffers=(new[0], new[1]), state=state)
 
 

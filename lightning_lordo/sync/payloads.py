@@ -20,7 +20,6 @@ reduce-scattered for int8) as :func:`~lightning_lordo.comm.quantization.quantize
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -123,7 +122,7 @@ class PseudoGradientPayloads:
 
     def error_norm(self) -> float:
         """Norm of this worker's sync-level error feedback (SPEC §5), over every message."""
-        return math.sqrt(sum(m.error_norm() ** 2 for _, _, m, _ in self.groups))
+        return float(self.error_norm_tensor())
 
     def error_norm_tensor(self) -> Tensor:
         """:meth:`error_norm` as a 0-d tensor where the buffers are, not read."""
@@ -150,6 +149,14 @@ class PseudoGradientPayloads:
             errors = state["averager"]["errors"]
             for name, positions, message, _ in self.groups:
                 state[_key(name, message)] = {"errors": [errors[i] for i in positions]}
+        groups = {name: positions for name, positions, *_ in self.groups}
+        if "lowrank_in_full" in groups and "lowrank_in_full" not in state and "lowrank" in state:
+            # saved before a matrix its rank does not compress travelled in full: the low-rank payload's state then
+            # covered it too (positions in parameter order); its own sync-level error feedback restarts from zero
+            saved = sorted(groups["lowrank"] + groups["lowrank_in_full"])
+            if len(state["lowrank"]["right"]) == len(saved):
+                keep = [saved.index(i) for i in groups["lowrank"]]
+                state["lowrank"] = {k: [v[j] for j in keep] if v else v for k, v in state["lowrank"].items()}
         for name, _, message, _ in self.groups:
             if _key(name, message) in state:
                 message.load_state_dict(state[_key(name, message)])

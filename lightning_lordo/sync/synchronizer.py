@@ -323,8 +323,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         parameters' averaged state is not finite (those are reset, on every worker alike)."""
         self.window.commit(dict(zip(self.params, round_.averaged)), refreshed=bool(round_.bases))
         # alone, averaging leaves the replica where it is (anchor - (anchor - params)): it becomes the anchor as is
-        alone = self.comm.world_size == 1 and self.config.outer_optimizer == "average" and progress is None
-        new = None if alone else self.outer.apply(self.anchor, round_.averaged)  # the averages' last use
+        unmoved = self.comm.world_size == 1 and self.config.outer_optimizer == "average" and progress is None
+        new = None if unmoved else self.outer.apply(self.anchor, round_.averaged)  # the averages' last use
         ex.commit_state(round_.state)
         movement = self.lordo.set_bases(round_.bases) if self.lordo is not None else {}
         ex.commit_buffers(self.buffers, *round_.buffers)
