@@ -231,3 +231,61 @@ def test_low_rank_payload_state_saved_before_the_guard_loads_into_the_split_grou
     state = payloads.lowrank_payload.state_dict()
     assert [tuple(r.shape) for r in state["right"]] == [(96, 16), (96, 16)]
     assert torch.equal(state["right"][0], right[1]) and torch.equal(state["errors"][1], errors[2])
+
+
+def _transient_worker(rank: int, port: int, out: str) -> None:
+    from datetime import timedelta
+
+    import memory
+    import torch.distributed as dist
+
+    from lightning_lordo.comm import communicator
+    from lightning_lordo.comm.communicator import CommAccountant, Communicator
+    from lightning_lordo.lightning.convert import full_rank_params
+    from lightning_lordo.models import CharGPT
+    from lightning_lordo.sync.synchronizer import Synchronizer
+
+    torch.set_num_threads(1)
+    communicator._MESSAGE_BYTES = 64 * 1024  # small messages, so that a bucket is a small part of this model
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    net = CharGPT(vocab_size=512, d_model=64, n_layers=2, n_heads=4, seq_len=32, tie_weights=False)
+    params = list(net.parameters())
+    opt = LoRDO(params, rank=8, full_rank=full_rank_params(net))
+    sync = Synchronizer(params, [], opt, SyncConfig(sync_every=2), Communicator(CommAccountant(),
+                                                                                timedelta(seconds=60)))
+    peak = 0
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        sync.before_optimizer_step()
+        opt.step()
+        with memory.LiveBytes() as live:
+            sync.on_optimizer_step()
+        peak = max(peak, live.peak)
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    copies = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(copies, flat)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{peak} {sum(p.numel() * 4 for p in params)} {int(torch.equal(*copies))}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_workers_average_the_pseudo_gradients_where_they_are(tmp_path: Path) -> None:
+    """With several processes the full payload averages each worker's pseudo-gradients in place, a message at a time:
+    a sync holds one model-sized temporary and one message, not the pseudo-gradients and a copy of their average;
+    the replicas come out identical."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_transient_worker, args=(port, str(tmp_path / "peak")), nprocs=2, start_method="fork")
+    for rank in range(2):
+        peak, model_bytes, identical = map(int, (tmp_path / f"peak.{rank}").read_text().split())
+        assert identical == 1
+        assert model_bytes <= peak <= model_bytes * 1.25 + 2 * 64 * 1024, (peak, model_bytes)

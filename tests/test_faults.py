@@ -79,6 +79,9 @@ class FlakyCommunicator(Communicator):
         self._maybe_fail(purpose)
         return [t.detach().clone() for t in tensors]
 
+    def average_temporaries(self, tensors: Sequence[Tensor], purpose: str) -> None:
+        self._maybe_fail(purpose)
+
     def broadcast(self, tensors: Sequence[Tensor], purpose: str, src: int = 0, in_round: bool = True) -> None:
         self._maybe_fail(purpose)
 

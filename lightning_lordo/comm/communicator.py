@@ -111,6 +111,14 @@ class Communicator:
         for bucket, means in self._bucket_means(tensors, purpose, in_round):
             torch._foreach_copy_(bucket, means)
 
+    def average_temporaries(self, tensors: Sequence[Tensor], purpose: str) -> None:
+        """Average ``tensors``, which the caller owns and nothing else reads, in place one bucket at a time: at most
+        one bucket's flat buffer exists at once (:meth:`all_reduce_mean` holds all of them until every collective has
+        succeeded, so that a failure changes nothing). After a failure some of them hold averages."""
+        for bucket in _buckets(tensors) if self.world_size > 1 else []:
+            for original, mean in self._bucket_means(bucket, purpose, True):
+                torch._foreach_copy_(original, mean)
+
     def mean(self, tensors: Sequence[Tensor], purpose: str) -> list[Tensor]:
         """The average of ``tensors`` across workers as new tensors (the inputs are not changed): each bucket is
         flattened into one new buffer, averaged in place, and returned as views of it, so no copy is made besides

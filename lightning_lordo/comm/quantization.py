@@ -132,10 +132,12 @@ def resolve_reduction(payload_dtype: str, reduction: str, world_size: Optional[i
 
 
 def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_dtype: str = "float32",
-                   reduction: str = "auto") -> QuantizedMean:
+                   reduction: str = "auto", in_place: bool = False) -> QuantizedMean:
     """The float32 mean across workers of ``tensors`` sent as ``payload_dtype``, in one flattened collective.
 
-    The inputs are not modified. All ranks must pass tensors of the same shapes, in the same order.
+    The inputs are not modified, unless ``in_place`` (temporaries of the caller's): a float32 all-reduce then
+    averages them where they are, a bucket at a time. All ranks must pass tensors of the same shapes, in the same
+    order.
 
     * ``float32`` all-reduce: ``comm.all_reduce_mean`` on copies (exact mean of the float32 inputs).
     * ``bfloat16`` all-reduce: the inputs rounded to bfloat16, summed by the backend in bfloat16, divided by the
@@ -168,6 +170,9 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
     world = comm.world_size
     if full and world == 1:  # nothing travels and nothing is rounded: the mean is the input
         return QuantizedMean(xs, xs, {})
+    if full and in_place and all(x is t for x, t in zip(xs, tensors)):
+        comm.average_temporaries(xs, purpose)
+        return QuantizedMean(xs, xs, {"all_reduce": tensor_bytes(xs)})
     if full:
         means = comm.mean(xs, purpose)
         traffic = {"all_reduce": tensor_bytes(xs)} if world > 1 else {}
@@ -279,8 +284,9 @@ class QuantizedAverager:
         self._errors: Optional[list[Tensor]] = None
         self._version = 0
 
-    def reduce(self, comm: Any, tensors: Sequence[Tensor], purpose: str) -> AverageRound:
-        """Average ``tensors`` (with this worker's error feedback added) across workers; change nothing here.
+    def reduce(self, comm: Any, tensors: Sequence[Tensor], purpose: str, in_place: bool = False) -> AverageRound:
+        """Average ``tensors`` (with this worker's error feedback added) across workers; change nothing here
+        (``in_place``: the caller's temporaries may hold the averages, :func:`quantized_mean`).
 
         Raises:
             ValueError: the tensors do not match the shapes of the error feedback kept so far.
@@ -295,7 +301,7 @@ class QuantizedAverager:
                                  f"{[tuple(e.shape) for e in self._errors]}; pass the same list every round.")
             for x, e in zip(xs, self._errors):
                 x.add_(e.to(x.device))
-        result = quantized_mean(comm, xs, purpose, self.payload_dtype, self.reduction)
+        result = quantized_mean(comm, xs, purpose, self.payload_dtype, self.reduction, in_place=in_place and exact)
         errors = None if self.payload_dtype == "float32" else [x.sub_(s) for x, s in zip(xs, result.sent)]
         return AverageRound(finite_flags(result.means).all(), result.means, result.traffic, errors, self._version)
 

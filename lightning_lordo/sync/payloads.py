@@ -92,19 +92,22 @@ class PseudoGradientPayloads:
         """Whether any message is compressed (low-rank or reduced precision): then it keeps error feedback."""
         return any(isinstance(m, LowRankPayload) or m.payload_dtype != "float32" for _, _, m, _ in self.groups)
 
-    def reduce(self, comm: Communicator, local: Sequence[Tensor]
+    def reduce(self, comm: Communicator, local: Sequence[Tensor], in_place: bool = False
                ) -> tuple[list[Tensor], list[tuple[Any, Any]], Optional[Tensor]]:
         """The averaged pseudo-gradients (float32; float64 parameters' full-precision ones stay float64), the
         rounds to commit if the whole sync succeeds, and whether every message's averages are finite (a 0-d bool
         tensor, not read; ``None`` without messages). Changes nothing here. A non-finite round (NaN/Inf on any
-        worker, so on every worker alike) has non-finite averages or a false flag."""
+        worker, so on every worker alike) has non-finite averages or a false flag. ``in_place``: ``local`` are
+        temporaries that nothing reads afterwards, and the messages sent in full may average them where they are (a
+        sync then holds one model-sized temporary, not two)."""
         averaged: list[Tensor] = list(local)
         rounds: list[tuple[Any, Any]] = []
         flags = []
         for _, positions, message, purpose in self.groups:
             if not positions:
                 continue
-            result = message.reduce(comm, [local[i] for i in positions], purpose)
+            result = message.reduce(comm, [local[i] for i in positions], purpose, **(
+                {"in_place": in_place} if isinstance(message, QuantizedAverager) else {}))
             rounds.append((message, result))
             flags.append(result.finite)
             for n, i in enumerate(positions):

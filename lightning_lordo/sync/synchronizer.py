@@ -276,7 +276,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         and the payloads', bases' and basis window's state (which change only at a commit), so it may run on
         another thread (``overlap_steps``). One host read: whether the pseudo-gradients and the buffers are finite
         (the commit reads the round's other figures at once)."""
-        averaged, rounds, payload_finite = self.payloads.reduce(comm, local)
+        # the local pseudo-gradients are needed after their average only for local bases
+        averaged, rounds, payload_finite = self.payloads.reduce(comm, local, self.config.basis_scope == "global")
         floating, others = ex.average_buffers(comm, buffers)
         magnitudes = norms(averaged)
         finite = magnitudes.isfinite().all()
