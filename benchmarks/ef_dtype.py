@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from harness import ROOT, RunSpec, append, done, load, provenance, run
+from harness import ROOT, RunSpec, done, load, run_pending
 from quality import best_lrs
 
 from lightning_lordo.config import LEAN_KNOBS, OPTIMIZER_DEFAULTS
@@ -89,15 +89,11 @@ def main(argv: list[str]) -> int:
     pending = [] if args.table else [spec for spec in specs if not done(records, spec)]
     print(f"ef_dtype: lr={lr:g} steps={args.steps} knobs={DEFAULTS} ({len(pending)} of {len(specs)} runs to do)",
           flush=True)
-    if pending:  # a header before every batch of new runs: a resumed part may run another commit's code
-        append(OUT, {"header": provenance("python benchmarks/ef_dtype.py " + " ".join(argv)),
-                     "data": [Path(d).name for d in args.data], "resumed": bool(records)})
-    for spec in pending:
-        record = run(spec)
-        append(OUT, record)
-        print(f"ef_dtype: {Path(spec.data).name:<22} {spec.knobs['ef_dtype']:<8} seed={spec.seed} "
-              f"val_loss={record['final_val_loss']:.4f} ef_bytes={ef_bytes(record)} "
-              f"wall={record['wall_seconds']:.0f}s", flush=True)
+    run_pending(OUT, pending, "python benchmarks/ef_dtype.py " + " ".join(argv),
+                {"data": [Path(d).name for d in args.data]}, bool(records), lambda spec, record: (
+                    f"ef_dtype: {Path(spec.data).name:<22} {spec.knobs['ef_dtype']:<8} seed={spec.seed} "
+                    f"val_loss={record['final_val_loss']:.4f} ef_bytes={ef_bytes(record)} "
+                    f"wall={record['wall_seconds']:.0f}s"))
     print(table(load(OUT), specs))
     return 0
 

@@ -34,6 +34,7 @@ import platform
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -347,6 +348,18 @@ def provenance(command: str) -> dict[str, Any]:
             "lightning": L.__version__, "python": platform.python_version(),
             "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
                        f"{len(os.sched_getaffinity(0))} cores, {platform.platform()}"}
+
+
+def run_pending(out: Path, pending: list[RunSpec], command: str, header: dict[str, Any], resumed: bool,
+                describe: Callable[[RunSpec, dict[str, Any]], str]) -> None:
+    """Run ``pending`` and append each record to ``out``, after a header line (``command``'s provenance and
+    ``header``: a resumed part may run another commit's code); print ``describe(spec, record)`` after each run."""
+    if pending:
+        append(out, {"header": provenance(command), **header, "resumed": resumed})
+    for spec in pending:
+        record = run(spec)
+        append(out, record)
+        print(describe(spec, record), flush=True)
 
 
 def append(path: Path, record: dict[str, Any]) -> None:

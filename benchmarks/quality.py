@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness import METHODS, ROOT, RunSpec, append, done, load, provenance, run
+from harness import METHODS, ROOT, RunSpec, done, load, run_pending
 
 RESULTS = ROOT / "results"
 LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
@@ -140,15 +140,11 @@ def main(argv: list[str]) -> int:
     specs = [dataclasses.replace(spec, data=str(Path(args.data).resolve()))
              for spec in specs_for(args.part, args.data, args.quick)]
     pending = [spec for spec in specs if not done(records, spec)]
-    if pending:  # a header before every batch of new runs: a resumed part may run another commit's code
-        append(out, {"header": provenance("python benchmarks/quality.py " + " ".join(argv)),
-                     "data": Path(args.data).name, "resumed": bool(records)})
-    for spec in pending:
-        record = run(spec)
-        append(out, record)
-        print(f"{name}: {record['label']:<40} lr={spec.lr:<7g} seed={spec.seed} steps={spec.steps} "
-              f"val_loss={record['final_val_loss']:.4f} bytes={record['bytes_sent']:.3e} "
-              f"wall={record['wall_seconds']:.0f}s", flush=True)
+    run_pending(out, pending, "python benchmarks/quality.py " + " ".join(argv), {"data": Path(args.data).name},
+                bool(records), lambda spec, record: (
+                    f"{name}: {record['label']:<40} lr={spec.lr:<7g} seed={spec.seed} steps={spec.steps} "
+                    f"val_loss={record['final_val_loss']:.4f} bytes={record['bytes_sent']:.3e} "
+                    f"wall={record['wall_seconds']:.0f}s"))
     return 0
 
 
