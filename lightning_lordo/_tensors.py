@@ -81,10 +81,16 @@ def norms(tensors: Sequence[Tensor]) -> Tensor:
     found: dict[int, Tensor] = {}
     for (_, wide), index in kinds.items():
         part = [tensors[i] for i in index]  # float64 keeps its own precision (float32 would narrow it)
-        found.update(zip(index, torch._foreach_norm(part) if wide else torch._foreach_norm(part, 2, torch.float32)))
+        found.update(zip(index, [_narrow(n) for n in torch._foreach_norm(part)] if wide
+                         else torch._foreach_norm(part, 2, torch.float32)))
     if len(kinds) == 1:
         return torch.stack([found[i] for i in range(len(tensors))]).float()
     return torch.stack([found[i].to(device=first, dtype=torch.float32) for i in range(len(tensors))])
+
+
+def _narrow(norm: Tensor) -> Tensor:
+    """A float64 norm in float32, a finite one past float32's range held at its largest value (not made infinite)."""
+    return torch.where(norm.isfinite(), norm.clamp(max=torch.finfo(torch.float32).max), norm).float()
 
 
 def nbytes(tensors: Iterable[Tensor]) -> int:

@@ -137,7 +137,8 @@ def test_error_feedback_is_bfloat16_on_accelerators_and_float32_on_the_cpu_by_de
 def _alone_run(general: bool, cap_mb: float, monkeypatch: pytest.MonkeyPatch
                ) -> tuple[list[torch.Tensor], list[int], int]:
     """Three one-process syncs of a small GPT (bucket by bucket, or the general path); returns the parameters, anchor
-    and optimizer state after them, the parameters' float32 bytes and the largest transient of a sync."""
+    and optimizer state after them with the syncs' reported norms, the parameters' float32 bytes and the largest
+    transient of a sync."""
     from datetime import timedelta
 
     import memory  # benchmarks/memory.py: LiveBytes
@@ -157,17 +158,19 @@ def _alone_run(general: bool, cap_mb: float, monkeypatch: pytest.MonkeyPatch
     sync = Synchronizer(params, [], opt, SyncConfig(sync_every=2, bucket_cap_mb=cap_mb),
                         Communicator(CommAccountant(), timedelta(seconds=30)))
     gen = torch.Generator().manual_seed(1)
-    peak = 0
+    peak, norms = 0, []
     for step in range(6):
         opt.zero_grad()
         net(torch.randint(0, 256, (2, 16), generator=gen)).square().mean().backward()
         sync.before_optimizer_step()
         opt.step()
         with memory.LiveBytes() as live:
-            sync.on_optimizer_step()
+            report = sync.on_optimizer_step()
         peak = max(peak, live.peak) if step % 2 else peak
+        norms += [report.pseudo_gradient_norm] if report is not None else []
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return [p.detach().clone() for p in params] + sync.anchor.tensors + state, [p.numel() * 4 for p in params], peak
+    return [p.detach().clone() for p in params] + sync.anchor.tensors + state + [torch.tensor(norms)], [
+        p.numel() * 4 for p in params], peak
 
 
 def test_one_process_syncs_bucket_by_bucket_as_the_general_path_does(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,3 +292,20 @@ def test_two_workers_average_the_pseudo_gradients_where_they_are(tmp_path: Path)
         peak, model_bytes, identical = map(int, (tmp_path / f"peak.{rank}").read_text().split())
         assert identical == 1
         assert model_bytes <= peak <= model_bytes * 1.25 + 2 * 64 * 1024, (peak, model_bytes)
+
+
+def test_buckets_start_anew_for_every_kind_and_take_empty_tensors() -> None:
+    from lightning_lordo.sync.alone import buckets
+
+    empty, a, b, w = torch.zeros(0), torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(8, 8)
+    assert buckets([empty, a, w, b], {w}, 2**20) == [[2], [0, 1], [3]]  # low-rank first; one kind per bucket
+    assert buckets([a, a.clone(), a.clone()], set(), 32) == [[0, 1], [2]]  # 16 bytes each, at most 32 a bucket
+
+
+def test_a_finite_float64_tensor_past_float32s_range_is_finite() -> None:
+    from lightning_lordo._tensors import finite_flags
+
+    big = torch.full((4,), 1e100, dtype=torch.float64)  # norm 2e100: finite in float64, past float32 (3.4e38)
+    assert finite_flags([big]).tolist() == [True]
+    big[0] = float("inf")
+    assert finite_flags([big]).tolist() == [False]

@@ -139,7 +139,8 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
     averages them where they are, a bucket at a time. All ranks must pass tensors of the same shapes, in the same
     order.
 
-    * ``float32`` all-reduce: ``comm.all_reduce_mean`` on copies (exact mean of the float32 inputs).
+    * ``float32`` all-reduce: ``comm.mean`` (exact mean of the float32 inputs), or ``in_place``
+      ``comm.average_temporaries``.
     * ``bfloat16`` all-reduce: the inputs rounded to bfloat16, summed by the backend in bfloat16, divided by the
       world size in float32. The sum's own rounding is in no worker's ``sent`` (module docstring).
     * any all-gather (``bfloat16``, ``int8``: per-row float32 scales and int8 values in one byte buffer;

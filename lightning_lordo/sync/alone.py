@@ -43,10 +43,11 @@ def buckets(params: Sequence[Tensor], lowrank: set[Tensor], cap_bytes: float) ->
         kinds[(p in lowrank, tuple(p.shape) if p in lowrank else (), p.dtype, p.device)].append(i)
     out: list[list[int]] = []
     for key in sorted(kinds, key=lambda k: not k[0]):  # the low-rank kinds first, in the parameters' order
-        size = cap_bytes  # start a new bucket for every kind
+        out.append([])  # a new bucket for every kind
+        size = 0
         for i in kinds[key]:
             nbytes = params[i].numel() * torch.finfo(math_dtype(params[i].dtype)).bits // 8
-            if size + nbytes > cap_bytes:
+            if out[-1] and size + nbytes > cap_bytes:
                 out.append([])
                 size = 0
             out[-1].append(i)
@@ -59,17 +60,19 @@ def exchange(sync: Any) -> ex.Exchange:
     """The round of one process, bucket by bucket (module docstring); one host read (whether it is finite)."""
     lordo, params = sync.lordo, sync.params
     lowrank = set(lordo.lowrank_params()) if lordo is not None else set()
-    magnitudes, bases, seconds = [], {}, 0.0
+    magnitudes: list[Any] = [None] * len(params)  # each parameter's norm, in the parameters' order
+    bases, seconds = {}, 0.0
     for bucket in buckets(params, lowrank, sync.config.bucket_cap_mb * 2**20):
         deltas = sync.anchor.deltas(indices=bucket)
-        magnitudes.append(norms(deltas))
+        for i, n in zip(bucket, norms(deltas).unbind(0)):
+            magnitudes[i] = n
         sources = {params[i]: d for i, d in zip(bucket, deltas) if params[i] in lowrank}
         if sources:
             begin = time.perf_counter()
             bases.update(lordo.compute_bases(sources, generation=sync.optimizer_steps))
             seconds += time.perf_counter() - begin
         del deltas, sources
-    magnitudes_all = torch.cat([m.to(magnitudes[0].device) for m in magnitudes])
+    magnitudes_all = torch.stack([m.to(magnitudes[0].device) for m in magnitudes])  # summed as the general path
     if not bool(magnitudes_all.isfinite().all()):  # the one read before the commit
         return ex.Exchange([], [], ([], []), finite=False)
     _, checked, state_finite = ex.average_state(sync.comm, sync.averaged_entries(), sync.config)

@@ -190,7 +190,7 @@ def average_gradients(comm: Communicator, params: Sequence[Tensor]) -> None:
                                "(sparse=False).")
         flags[i] = float(p.grad is not None)
         grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
-    comm.all_reduce_mean([*grads, flags], "gradients")
+    comm.average_temporaries([*grads, flags], "gradients")  # a bucket at a time: no second set of gradients
     for p, g, flag in zip(params, grads, flags.tolist()):
         if p.grad is None and flag > 0:
             p.grad = g
