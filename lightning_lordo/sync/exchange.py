@@ -89,10 +89,11 @@ def read_figures(round_: Exchange, movement: dict[Tensor, Tensor], error_norm: O
     (``None`` without new bases), the payloads' error-feedback norm (0 without), and the parameters whose averaged
     optimizer state is not finite (to reset, on every worker alike)."""
     device = round_.norm.device if round_.norm is not None else torch.device("cpu")
-    moved = torch.stack(list(movement.values())).mean() if movement else torch.tensor(float("nan"))
-    parts = [round_.norm if round_.norm is not None else torch.zeros(()), moved,
-             error_norm if error_norm is not None else torch.zeros(()),
-             round_.state_finite if round_.state_finite is not None else torch.ones(0, dtype=torch.bool)]
+    nothing = torch.zeros((), device=device)  # made where the figures are: no host-to-device copy before the read
+    moved = torch.stack(list(movement.values())).mean() if movement else torch.full((), float("nan"), device=device)
+    parts = [round_.norm if round_.norm is not None else nothing, moved,
+             error_norm if error_norm is not None else nothing,
+             round_.state_finite if round_.state_finite is not None else torch.ones(0, dtype=torch.bool, device=device)]
     values = torch.cat([t.to(device=device, dtype=torch.float32).reshape(-1) for t in parts]).tolist()
     reset = [p for p, ok in zip(round_.checked, values[3:]) if not ok]
     return values[0], (None if values[1] != values[1] else values[1]), values[2], reset

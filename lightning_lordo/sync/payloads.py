@@ -130,7 +130,7 @@ class PseudoGradientPayloads:
     def error_norm_tensor(self) -> Tensor:
         """:meth:`error_norm` as a 0-d tensor where the buffers are, not read."""
         errors = [e for _, _, m, _ in self.groups for e in m.error_tensors()]
-        return torch.linalg.vector_norm(norms(errors)) if errors else torch.zeros(())
+        return torch.linalg.vector_norm(norms(errors)) if errors else torch.zeros(())  # none: nothing compressed yet
 
     def state_dict(self) -> dict[str, Any]:
         """Per worker, for checkpoints: ``{"averager": the last group's, "lowrank": ..., "lowrank_averager": ...,

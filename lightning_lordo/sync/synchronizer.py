@@ -283,7 +283,9 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         finite = magnitudes.isfinite().all()
         if payload_finite is not None:
             finite = finite & payload_finite.to(finite.device)
-        ok, buffers_ok = torch.stack([finite, finite_flags(floating).all().to(finite.device)]).tolist()
+        buffers_finite = finite_flags(floating).all() if floating else torch.ones((), dtype=torch.bool,
+                                                                                 device=finite.device)
+        ok, buffers_ok = torch.stack([finite, buffers_finite]).tolist()
         if not buffers_ok:  # identical on all workers: all repair them together
             floating = ex.repair_buffers(comm, buffers)
         if not ok:  # identical on all workers: they all discard the round
