@@ -71,15 +71,14 @@ class Counts(TorchDispatchMode):
         name = str(func)
         self.ops += 1
         self.by_op[name] = self.by_op.get(name, 0) + 1
-        inputs = [a for a in _flat(list(args) + list((kwargs or {}).values())) if isinstance(a, Tensor)]
+        inputs = tensors_in([args, kwargs or {}])
         host = bool(inputs) and all(self._is_host(a) for a in inputs)
         if name.startswith(READS) and not host:
             self.reads += 1
         out = func(*args, **(kwargs or {}))
         if host:
-            for t in _flat([out]):
-                if isinstance(t, Tensor):
-                    self._host[t] = True
+            for t in tensors_in(out):
+                self._host[t] = True
         return out
 
     def __enter__(self) -> Counts:
@@ -99,11 +98,15 @@ class Counts(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def _flat(values: Any) -> list[Any]:
-    out = []
-    for v in values:
-        out.extend(_flat(v) if isinstance(v, (list, tuple)) else [v])
-    return out
+def tensors_in(value: Any) -> list[Tensor]:
+    """The tensors in ``value``, however nested in lists, tuples and dicts."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
 
 
 def step_counters(optimizer: torch.optim.Optimizer) -> list[Tensor]:

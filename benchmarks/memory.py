@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from counts import preset_knobs
+from counts import preset_knobs, tensors_in
 from harness import ROOT, provenance
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -67,9 +67,9 @@ class LiveBytes(TorchDispatchMode):
             del self._refs[ptr]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        seen = {t.untyped_storage().data_ptr() for t in _tensors([args, kwargs or {}])}
+        seen = {t.untyped_storage().data_ptr() for t in tensors_in([args, kwargs or {}])}
         out = func(*args, **(kwargs or {}))
-        for t in _tensors([out]):
+        for t in tensors_in([out]):
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen and ptr not in self._refs:
                 continue  # an input's storage that existed before (in place, or a view of it)
@@ -80,16 +80,6 @@ class LiveBytes(TorchDispatchMode):
             self._refs[ptr] += 1
             weakref.finalize(t, self._release, ptr)
         return out
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def storage_bytes(tensors: list[Tensor], counted: set[int]) -> int:
@@ -140,7 +130,7 @@ def measure(name: str, small: bool, device: str = "cpu") -> dict[str, Any]:
         row["transient"] = live.peak
         on_device = sync.config.anchor_device == "param"
         buffers = (sync.anchor.tensors if on_device else []) + sync.outer.momentum_buffers() + \
-            [t for _, _, m, _ in sync.payloads.groups for t in _tensors(m.state_dict())]
+            [t for _, _, m, _ in sync.payloads.groups for t in tensors_in(m.state_dict())]
         row["sync"] = storage_bytes(buffers, counted)
     row["resident"] = sum(row[k] for k in ("params", "grads", "optimizer", "error_feedback", "sync"))
     if device.startswith("cuda"):  # the storages against the allocator (the step counters live on the host)
