@@ -379,6 +379,7 @@ def main(argv: list[str]) -> int:
         "synchronizer": lambda: check_synchronizer(device),
         "speed": lambda: check_speed(device, *((2, 3) if cpu else (12, 10))), "step": lambda: check_step(device, cpu),
         "lightning": lambda: check_lightning(cpu), "memory": lambda: check_memory(device, small=cpu)}
+    path = ROOT / "results" / ("gpu_check-cpu.json" if cpu else "gpu_check.json")
     for name, check in checks.items():
         start = time.perf_counter()
         try:
@@ -389,9 +390,8 @@ def main(argv: list[str]) -> int:
         print(f"{name}: {'ok' if results[name]['ok'] else 'FAILED'} ({results[name]['seconds']:.0f} s)", flush=True)
         if "error" in results[name]:
             print(results[name]["error"], flush=True)
+        path.write_text(json.dumps(results, indent=2))  # after each section: a run cut short keeps what it measured
     print_tables(results, cpu)
-    path = ROOT / "results" / ("gpu_check-cpu.json" if cpu else "gpu_check.json")
-    path.write_text(json.dumps(results, indent=2))
     return 0 if all(results[name]["ok"] for name in checks) else 1
 
 

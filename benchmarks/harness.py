@@ -343,7 +343,8 @@ def provenance(command: str) -> dict[str, Any]:
                                      ":(top,exclude)benchmarks/results"],
                                     capture_output=True, text=True, cwd=ROOT).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", True
+        # a copy without its git directory (the GPU machine's): the caller names the commit it copied
+        commit, dirty = os.environ.get("LORDO_COMMIT", "unknown"), "LORDO_COMMIT" not in os.environ
     return {"command": command, "commit": commit, "uncommitted_changes": dirty, "torch": torch.__version__,
             "lightning": L.__version__, "python": platform.python_version(),
             "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
