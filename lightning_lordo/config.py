@@ -60,8 +60,12 @@ OPTIMIZER_DEFAULTS: dict[str, Any] = {
     "variance_clamp": False,
     "error_feedback": True,
     "ef_dtype": "auto",
-    "ef_decay": 1.0,
+    "ef_decay": "auto",
+    "update_scale": "auto",
 }
+#: A knob's value for a checkpoint written before the knob existed, where that differs from today's default (what the
+#: run was doing): a resume continues the step it was taking.
+KNOBS_BEFORE_THEY_EXISTED: dict[str, Any] = {"update_scale": 1.0}
 #: The optimizer knobs of the ``"lordo_lean"`` and ``"lordo_compressed"`` presets (the defaults before the authors'
 #: protocol): no error-feedback buffer, so the optimizer state of a low-rank matrix is its rank-r moments only.
 LEAN_KNOBS: dict[str, Any] = {"omega": 0.7, "full_rank_input": "gradient", "error_feedback": False, "power_iters": 1}
@@ -138,6 +142,13 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
         check_rank(knobs["rank"], allow_zero=in_group)
     if "omega" in knobs:
         check_unit_interval("omega", knobs["omega"], closed_right=True)
+    if "update_scale" in knobs and knobs["update_scale"] != "auto":
+        scale = knobs["update_scale"]
+        if not _is_number(scale) or not math.isfinite(scale) or scale <= 0:
+            raise _fail("update_scale", scale, 'it must be "auto" (sqrt(smaller side / rank) per matrix: an update '
+                        "as large as AdamW's, so AdamW's learning rate carries over) or a finite number > 0",
+                        "Pass update_scale=\"auto\", or update_scale=1.0 for the authors' step (it needs a "
+                        "learning rate about sqrt(d / rank) times AdamW's).")
     if "mu" in knobs and knobs["mu"] != "auto":
         if not _is_number(knobs["mu"]) or not math.isfinite(knobs["mu"]) or knobs["mu"] <= 0:
             raise _fail("mu", knobs["mu"], 'it must be a finite number > 0 or "auto"', 'Pass e.g. mu=1.0 or mu="auto".')
@@ -162,10 +173,11 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
             raise _fail(flag, knobs[flag], "it must be True or False", "Pass a bool.")
     if "ef_dtype" in knobs:
         check_choice("ef_dtype", knobs["ef_dtype"], tuple(EF_DTYPES))
-    if "ef_decay" in knobs:
+    if "ef_decay" in knobs and knobs["ef_decay"] != "auto":
         decay = knobs["ef_decay"]
         if not _is_number(decay) or not 0.0 < decay <= 1.0:
-            raise _fail("ef_decay", decay, "it must be a number in (0, 1]", "Pass 1.0 to keep all feedback.")
+            raise _fail("ef_decay", decay, 'it must be "auto" (beta1) or a number in (0, 1]',
+                        'Pass ef_decay="auto", or 1.0 to keep all feedback (it can wind up: see LoRDO\'s docs).')
 
 
 #: Knobs that only shape the full-rank term (none exists with ``update="subspace_qh"``).

@@ -102,9 +102,11 @@ def _ref_step(s: dict[str, Tensor], h: dict) -> dict[str, Tensor]:
     g = _canon(s["G"])
     w = _canon(s["W"])
     t = s["step"].item() + 1
-    acc = g + h["ef_decay"] * s["error_feedback"] if h["error_feedback"] else g  # A = G + gamma E
+    gamma = beta1 if h["ef_decay"] == "auto" else h["ef_decay"]  # "auto": the first moment's horizon
+    scale = math.sqrt(a / r) if h["update_scale"] == "auto" else h["update_scale"]  # an update as large as AdamW's
+    acc = g + gamma * s["error_feedback"] if h["error_feedback"] else g  # A = G + gamma E
     ghat = q.T @ acc  # r x b
-    out: dict[str, Tensor] = {"A": acc, "ghat": ghat}
+    out: dict[str, Tensor] = {"A": acc, "ghat": ghat, "scale": scale}
     if h["error_feedback"]:
         out["error_feedback"] = acc - q @ ghat
     u = beta1 * s["exp_avg"] + (1 - beta1) * ghat
@@ -114,7 +116,7 @@ def _ref_step(s: dict[str, Tensor], h: dict) -> dict[str, Tensor]:
     orient = (lambda x: x.T) if s["W"].shape[0] > s["W"].shape[1] else (lambda x: x)
     if h["update"] == "subspace_qh":  # the QH mix inside the subspace, no full-rank term
         update = q @ (((1 - omega) * ghat + omega * u_hat) / (torch.sqrt(v_hat) + eps))
-        out.update(update=update, W=orient(w * (1 - lr * wd) - lr * update))
+        out.update(update=update, W=orient(w * (1 - lr * wd) - lr * scale * update))
         return out
     if h["update"] == "unnormalized_lowrank":  # the authors' training step: Q u_hat, not divided by sqrt(v_hat)
         d_low = q @ u_hat
@@ -149,7 +151,7 @@ def _ref_step(s: dict[str, Tensor], h: dict) -> dict[str, Tensor]:
         mu = h["mu"]
     d_full = normalized / mu
     update = (1 - omega) * d_full + omega * d_low
-    w_new = w * (1 - lr * wd) - lr * update
+    w_new = w * (1 - lr * wd) - lr * scale * update
     out.update(S=s_norm, d_full=d_full, update=update, W=orient(w_new))
     return out
 
@@ -232,7 +234,7 @@ def test_lowrank_moments_with_bias_correction(shape):
     assert st["step"].item() == before["step"].item() + 1 == 4
     _close(st["exp_avg"], ref["exp_avg"])
     _close(st["exp_avg_sq"], ref["exp_avg_sq"])
-    _close(w.detach() - before["W"], -0.5 * _canon_back(ref["d_low"], shape))
+    _close(w.detach() - before["W"], -0.5 * ref["scale"] * _canon_back(ref["d_low"], shape))
     # bias correction matters at t = 4 (b1 = 0.34, b2 = 0.004): without it the step would be far off
     q = before["basis"]
     uncorrected = q @ (ref["exp_avg"] / (ref["exp_avg_sq"].sqrt() + 1e-3))
@@ -258,7 +260,7 @@ def test_omega_zero_is_normalized_fullrank_step(shape, normalizer):
     before = _snapshot(opt, w)
     ref = _ref_step(before, _hyper(opt))
     opt.step()
-    expected = -0.5 * _canon(before["G"]) / (1.7 * (ref["S"] + 1e-8))
+    expected = -0.5 * ref["scale"] * _canon(before["G"]) / (1.7 * (ref["S"] + 1e-8))
     _close(_canon(w.detach() - before["W"]), expected)
     _close(w.detach() - before["W"], ref["W"] - before["W"])
     # the full-rank step is not confined to span(Q)
@@ -302,9 +304,9 @@ def test_full_rank_input_accumulated_is_gradient_plus_error_feedback(shape):
     w, opt, before, ref = _step_and_reference(shape, seed=8, omega=0.0, error_feedback=True, ef_decay=0.8,
                                               full_rank_input="accumulated", normalizer="mean_denom")
     acc = _canon(before["G"]) + 0.8 * before["error_feedback"]
-    _close(_canon(w.detach() - before["W"]), -0.5 * acc / (ref["S"] + 1e-8))
+    _close(_canon(w.detach() - before["W"]), -0.5 * ref["scale"] * acc / (ref["S"] + 1e-8))
     _close(w.detach() - before["W"], ref["W"] - before["W"])
-    gradient_only = -0.5 * _canon(before["G"]) / (ref["S"] + 1e-8)  # the default input would differ a lot
+    gradient_only = -0.5 * ref["scale"] * _canon(before["G"]) / (ref["S"] + 1e-8)  # the gradient alone differs
     assert (_canon(w.detach() - before["W"]).double() - gradient_only).norm() > 0.1 * gradient_only.norm()
 
 
@@ -313,7 +315,7 @@ def test_mean_denom_is_one_scalar_per_matrix(shape):
     """normalizer="mean_denom": S + eps is the mean over all entries of (sqrt(v_hat) + eps), one scalar."""
     w, opt, before, ref = _step_and_reference(shape, seed=9, omega=0.0, normalizer="mean_denom", eps=1e-2)
     v_hat = ref["exp_avg_sq"] / (1 - 0.999**4)
-    _close(_canon(w.detach() - before["W"]), -0.5 * _canon(before["G"]) / (v_hat.sqrt() + 1e-2).mean())
+    _close(_canon(w.detach() - before["W"]), -0.5 * ref["scale"] * _canon(before["G"]) / (v_hat.sqrt() + 1e-2).mean())
     _close(w.detach() - before["W"], ref["W"] - before["W"])
 
 
@@ -600,7 +602,8 @@ def test_identical_basis_changes_nothing(shape):
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_rotate_transition_uses_spec_formula(shape, clamp):
     """install a random new basis with "rotate": u' = C u, v' = b2 |(C o C)(v/b2 - u^2/b1^2) + u'^2/b1^2|, or with
-    variance_clamp=True v' = b2 ((C o C) max(v/b2 - u^2/b1^2, 0) + u'^2/b1^2)."""
+    variance_clamp=True v' = b2 ((C o C) max(v/b2 - u^2/b1^2, 0) + u'^2/b1^2); plus, for the part of each new
+    direction the old basis did not see, the old mean of v."""
     w, opt = _one_matrix(shape, 14, betas=(0.8, 0.99), t=5, variance_clamp=clamp)
     st = opt.state[w]
     st["exp_avg_sq"].mul_(0.02)  # small against u^2 in places: some variance estimates are negative
@@ -616,6 +619,7 @@ def test_rotate_transition_uses_spec_formula(shape, clamp):
         v_new = b2 * ((c * c) @ variance.clamp(min=0) + u_new * u_new / b1**2)
     else:
         v_new = b2 * ((c * c) @ variance + u_new * u_new / b1**2).abs()
+    v_new += (1 - (c * c).sum(dim=1, keepdim=True)).clamp(min=0) * v.mean(dim=0, keepdim=True)  # unseen part
     _close(st["exp_avg"], u_new)
     _close(st["exp_avg_sq"], v_new)
     assert st["step"].item() == 5

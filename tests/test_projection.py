@@ -65,7 +65,7 @@ def test_rotate_moments_matches_spec_formula(shape):
     u64, v64, c64 = u.double(), v.double(), c.double()
     ref_u = c64 @ u64
     inner = (c64 * c64) @ (v64 / bias2 - u64 * u64 / bias1**2) + ref_u * ref_u / bias1**2
-    ref_v = bias2 * inner.abs()
+    ref_v = bias2 * inner.abs() + _unseen(c64, v64)
     assert (inner < 0).any() and (inner > 0).any()  # both branches of |.| are exercised
     torch.testing.assert_close(new_u.double(), ref_u, rtol=1e-5, atol=1e-6 * ref_u.abs().max().item())
     torch.testing.assert_close(new_v.double(), ref_v, rtol=1e-5, atol=1e-6 * ref_v.abs().max().item())
@@ -88,11 +88,29 @@ def test_rotate_moments_with_variance_clamp(shape):
     variance = v64 / bias2 - u64 * u64 / bias1**2
     assert (variance < 0).any() and (variance > 0).any()  # the clamp acts on some entries only
     ref_u = c64 @ u64
-    ref_v = bias2 * ((c64 * c64) @ variance.clamp(min=0) + ref_u * ref_u / bias1**2)
+    ref_v = bias2 * ((c64 * c64) @ variance.clamp(min=0) + ref_u * ref_u / bias1**2) + _unseen(c64, v64)
     torch.testing.assert_close(new_u.double(), ref_u, rtol=1e-5, atol=1e-6 * ref_u.abs().max().item())
     torch.testing.assert_close(new_v.double(), ref_v, rtol=1e-5, atol=1e-6 * ref_v.abs().max().item())
     _, unclamped = rotate_moments(u, v, c, bias1, bias2)
     assert (unclamped - new_v).abs().max() > 1e-3 * new_v.abs().max()  # it changes the result here
+
+
+def _unseen(c: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The second moment a new direction gets for the part of it the old basis did not see: ``1 - |row i of C|^2``
+    (at least 0) times the old coordinates' mean second moment, per column."""
+    return (1 - (c * c).sum(dim=1, keepdim=True)).clamp(min=0) * v.mean(dim=0, keepdim=True)
+
+
+def test_rotate_moments_seeds_unseen_directions():
+    """A new direction orthogonal to the old subspace gets no mean (u' = 0 there) and the old coordinates' mean
+    second moment, not zero: a first gradient there is then normalized like the others, not blown up by ~3x."""
+    u, v = torch.randn(4, 6, generator=_gen(3)), torch.rand(4, 6, generator=_gen(4)) + 0.1
+    old = torch.eye(8)[:, :4]
+    new = torch.eye(8)[:, [0, 1, 4, 5]]  # two directions kept, two unseen
+    new_u, new_v = rotate_moments(u, v, new.T @ old, 0.5, 0.1)
+    assert torch.equal(new_u[2:], torch.zeros(2, 6))
+    torch.testing.assert_close(new_v[2:], v.mean(dim=0, keepdim=True).expand(2, 6))
+    torch.testing.assert_close(new_v[:2], v[:2])
 
 
 def test_rotate_moments_identity_and_signed_permutation():

@@ -42,14 +42,17 @@ OPTIMIZER_CASES: dict[str, dict[str, Any]] = {
 #: full-rank term, one power step). Every case is over them (:func:`recorded_knobs`), so the fixture keeps its meaning
 #: whatever today's defaults are.
 RECORDED_DEFAULTS: dict[str, Any] = {"omega": 0.7, "full_rank_input": "gradient", "error_feedback": False,
-                                     "power_iters": 1}
+                                     "power_iters": 1, "ef_decay": 1.0, "update_scale": 1.0}
 
 
 def recorded_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
     """``knobs`` over :data:`RECORDED_DEFAULTS` (``subspace_qh`` has no full-rank term, so no input for it)."""
     base = {k: v for k, v in RECORDED_DEFAULTS.items()
             if not (k == "full_rank_input" and knobs.get("update") == "subspace_qh")}
-    return {**base, **knobs}
+    merged = {**base, **knobs}
+    if not merged["error_feedback"]:  # the recording's decay (1.0) only applies to a buffer
+        merged.pop("ef_decay")
+    return merged
 
 
 STRATEGY_CASES: dict[str, dict[str, Any]] = {
@@ -64,10 +67,16 @@ STRATEGY_CASES: dict[str, dict[str, Any]] = {
 
 def as_recorded(state: dict[str, Any]) -> dict[str, Any]:
     """The optimizer's state dict as the fixture recorded it: ``ef_dtype`` became ``"auto"`` by default after the
-    recording, which on the CPU (every parameter here) is the recorded ``"float32"``; the math is the same."""
+    recording, which on the CPU (every parameter here) is the recorded ``"float32"``; ``update_scale`` came later
+    (the cases run it at the recorded 1.0), and ``ef_decay`` became ``"auto"`` (without a buffer it means nothing).
+    The math is the same."""
     for group in state["param_groups"]:
         if group.get("ef_dtype") == "auto":
             group["ef_dtype"] = "float32"
+        if group.get("update_scale") == 1.0:  # a knob added after the recording, at the recorded step's scale
+            del group["update_scale"]
+        if group.get("ef_decay") == "auto" and not group["error_feedback"]:  # no buffer to decay
+            group["ef_decay"] = 1.0
     return state
 
 

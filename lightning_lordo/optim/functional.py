@@ -21,6 +21,7 @@ SPEC §6. ``stats``, when given, collects the sums behind :meth:`LoRDO.diagnosti
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -56,7 +57,8 @@ class Hyper:
     lifted_floor: float
     full_rank_input: str
     error_feedback: bool
-    ef_decay: float
+    ef_decay: float  # "auto" resolved: beta1
+    update_scale: Union[float, str]
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> Hyper:
@@ -64,7 +66,17 @@ class Hyper:
         return cls(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                    omega=group["omega"], update=group["update"], mu=group["mu"], normalizer=group["normalizer"],
                    lifted_floor=group["lifted_floor"], full_rank_input=group["full_rank_input"],
-                   error_feedback=group["error_feedback"], ef_decay=group["ef_decay"])
+                   error_feedback=group["error_feedback"],
+                   ef_decay=beta1 if group["ef_decay"] == "auto" else group["ef_decay"],
+                   update_scale=group["update_scale"])
+
+    def scale(self, basis: Tensor) -> float:
+        """The factor of this matrix's update (not of its weight decay): ``sqrt(a / r)`` for ``update_scale="auto"``
+        (``basis``: ``a x r``, or a stack of them), else the number given."""
+        if self.update_scale != "auto":
+            return float(self.update_scale)
+        a, r = basis.shape[-2:]
+        return math.sqrt(a / r)
 
 
 def _add_stat(stats: Optional[dict[str, Tensor]], key: str, value: Tensor) -> None:
@@ -95,7 +107,7 @@ def lowrank_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float,
     u_hat = state["exp_avg"] / bias1
     if h.update == "subspace_qh":  # the QH mix inside the subspace, no full-rank term
         mixed = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega)
-        apply_update(p, canonical(q @ mixed.div_(v_hat.sqrt().add_(h.eps)), p), h)
+        apply_update(p, canonical(q @ mixed.div_(v_hat.sqrt().add_(h.eps)), p), h, h.scale(q))
         return
     d_low = q @ (u_hat / (v_hat.sqrt() + h.eps) if h.update == "lordo" else u_hat)
     update = d_low  # omega == 1: pure low-rank step
@@ -110,7 +122,7 @@ def lowrank_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float,
         _add_stat(stats, "full_sq", d_full.square().sum())
         update = d_full.add_(d_low, alpha=h.omega)
     _add_stat(stats, "low_sq", d_low.square().sum() * h.omega**2)
-    apply_update(p, canonical(update, p), h)
+    apply_update(p, canonical(update, p), h, h.scale(q))
 
 
 def _normalizer(state: dict[str, Tensor], h: Hyper, grad: Tensor, v_hat: Tensor, bias2: float) -> Tensor:
@@ -131,11 +143,11 @@ def _normalizer(state: dict[str, Tensor], h: Hyper, grad: Tensor, v_hat: Tensor,
     return (row[:, None] * col[None, :] / row.mean().clamp(min=_TINY)).sqrt()
 
 
-def apply_update(p: Tensor, update: Tensor, h: Hyper) -> None:
-    """Decoupled weight decay, then ``W -= lr * update`` (``update`` shaped like ``p``)."""
+def apply_update(p: Tensor, update: Tensor, h: Hyper, scale: float = 1.0) -> None:
+    """Decoupled weight decay, then ``W -= lr * scale * update`` (``update`` shaped like ``p``)."""
     if h.weight_decay:
         p.mul_(1 - h.lr * h.weight_decay)
-    p.add_(update.to(p.dtype), alpha=-h.lr)
+    p.add_(update.to(p.dtype), alpha=-h.lr * scale)
 
 
 def _rms(t: Tensor) -> Tensor:
@@ -219,8 +231,9 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
     if full_term:
         denom = _normalizer_grouped(states, q, h, None, v_hat, bias2, tall).add_(h.eps)  # in the weights' orientation
         _fold_into_low(low, previous, denom, h, tall)
+    lr = h.lr * h.scale(q)  # the update's (not the weight decay's)
     for p, qi, li in zip(params, bases, low.unbind(0)):  # W <- W (1 - lr lambda) - lr Q (omega D_low)
-        canonical(p, p).addmm_(qi, li, beta=1 - h.lr * h.weight_decay, alpha=-h.lr)
+        canonical(p, p).addmm_(qi, li, beta=1 - h.lr * h.weight_decay, alpha=-lr)
     if not full_term:
         return
     full_inputs = [canonical(a, p) for a, p in zip(accumulated, params)] if h.full_rank_input == "accumulated" \
@@ -229,7 +242,7 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
     if stats is not None:
         _add_stat(stats, "full_sq", sum((x / d).square().sum() for x, d in zip(full_inputs, denoms)) * value**2)
     for p, x, d in zip(params, full_inputs, denoms):  # ... - lr (1 - omega) In / (mu (S + eps))
-        p.addcdiv_(x, d, value=-h.lr * value)
+        p.addcdiv_(x, d, value=-lr * value)
 
 
 def can_unfold(states: Sequence[dict[str, Tensor]], h: Hyper) -> bool:
@@ -288,14 +301,14 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
     u_hat, v_hat = _moments_grouped(states, rows, h, bias1, bias2)
     if h.update == "subspace_qh":
         mixed = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega).div_(v_hat.sqrt().add_(h.eps))
-        _apply_grouped(params, torch.bmm(*_back(q, mixed, tall)), h)
+        _apply_grouped(params, torch.bmm(*_back(q, mixed, tall)), h, h.scale(q))
         return
     low = u_hat / (v_hat.sqrt() + h.eps) if h.update == "lordo" else u_hat  # n x r x b
     if h.omega == 1.0:
         update = torch.bmm(*_back(q, low, tall))
         if stats is not None:
             _add_stat(stats, "low_sq", update.square().sum())
-        _apply_grouped(params, update, h)
+        _apply_grouped(params, update, h, h.scale(q))
         return
     denom = _normalizer_grouped(states, q, h, grad, v_hat, bias2, tall).add_(h.eps)  # S + eps, orientation of W
     full_input = accumulated if h.full_rank_input == "accumulated" else grad
@@ -306,7 +319,7 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
         if stats is not None:
             _add_stat(stats, "full_sq", d_full.square().sum())
             _add_stat(stats, "low_sq", d_low.square().sum() * h.omega**2)
-        _apply_grouped(params, d_full.add_(d_low, alpha=h.omega), h)
+        _apply_grouped(params, d_full.add_(d_low, alpha=h.omega), h, h.scale(q))
         return
     _fold_into_low(low.mul_(h.omega), previous, denom, h, tall)
     update = torch.bmm(*_back(q, low, tall))  # omega D_low, then + (1 - omega) In / (mu (S + eps))
@@ -314,7 +327,7 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
         _add_stat(stats, "low_sq", update.square().sum())
         _add_stat(stats, "full_sq", (full_input / denom).square().sum() * ((1.0 - h.omega) / h.mu) ** 2)
     update.addcdiv_(full_input, denom, value=(1.0 - h.omega) / h.mu)
-    _apply_grouped(params, update, h)
+    _apply_grouped(params, update, h, h.scale(q))
 
 
 def _moments_grouped(states: Sequence[dict[str, Tensor]], rows: Sequence[Tensor], h: Hyper, bias1: float,
@@ -365,8 +378,8 @@ def _rms_each(t: Tensor) -> Tensor:
     return t.square().mean(dim=(1, 2), keepdim=True).sqrt()
 
 
-def _apply_grouped(params: Sequence[Tensor], update: Tensor, h: Hyper) -> None:
+def _apply_grouped(params: Sequence[Tensor], update: Tensor, h: Hyper, scale: float) -> None:
     """:func:`apply_update` for every matrix at once (``update``: the stack, in the parameters' orientation)."""
     if h.weight_decay:
         torch._foreach_mul_(list(params), 1 - h.lr * h.weight_decay)
-    torch._foreach_add_(list(params), update.to(params[0].dtype).unbind(0), alpha=-h.lr)
+    torch._foreach_add_(list(params), update.to(params[0].dtype).unbind(0), alpha=-h.lr * scale)

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo._tensors import canonical, math_dtype, mix_seed
 from lightning_lordo.config import (
+    KNOBS_BEFORE_THEY_EXISTED,
     OPTIMIZER_DEFAULTS,
     check_knob_combinations,
     check_optimizer_knobs,
@@ -60,10 +61,16 @@ class LoRDO(Optimizer):
         error_feedback: keep what the projection drops in a full-size buffer and add it back next step.
         ef_dtype: dtype of that buffer, ``"auto"`` (bfloat16 on an accelerator, float32 on the CPU), ``"float32"``
             or ``"bfloat16"``.
-        ef_decay: ``gamma``, the buffer's decay per step (1 keeps everything).
+        ef_decay: ``gamma``, the buffer's decay per step: ``"auto"`` (``beta1``) or a number in (0, 1]. The buffer
+            keeps what the projection dropped for as long as the first moment remembers a gradient; undecayed
+            (1.0) it is a running sum of every out-of-subspace gradient, which the accumulated input applies again
+            at every step (an integral wind-up: on a regression with a fixed basis the loss falls, then rises).
+        update_scale: the factor of each low-rank matrix's update: ``"auto"``, ``sqrt(a / r)`` for a smaller side
+            ``a`` and rank ``r`` (the update's RMS is then about AdamW's, so AdamW's learning rate carries over, as
+            GaLore's scale does), or a number (``1.0``: the authors' step, which needs a larger learning rate).
         seed: seed of random bases and randomized projections (use the same on every worker).
-        full_rank: parameters that take the AdamW step whatever their group's rank (the strategy passes
-            embeddings and output heads here, SPEC §2).
+        full_rank: parameters that take the AdamW step whatever their group's rank, or a mapping from each to why
+            (the strategies pass embeddings and output heads here, SPEC §2; :meth:`describe` shows the why).
         foreach: the grouped implementation (default; its two layouts: :func:`functional.lowrank_grouped`, chosen
             by device or by the class attribute ``in_place``); ``False`` runs the readable per-matrix reference
             (:mod:`lightning_lordo.optim.functional`), which tests compare both layouts with.
@@ -100,6 +107,7 @@ class LoRDO(Optimizer):
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"Invalid seed={seed!r}: it must be an integer. Pass e.g. seed=0.")
         given = full_rank
+        reasons = {id(p): why for p, why in full_rank.items()} if isinstance(full_rank, Mapping) else {}
         full_rank = list(full_rank) if isinstance(full_rank, Iterable) and not isinstance(full_rank, Tensor) else None
         if full_rank is None or not all(isinstance(p, Tensor) for p in full_rank):
             raise ValueError(f"Invalid full_rank={given!r}: it must be an iterable of parameters (tensors). "
@@ -110,6 +118,7 @@ class LoRDO(Optimizer):
         self.seed = seed
         self.foreach, self.fused = foreach, fused
         self._full_rank = {id(p) for p in full_rank}
+        self._full_rank_reasons = reasons  # id -> why (the strategies': embedding, output head, named)
         self._random_bases = False  # set by init_random_bases: later bases are seeded random ones too
         self._warned: set[tuple[tuple[int, ...], int]] = set()
         self._stats: dict[str, Tensor] = {}
@@ -373,8 +382,8 @@ class LoRDO(Optimizer):
         saved = state_dict["state"]
         index = 0
         for group in self.param_groups:
-            for key in OPTIMIZER_DEFAULTS:  # a checkpoint older than a knob: the knob's default
-                group.setdefault(key, self.defaults[key])
+            for key in OPTIMIZER_DEFAULTS:  # a checkpoint older than a knob: what it ran with
+                group.setdefault(key, KNOBS_BEFORE_THEY_EXISTED.get(key, self.defaults[key]))
             for p in group["params"]:
                 for key, value in saved.get(index, {}).items():
                     if isinstance(value, Tensor) and key != "step":

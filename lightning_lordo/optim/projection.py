@@ -80,7 +80,11 @@ def rotate_moments(
              + \frac{u' \odot u'}{b_1^2} \right|
 
     The second line treats each old coordinate as independent with mean :math:`\hat u` and variance
-    :math:`\hat v - \hat u^2`, and takes the second moment of the rotated coordinate. That variance estimate can
+    :math:`\hat v - \hat u^2`, and takes the second moment of the rotated coordinate. A new direction that the old
+    basis did not (fully) see, :math:`s_i = 1 - \sum_k C_{ik}^2 > 0`, adds :math:`s_i` times the old coordinates'
+    mean ``v`` (per column): LDAdam's rule gives it a second moment of about 0, so the first gradient there (often
+    the error feedback's burst) is divided by almost nothing and steps ~3x too far; with refreshes every few steps
+    that fed the next basis and diverged (``tests/test_convergence.py``). That variance estimate can
     be negative (``v`` and ``u`` are separate moving averages); ``clamp`` sets it to 0 before rotating, as LDAdam
     does (then no absolute value is needed), otherwise the absolute value of the result is taken.
     """
@@ -88,7 +92,10 @@ def rotate_moments(
     variance = exp_avg_sq / bias2 - exp_avg.square() / bias1**2
     if clamp:
         variance.clamp_(min=0.0)
-    new_sq = (matmul(change.square(), variance) + new_avg.square() / bias1**2).abs_().mul_(bias2)
+    squared = change.square()
+    new_sq = (matmul(squared, variance) + new_avg.square() / bias1**2).abs_().mul_(bias2)
+    unseen = squared.sum(dim=-1, keepdim=True).neg_().add_(1.0).clamp_(min=0.0)  # 1 - |Q_old^T q_i|^2 per new i
+    new_sq.addcmul_(unseen, exp_avg_sq.mean(dim=-2, keepdim=True))
     return new_avg, new_sq
 
 

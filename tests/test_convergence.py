@@ -1,0 +1,113 @@
+"""The optimizer converges where AdamW does (issue 30): a linear regression, 3000 full-batch steps, with a fixed basis
+and with bases refreshed from the pseudo-gradient every 4, 8 and 32 steps, for the optimizer knobs of every preset;
+then the same under the Trainer, one device and two processes. The final loss must be at most 5 % of the start and at
+most twice the lowest seen: with the error feedback undecayed (``ef_decay=1``, the former default) the loss fell and
+then rose past its start (an integral wind-up), and with LDAdam's rotation a refresh every 4 steps diverged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_lordo import LoRDO, LoRDOStrategy
+from lightning_lordo.config import LEAN_KNOBS
+
+#: The optimizer knobs of the presets: "lordo", "lordo_local" and "lowrank_ddp" take the defaults, "lordo_lean" and
+#: "lordo_compressed" the lean ones ("diloco" runs the user's AdamW); "authors" is the authors' recipe (SPEC §10).
+PRESET_KNOBS: dict[str, dict[str, Any]] = {
+    "defaults": {}, "lean": dict(LEAN_KNOBS),
+    "authors": {"normalizer": "mean_denom", "full_rank_input": "accumulated", "projection": "svd",
+                "variance_clamp": True, "update_scale": 1.0},
+}
+
+
+def _problem(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, 64, generator=g)
+    y = x @ (torch.randn(48, 64, generator=g) / 8).T + 0.1 * torch.randn(512, 48, generator=g)
+    return x, y
+
+
+def _check(losses: list[float], what: str) -> None:
+    start, lowest, last = losses[0], min(losses), losses[-1]
+    assert last <= 0.05 * start, f"{what}: {last:.4f} is not within 5 % of the start {start:.4f}"
+    assert last <= 2 * lowest, f"{what}: {last:.4f} rose past twice the lowest loss {lowest:.4f}"
+
+
+@pytest.mark.parametrize("refresh", [0, 4, 8, 32], ids=lambda r: f"refresh{r}" if r else "fixed-basis")
+@pytest.mark.parametrize("preset", PRESET_KNOBS)
+def test_regression_converges_with_a_fixed_or_refreshed_basis(preset: str, refresh: int) -> None:
+    x, y = _problem()
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    opt = LoRDO(lin.parameters(), lr=1e-2, weight_decay=0.0, rank=8, **PRESET_KNOBS[preset])
+    anchor, losses = lin.weight.detach().clone(), []
+    for t in range(1, 3001):
+        loss = nn.functional.mse_loss(lin(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if refresh and t % refresh == 0:  # what a sync does: bases from the pseudo-gradient since the last one
+            opt.install_bases({lin.weight: anchor - lin.weight.detach()})
+            anchor = lin.weight.detach().clone()
+    _check(losses, f"{preset}, refresh every {refresh or 'never'}")
+
+
+def test_undecayed_error_feedback_still_winds_up() -> None:
+    """The reason for ``ef_decay="auto"``: ``ef_decay=1.0`` with the accumulated input (what the defaults were) and
+    a fixed basis ends above twice its lowest loss. Kept reachable for the authors' recipe, documented."""
+    x, y = _problem()
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    opt = LoRDO(lin.parameters(), lr=1e-2, weight_decay=0.0, rank=8, ef_decay=1.0, full_rank_input="accumulated")
+    losses = []
+    for _ in range(3000):
+        loss = nn.functional.mse_loss(lin(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] > 2 * min(losses)
+
+
+class Regression(L.LightningModule):
+    """The regression under the Trainer; the user returns LoRDO, so the one linear layer takes the low-rank step
+    (the strategy's own conversion would keep a model's only layer, its head, on AdamW)."""
+
+    def __init__(self, knobs: dict[str, Any], out: str) -> None:
+        super().__init__()
+        self.lin, self.knobs, self.out, self.losses = nn.Linear(64, 48), knobs, out, []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.lin(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_end(self) -> None:
+        if self.global_rank == 0:
+            Path(self.out).write_text(json.dumps(self.losses))
+
+    def configure_optimizers(self) -> LoRDO:
+        return LoRDO(self.parameters(), lr=1e-2, weight_decay=0.0, rank=8, **self.knobs)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("preset", ["defaults", "lean"])
+def test_regression_converges_under_the_trainer(preset: str, devices: int, tmp_path: Path) -> None:
+    x, y = _problem()
+    torch.manual_seed(0)
+    module = Regression(PRESET_KNOBS[preset], str(tmp_path / "losses.json"))
+    loader = DataLoader(TensorDataset(x, y), batch_size=512 // devices)  # full batch: 512 samples a step in all
+    strategy = LoRDOStrategy(sync_every=8, start_method="fork", monitor=False)
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=1600, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(module, loader)
+    _check(json.loads((tmp_path / "losses.json").read_text()), f"{preset}, {devices} device(s)")
