@@ -187,7 +187,7 @@ def lordo_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 SHAPES = {
     "no 2-D weights": (NoMatrices, 4, 0, "no parameter of this model takes the low-rank step"),
     "all matrices below the rank": (Tiny, 32, 0, "no parameter of this model takes the low-rank step"),
-    "one matrix below the rank": (Tiny, 4, 2, "1 weight matrices are smaller than the rank"),
+    "one matrix below the rank": (Tiny, 14, 1, "1 weight matrices are smaller than the rank"),  # 12 x 24; head AdamW
 }
 
 

@@ -68,7 +68,9 @@ class BranchOnRank0(TinyRegressor):
 
     def __init__(self) -> None:
         super().__init__()
-        self.extra = nn.Linear(16, 8)
+        net = self.net  # registered after the extra layer, so that it is not taken for the model's output head
+        del self.net
+        self.extra, self.net = nn.Linear(16, 8), net
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -62,7 +62,8 @@ def _line() -> int:
 
 
 class EveryWarning(TinyRegressor):
-    """Adam with L2 weight decay (becomes decoupled: a warning), a (3, 16) head below rank 4 (a warning), and a NaN
+    """Adam with L2 weight decay (becomes decoupled: a warning), a (24, 12) layer below rank 14 (a warning; the
+    (3, 16) output head takes AdamW by the structure, silently), and a NaN
     loss on rank 1 at step 5, which makes round 2 (synchronized at step 8) non-finite (a warning)."""
 
     def configure_optimizers(self) -> Any:
@@ -79,7 +80,7 @@ EXPECTED = ("LoRDO applies weight decay decoupled", "weight matrices are smaller
 
 def test_two_processes_show_each_warning_once_from_rank_zero_at_the_fit_line(tmp_path: Path) -> None:
     path = tmp_path / "shown.jsonl"
-    line = _fit_recording(path, trainer(lordo(sync_every=4), max_steps=10), EveryWarning())
+    line = _fit_recording(path, trainer(lordo(sync_every=4, rank=14), max_steps=10), EveryWarning())
     shown = _shown(path)
     ours = [w for w in shown if w["message"].startswith("LoRDO")]
     for expected in EXPECTED:

@@ -77,7 +77,8 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         sync_every: K, optimizer steps between synchronizations.
         lowrank: convert the Adam/AdamW given to ``fabric.setup`` into LoRDO (``True``), or keep the user's
             optimizer, whatever it is, and only synchronize (``False``: DiLoCo).
-        full_rank_params: regular expressions on parameter names that run AdamW (embeddings always do).
+        full_rank_params: regular expressions on parameter names that run AdamW, besides the embeddings and output
+            heads the model's structure shows (``lightning_lordo.lightning.convert.full_rank_params``).
         start_method: ``popen`` (re-runs your script per rank), ``spawn``, ``fork`` or ``forkserver``.
         timeout: timeout of every collective, in seconds (1 s to one year) or a timedelta.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend: as in

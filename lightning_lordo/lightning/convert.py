@@ -18,9 +18,9 @@ from torch.optim import Optimizer
 
 from lightning_lordo.optim.lordo import LoRDO
 
-#: Parameter names (regular expressions) that run full-rank AdamW by default, besides every ``nn.Embedding``
-#: weight (and anything tied to it): the usual output-head names (SPEC §2).
-DEFAULT_FULL_RANK_PARAMS = (r"(^|\.)(lm_head|head|classifier|output)\.weight$",)
+#: Parameter names (regular expressions) that run full-rank AdamW besides what the structure finds
+#: (:func:`full_rank_params`): none; the strategies' ``full_rank_params`` adds the user's.
+DEFAULT_FULL_RANK_PARAMS: tuple[str, ...] = ()
 
 # Keys of torch.optim.Adam/AdamW param groups that LoRDO does not take (checked or dropped on conversion).
 _ADAM_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
@@ -55,14 +55,52 @@ def convert_optimizer(optimizer: Optimizer, full_rank: list[Tensor], knobs: dict
     return lordo
 
 
-def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()) -> list[Tensor]:
-    """The parameters SPEC §2 keeps full-rank: every embedding weight (and a head tied to it), and the parameters
-    whose name matches one of ``patterns`` (default: the usual output-head names)."""
-    if not patterns:
-        patterns = compile_patterns(DEFAULT_FULL_RANK_PARAMS)
-    embeddings = [m.weight for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-    named = [p for n, p in module.named_parameters() if any(r.search(n) for r in patterns)]
-    return embeddings + named
+def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()) -> dict[Tensor, str]:
+    """The parameters SPEC §2 keeps full-rank, found by the model's structure (not by names), each with why:
+
+    * every ``nn.Embedding`` / ``nn.EmbeddingBag`` weight, and any parameter sharing its memory (a tied head);
+    * every ``nn.Linear`` whose ``out_features`` is an embedding's ``num_embeddings`` (a vocabulary head);
+    * the output heads (:func:`output_heads`): the last ``nn.Linear`` (or the last run of sibling ``nn.Linear``
+      layers: several heads) at the end of the module tree, after parameterless layers such as dropout;
+    * the parameters whose name matches one of ``patterns`` (the user's ``full_rank_params``)."""
+    found: dict[Tensor, str] = {}
+    embeddings = [m for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    for m in embeddings:
+        found.setdefault(m.weight, "embedding")
+    shared = {m.weight.data_ptr() for m in embeddings}
+    vocabularies = {m.num_embeddings for m in embeddings}
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and m.out_features in vocabularies:
+            found.setdefault(m.weight, "output head (out_features = an embedding's vocabulary)")
+    for m in output_heads(module):
+        found.setdefault(m.weight, "output head (the model's last linear layer)")
+    for name, p in module.named_parameters():
+        if p.data_ptr() in shared:
+            found.setdefault(p, "tied to an embedding")
+        if any(r.search(name) for r in patterns):
+            found.setdefault(p, "named in full_rank_params")
+    return found
+
+
+def output_heads(module: nn.Module) -> list[nn.Linear]:
+    """The ``nn.Linear`` layers at the output end of ``module``: walking its children from the last, parameterless
+    layers (dropout, activations) are passed over, a container is entered, and the first ``nn.Linear`` found is a
+    head, with the ``nn.Linear`` siblings right before it that read the same input and do not feed it (several
+    heads: same ``in_features``, ``out_features`` not the head's input; a layer that could feed it is a hidden
+    layer). Models register their head last almost always (GPT-2's ``lm_head``, torchvision's ``fc``, Lightning's
+    demo ``decoder``); a head registered elsewhere is named with ``full_rank_params``, and the plan printed at
+    start-up shows what was chosen."""
+    heads: list[nn.Linear] = []
+    for child in reversed(list(module.children())):
+        parallel = isinstance(child, nn.Linear) and (not heads or (
+            child.in_features == heads[0].in_features and child.out_features != heads[0].in_features))
+        if parallel:
+            heads.append(child)
+        elif heads or next(child.parameters(), None) is not None:
+            if not heads:
+                heads = output_heads(child)
+            break
+    return heads
 
 
 def compile_patterns(patterns: Sequence[str]) -> list[re.Pattern[str]]:

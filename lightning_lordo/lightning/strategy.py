@@ -43,6 +43,7 @@ from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimize
 from lightning_lordo.lightning.saving import SynchronizedState
 from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.optim.lordo import LoRDO
+from lightning_lordo.optim.report import plan_summary
 from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, PRESETS, split_strategy_knobs
 from lightning_lordo.sync.report import SyncReport
 from lightning_lordo.sync.synchronizer import Synchronizer
@@ -62,7 +63,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         sync_every: K, optimizer steps between synchronizations.
         lowrank: convert the user's Adam/AdamW into LoRDO (``True``), or keep the user's optimizer, whatever it is,
             and only synchronize (``False``: DiLoCo).
-        full_rank_params: regular expressions on parameter names that run AdamW (embeddings always do).
+        full_rank_params: regular expressions on parameter names that run AdamW, besides the embeddings and output
+            heads the model's structure shows (``lightning_lordo.lightning.convert.full_rank_params``).
         monitor: add a :class:`~lightning_lordo.CommunicationMonitor` unless the Trainer already has one.
         monitor_progress_bar: that monitor shows ``lordo/saving_vs_ddp`` in the progress bar: ``null`` (when the
             Trainer has one), ``true`` or ``false`` (a monitor of your own: its ``progress_bar``).
@@ -84,7 +86,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         variance_clamp: clamp the variance v_hat - u_hat^2 at 0 before rotating.
         error_feedback: keep what the projection drops in a full-size buffer per matrix.
         ef_dtype: dtype of that buffer: ``auto`` (bfloat16 on an accelerator), ``float32`` or ``bfloat16``.
-        ef_decay: the buffer's decay per step, in (0, 1].
+        ef_decay: the buffer's decay per step: ``"auto"`` (beta1) or a number in (0, 1].
+        update_scale: ``"auto"`` (AdamW's learning rate carries over) or a number (``1.0``: the authors' step).
         outer_optimizer: ``average`` or ``nesterov`` (DiLoCo's outer SGD).
         outer_lr, outer_momentum: learning rate and momentum of the Nesterov outer step.
         average_moments: average the low-rank moments at each sync.
@@ -139,7 +142,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         variance_clamp: bool = OPTIMIZER_DEFAULTS["variance_clamp"],
         error_feedback: bool = OPTIMIZER_DEFAULTS["error_feedback"],
         ef_dtype: Literal["auto", "float32", "bfloat16"] = OPTIMIZER_DEFAULTS["ef_dtype"],
-        ef_decay: float = OPTIMIZER_DEFAULTS["ef_decay"],
+        ef_decay: Union[float, Literal["auto"]] = OPTIMIZER_DEFAULTS["ef_decay"],
+        update_scale: Union[float, Literal["auto"]] = OPTIMIZER_DEFAULTS["update_scale"],
         outer_optimizer: Literal["average", "nesterov"] = SyncConfig.outer_optimizer,
         outer_lr: float = SyncConfig.outer_lr,
         outer_momentum: float = SyncConfig.outer_momentum,
@@ -298,10 +302,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         if self._restored is not None:
             self._apply_restored_state()
         if isinstance(optimizer, LoRDO):
-            lowrank = sum(1 for row in optimizer.describe() if row["step"] == "lowrank")
-            rank_zero_info(f"LoRDO: {lowrank} weight matrices take the low-rank step, "
-                           f"{len(optimizer.describe()) - lowrank} tensors take AdamW "
-                           "(strategy.parameter_plan() lists them).")
+            rank_zero_info("\n".join(plan_summary(self.parameter_plan())) + " strategy.parameter_plan() lists all; "
+                           "full_rank_params=[regex] moves more to AdamW.")
 
     def _convert(self, optimizer: Optimizer, module: nn.Module) -> LoRDO:
         return convert_optimizer(optimizer, full_rank_params(module, self._full_rank_patterns), self.optimizer_knobs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -30,7 +31,7 @@ def describe(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None)
             elif p.ndim != 2:
                 reason = f"{p.ndim}-D"
             elif id(p) in optimizer._full_rank:
-                reason = "listed in full_rank (embedding or output head)"
+                reason = optimizer._full_rank_reasons.get(id(p), "listed in full_rank")
             elif group["rank"] == 0:
                 reason = "opted out (rank=0)"
             else:
@@ -39,6 +40,22 @@ def describe(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None)
             rows.append({"name": name, "group": gi, "shape": tuple(p.shape),
                          "step": "lowrank" if r else "adamw", "rank": r, "reason": reason})
     return rows
+
+
+def plan_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Two lines for the start-up log from :func:`describe`'s rows: how many tensors take each step, and the
+    largest of each by name, with its shape and why."""
+    lines = []
+    for step, label in (("lowrank", "take the low-rank step"), ("adamw", "take AdamW")):
+        mine = [r for r in rows if r["step"] == step]
+        if not mine:
+            lines.append(f"LoRDO: no tensor takes {'the low-rank step' if step == 'lowrank' else 'AdamW'}.")
+            continue
+        big = max(mine, key=lambda r: math.prod(r["shape"]))
+        shape = " x ".join(map(str, big["shape"])) or "scalar"
+        lines.append(f"LoRDO: {len(mine)} tensors {label}; the largest is {big['name'] or '(unnamed)'} ({shape}: "
+                     f"{big['reason']}).")
+    return lines
 
 
 def memory_report(optimizer: Optimizer) -> dict[str, int]:
