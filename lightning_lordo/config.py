@@ -63,9 +63,7 @@ OPTIMIZER_DEFAULTS: dict[str, Any] = {
     "ef_decay": "auto",
     "update_scale": "auto",
 }
-#: A knob's value for a checkpoint written before the knob existed, where that differs from today's default (what the
-#: run was doing): a resume continues the step it was taking.
-KNOBS_BEFORE_THEY_EXISTED: dict[str, Any] = {"update_scale": 1.0}
+KNOBS_BEFORE_THEY_EXISTED: dict[str, Any] = {"update_scale": 1.0}  # what a checkpoint older than the knob ran
 #: The optimizer knobs of the ``"lordo_lean"`` and ``"lordo_compressed"`` presets (the defaults before the authors'
 #: protocol): no error-feedback buffer, so the optimizer state of a low-rank matrix is its rank-r moments only.
 LEAN_KNOBS: dict[str, Any] = {"omega": 0.7, "full_rank_input": "gradient", "error_feedback": False, "power_iters": 1}
@@ -79,8 +77,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
-def check_unit_interval(name: str, value: Any, *, closed_right: bool) -> float:
-    """``value`` in [0, 1] (``closed_right``) or [0, 1)."""
+def check_unit_interval(name: str, value: Any, *, closed_right: bool) -> float:  # [0, 1], or [0, 1)
     right = "]" if closed_right else ")"
     ok = _is_number(value) and 0.0 <= value and (value <= 1.0 if closed_right else value < 1.0)
     if not ok:
@@ -142,16 +139,11 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
         check_rank(knobs["rank"], allow_zero=in_group)
     if "omega" in knobs:
         check_unit_interval("omega", knobs["omega"], closed_right=True)
-    if "update_scale" in knobs and knobs["update_scale"] != "auto":
-        scale = knobs["update_scale"]
-        if not _is_number(scale) or not math.isfinite(scale) or scale <= 0:
-            raise _fail("update_scale", scale, 'it must be "auto" (sqrt(smaller side / rank) per matrix: an update '
-                        "as large as AdamW's, so AdamW's learning rate carries over) or a finite number > 0",
-                        "Pass update_scale=\"auto\", or update_scale=1.0 for the authors' step (it needs a "
-                        "learning rate about sqrt(d / rank) times AdamW's).")
-    if "mu" in knobs and knobs["mu"] != "auto":
-        if not _is_number(knobs["mu"]) or not math.isfinite(knobs["mu"]) or knobs["mu"] <= 0:
-            raise _fail("mu", knobs["mu"], 'it must be a finite number > 0 or "auto"', 'Pass e.g. mu=1.0 or mu="auto".')
+    for name, fix in (("update_scale", 'update_scale="auto" (AdamW\'s LR carries over) or 1.0 (the authors\')'),
+                      ("mu", 'mu=1.0 or mu="auto"')):
+        value = knobs.get(name, "auto")
+        if value != "auto" and (not _is_number(value) or not math.isfinite(value) or value <= 0):
+            raise _fail(name, value, 'it must be a finite number > 0 or "auto"', f"Pass e.g. {fix}.")
     if "update" in knobs:
         check_choice("update", knobs["update"], UPDATES)
     if "normalizer" in knobs:

@@ -80,14 +80,12 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         lifted_floor: for ``lifted``: the floor of S as a fraction of sqrt(mean(v_hat)).
         full_rank_input: ``gradient``, or ``accumulated`` (gradient + error feedback).
         projection: new bases by ``power`` iteration (warm-started), ``randomized`` SVD or exact ``svd``.
-        power_iters: power steps of ``power`` and ``randomized``.
-        oversample: extra columns of the randomized range finder.
+        power_iters, oversample: power steps of ``power`` and ``randomized``; the latter's extra columns.
         transition: moments on a basis change: ``rotate`` (LDAdam), ``reset`` or ``keep`` (ablation).
         variance_clamp: clamp the variance v_hat - u_hat^2 at 0 before rotating.
         error_feedback: keep what the projection drops in a full-size buffer per matrix.
         ef_dtype: dtype of that buffer: ``auto`` (bfloat16 on an accelerator), ``float32`` or ``bfloat16``.
-        ef_decay: the buffer's decay per step: ``"auto"`` (beta1) or a number in (0, 1].
-        update_scale: ``"auto"`` (AdamW's learning rate carries over) or a number (``1.0``: the authors' step).
+        ef_decay, update_scale: ``"auto"`` (beta1; AdamW's LR carries over) or a number (see LoRDO).
         outer_optimizer: ``average`` or ``nesterov`` (DiLoCo's outer SGD).
         outer_lr, outer_momentum: learning rate and momentum of the Nesterov outer step.
         average_moments: average the low-rank moments at each sync.

@@ -1,9 +1,8 @@
 """The LoRDO optimizer: param groups, which parameter takes which step, lazily created state, the local step of
-SPEC §3 and the installation of new bases (SPEC §4.4-4.5).
-
-Pure tensor math: no ``torch.distributed``, no Lightning. ``step`` gathers each group's tensors and calls the
-functional core (:mod:`lightning_lordo.optim.functional`, where the update is written out); the synchronizer calls
-:meth:`LoRDO.compute_bases` / :meth:`LoRDO.set_bases` with the averaged pseudo-gradients.
+SPEC §3 and the installation of new bases (SPEC §4.4-4.5). Pure tensor math: no ``torch.distributed``, no
+Lightning. ``step`` gathers each group's tensors and calls the functional core
+(:mod:`lightning_lordo.optim.functional`); the synchronizer calls :meth:`LoRDO.compute_bases` /
+:meth:`LoRDO.set_bases` with the averaged pseudo-gradients.
 """
 
 from __future__ import annotations
@@ -53,21 +52,18 @@ class LoRDO(Optimizer):
         lifted_floor: for ``"lifted"``, floor of ``S`` as a fraction of ``sqrt(mean(v_hat))``.
         projection: how a new basis is computed: ``"power"`` (warm-started block power iteration + QR),
             ``"randomized"`` (randomized SVD) or ``"svd"`` (exact).
-        power_iters: power steps of ``"power"`` and ``"randomized"``.
-        oversample: extra columns of the randomized range finder.
+        power_iters, oversample: power steps of ``"power"`` and ``"randomized"``; the latter's extra columns.
         transition: what happens to the moments when the basis changes: ``"rotate"`` (LDAdam),
             ``"reset"`` (zero them and restart bias correction) or ``"keep"`` (GaLore; for ablations only).
         variance_clamp: clamp the variance estimate ``v_hat - u_hat^2`` at 0 before rotating (LDAdam).
         error_feedback: keep what the projection drops in a full-size buffer and add it back next step.
         ef_dtype: dtype of that buffer, ``"auto"`` (bfloat16 on an accelerator, float32 on the CPU), ``"float32"``
             or ``"bfloat16"``.
-        ef_decay: ``gamma``, the buffer's decay per step: ``"auto"`` (``beta1``) or a number in (0, 1]. The buffer
-            keeps what the projection dropped for as long as the first moment remembers a gradient; undecayed
-            (1.0) it is a running sum of every out-of-subspace gradient, which the accumulated input applies again
-            at every step (an integral wind-up: on a regression with a fixed basis the loss falls, then rises).
-        update_scale: the factor of each low-rank matrix's update: ``"auto"``, ``sqrt(a / r)`` for a smaller side
-            ``a`` and rank ``r`` (the update's RMS is then about AdamW's, so AdamW's learning rate carries over, as
-            GaLore's scale does), or a number (``1.0``: the authors' step, which needs a larger learning rate).
+        ef_decay: ``gamma``, the buffer's decay per step: ``"auto"`` (``beta1``: it remembers as long as the first
+            moment) or a number in (0, 1]. Undecayed (1.0), the accumulated input re-applies every dropped gradient
+            at every step (an integral wind-up: on a regression the loss falls, then rises).
+        update_scale: each low-rank update's factor: ``"auto"``, ``sqrt(a / r)`` (smaller side ``a``, rank ``r``: an
+            update about as large as AdamW's, so its LR carries over) or a number (``1.0``: the authors' step).
         seed: seed of random bases and randomized projections (use the same on every worker).
         full_rank: parameters that take the AdamW step whatever their group's rank, or a mapping from each to why
             (the strategies pass embeddings and output heads here, SPEC §2; :meth:`describe` shows the why).
