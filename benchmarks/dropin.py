@@ -162,9 +162,9 @@ def run_one(spec: dict[str, Any], data: str) -> dict[str, Any]:
     return {**spec, "loss_short": losses[SHORT], "loss_long": losses[STEPS], "losses": losses}
 
 
-def specs(families: list[str]) -> list[dict[str, Any]]:
-    out = [{"family": f, "method": m, "lr": lr, "seed": s} for f in families for m in ("ddp", "lordo")
-           for lr in LRS for s in SEEDS]
+def specs(families: list[str], lrs: tuple[float, ...] = LRS) -> list[dict[str, Any]]:
+    out = [{"family": f, "method": m, "lr": lr, "seed": s} for f in families for lr in lrs for s in SEEDS
+           for m in ("ddp", "lordo")]
     return out + [{"family": f, "method": "lowrank_ddp", "lr": 1e-3, "seed": s} for f in families for s in SEEDS]
 
 
@@ -218,6 +218,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(ROOT.parent.parent / "shared" / "data" / "wikitext2-valid.txt"))
     parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--lrs", default=",".join(map(str, LRS)), help="a part of the sweep, run in this order")
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -227,7 +228,8 @@ def main(argv: list[str]) -> int:
     if args.report:
         return 0 if report(load()) else 1
     done = {_key(r) for r in load()}
-    pending = [s for s in specs(args.families.split(",")) if _key(s) not in done]
+    lrs = tuple(float(lr) for lr in args.lrs.split(","))
+    pending = [s for s in specs(args.families.split(","), lrs) if _key(s) not in done]
     if pending:
         append(OUT, {"header": provenance("python benchmarks/dropin.py " + " ".join(argv)), "steps": STEPS,
                      "resumed": bool(done)})
