@@ -9,7 +9,7 @@ import inspect
 import re
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ DEFAULT_FULL_RANK_PARAMS: tuple[str, ...] = ()
 _ADAM_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 
 
-def convert_optimizer(optimizer: Optimizer, full_rank: list[Tensor], knobs: dict[str, Any], seed: int,
+def convert_optimizer(optimizer: Optimizer, full_rank: Mapping[Tensor, str], knobs: dict[str, Any], seed: int,
                       names: dict[Tensor, str]) -> LoRDO:
     """The user's Adam/AdamW as a LoRDO optimizer with the same groups and hyperparameters (``knobs``: the
     strategy's optimizer knobs, defaults for every group). A LoRDO optimizer is returned as it is."""

@@ -113,8 +113,7 @@ class LoRDO(Optimizer):
                 raise ValueError(f"Invalid {name}={flag!r}: it must be True or False{' or None' * (name == 'fused')}.")
         self.seed = seed
         self.foreach, self.fused = foreach, fused
-        self._full_rank = {id(p) for p in full_rank}
-        self._full_rank_reasons = reasons  # id -> why (the strategies': embedding, output head, named)
+        self._full_rank = {id(p): reasons.get(id(p), "listed in full_rank") for p in full_rank}  # id -> why
         self._random_bases = False  # set by init_random_bases: later bases are seeded random ones too
         self._warned: set[tuple[tuple[int, ...], int]] = set()
         self._stats: dict[str, Tensor] = {}

@@ -31,7 +31,7 @@ def describe(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None)
             elif p.ndim != 2:
                 reason = f"{p.ndim}-D"
             elif id(p) in optimizer._full_rank:
-                reason = optimizer._full_rank_reasons.get(id(p), "listed in full_rank")
+                reason = optimizer._full_rank[id(p)]
             elif group["rank"] == 0:
                 reason = "opted out (rank=0)"
             else:
