@@ -130,7 +130,8 @@ def count_sync(preset: str, steps: int = 6, sync_every: int = 2) -> dict[str, An
         knobs, sync_knobs = preset_knobs(preset)
         opt = LoRDO(params, lr=1e-3, rank=8, full_rank=full_rank_params(model), **knobs)
         comm = Communicator(CommAccountant(), timedelta(seconds=60))
-        sync = Synchronizer(params, [], opt, SyncConfig(sync_every=sync_every, **sync_knobs), comm)
+        config = SyncConfig(**{"sync_every": sync_every, "synchronous": False, **sync_knobs})  # a worker's rounds
+        sync = Synchronizer(params, [], opt, config, comm)
         x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(comm.rank))
         for step in range(steps):
             opt.zero_grad()

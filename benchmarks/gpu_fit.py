@@ -222,7 +222,7 @@ def fit(name: str, anchor_device: str | None, cpu: bool) -> dict[str, Any]:
     losses = [float(x) for x in recorder.losses]
     sync_config = getattr(trainer.strategy, "sync_config", None)
     out = {
-        "strategy": name, "anchor_device": anchor_device or ("param" if name != "auto" else None),
+        "strategy": name, "anchor_device": anchor_device,  # None: no anchor (alone, or "auto")
         "params": sum(p.numel() for p in module.parameters()), "precision": size["precision"],
         "batch": [size["batch"], size["model"]["seq_len"]], "steps": len(times),
         "sync_every": sync_config.sync_every if sync_config else None,
@@ -245,9 +245,11 @@ def fit(name: str, anchor_device: str | None, cpu: bool) -> dict[str, Any]:
 
 
 #: The lightning section's fits, each in a process of its own: label -> (strategy, anchor_device).
-FITS = {"auto (fused AdamW)": ("auto", None), "lordo": ("lordo", None), "lordo, anchor cpu": ("lordo", "cpu"),
-        "lordo_lean": ("lordo_lean", None), "lordo_lean, anchor cpu": ("lordo_lean", "cpu"),
-        "lordo_compressed": ("lordo_compressed", None)}
+#: One device runs the optimizer alone (no anchor, no rounds); an ``anchor_device`` asks for the rounds a worker of a
+#: multi-device run takes (an anchor, a sync every K steps), so those fits measure a worker's costs.
+FITS = {"auto (fused AdamW)": ("auto", None), "lordo (alone)": ("lordo", None),
+        "lordo, rounds, anchor on the GPU": ("lordo", "param"), "lordo, rounds, anchor cpu": ("lordo", "cpu"),
+        "lordo_lean (alone)": ("lordo_lean", None), "lordo_lean, rounds, anchor cpu": ("lordo_lean", "cpu")}
 
 
 def fit_process(strategy: str, anchor: str | None, cpu: bool) -> dict[str, Any]:

@@ -114,7 +114,8 @@ def measure(name: str, small: bool, device: str = "cpu") -> dict[str, Any]:
         knobs, config = preset_knobs(preset)
         opt = LoRDO(params, rank=16, full_rank=full_rank_params(net), **{**knobs, **opt_knobs})
         comm = Communicator(CommAccountant(), timedelta(minutes=5))
-        sync = Synchronizer(params, [], opt, SyncConfig(sync_every=1, **{**config, **sync_knobs}), comm)
+        rounds = SyncConfig(**{"sync_every": 1, "synchronous": False, **config, **sync_knobs})  # a worker's rounds
+        sync = Synchronizer(params, [], opt, rounds, comm)
         sync.before_optimizer_step()
         opt.step()
     counted: set[int] = set()

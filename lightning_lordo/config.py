@@ -18,10 +18,18 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from numbers import Real
 from typing import Any, Optional, Union
 
 import torch
+
+from lightning_lordo.checks import (
+    check_choice,
+    check_positive,
+    check_positive_int,
+    check_unit_interval,
+    fail,
+    is_number,
+)
 
 NORMALIZERS = ("col_rms", "factored", "scalar", "lifted", "mean_denom")
 UPDATES = ("lordo", "subspace_qh", "unnormalized_lowrank")
@@ -69,42 +77,6 @@ KNOBS_BEFORE_THEY_EXISTED: dict[str, Any] = {"update_scale": 1.0}  # what a chec
 LEAN_KNOBS: dict[str, Any] = {"omega": 0.7, "full_rank_input": "gradient", "error_feedback": False, "power_iters": 1}
 
 
-def _fail(name: str, value: Any, allowed: str, fix: str) -> ValueError:
-    return ValueError(f"Invalid {name}={value!r}: {allowed}. {fix}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool)
-
-
-def check_unit_interval(name: str, value: Any, *, closed_right: bool) -> float:  # [0, 1], or [0, 1)
-    right = "]" if closed_right else ")"
-    ok = _is_number(value) and 0.0 <= value and (value <= 1.0 if closed_right else value < 1.0)
-    if not ok:
-        raise _fail(name, value, f"it must be a number in [0, 1{right}", f"Pass e.g. {name}=0.9.")
-    return float(value)
-
-
-def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    ok = _is_number(value) and math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise _fail(name, value, f"it must be a finite number {bound}", f"Pass a value {bound}.")
-    return float(value)
-
-
-def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _fail(name, value, f"it must be an integer >= {minimum}", f"Pass e.g. {name}={max(minimum, 1)}.")
-    return value
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise _fail(name, value, f"allowed values are {', '.join(map(repr, choices))}", "Pick one of them.")
-    return value
-
-
 def check_rank(value: Any, *, allow_zero: bool) -> Union[int, float]:
     """An integer rank >= 1, a fraction in (0, 1] of each matrix's smaller side, or 0 (full-rank) in a group."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -113,7 +85,7 @@ def check_rank(value: Any, *, allow_zero: bool) -> Union[int, float]:
     elif isinstance(value, float) and 0.0 < value <= 1.0:
         return value
     zero = " or 0 in a param group to run that group full-rank" if allow_zero else ""
-    raise _fail(
+    raise fail(
         "rank",
         value,
         f"it must be an integer >= 1, a float in (0, 1] (a fraction of each matrix's smaller side){zero}",
@@ -128,7 +100,7 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
     if "betas" in knobs:
         betas = knobs["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise _fail("betas", betas, "it must be a pair (beta1, beta2)", "Pass e.g. betas=(0.9, 0.999).")
+            raise fail("betas", betas, "it must be a pair (beta1, beta2)", "Pass e.g. betas=(0.9, 0.999).")
         check_unit_interval("betas[0]", betas[0], closed_right=False)
         check_unit_interval("betas[1]", betas[1], closed_right=False)
     if "eps" in knobs:
@@ -142,8 +114,8 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
     for name, fix in (("update_scale", 'update_scale="auto" (AdamW\'s LR carries over) or 1.0 (the authors\')'),
                       ("mu", 'mu=1.0 or mu="auto"')):
         value = knobs.get(name, "auto")
-        if value != "auto" and (not _is_number(value) or not math.isfinite(value) or value <= 0):
-            raise _fail(name, value, 'it must be a finite number > 0 or "auto"', f"Pass e.g. {fix}.")
+        if value != "auto" and (not is_number(value) or not math.isfinite(value) or value <= 0):
+            raise fail(name, value, 'it must be a finite number > 0 or "auto"', f"Pass e.g. {fix}.")
     if "update" in knobs:
         check_choice("update", knobs["update"], UPDATES)
     if "normalizer" in knobs:
@@ -162,13 +134,13 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
         check_choice("transition", knobs["transition"], TRANSITIONS)
     for flag in ("error_feedback", "variance_clamp"):
         if flag in knobs and not isinstance(knobs[flag], bool):
-            raise _fail(flag, knobs[flag], "it must be True or False", "Pass a bool.")
+            raise fail(flag, knobs[flag], "it must be True or False", "Pass a bool.")
     if "ef_dtype" in knobs:
         check_choice("ef_dtype", knobs["ef_dtype"], tuple(EF_DTYPES))
     if "ef_decay" in knobs and knobs["ef_decay"] != "auto":
         decay = knobs["ef_decay"]
-        if not _is_number(decay) or not 0.0 < decay <= 1.0:
-            raise _fail("ef_decay", decay, 'it must be "auto" (beta1) or a number in (0, 1]',
+        if not is_number(decay) or not 0.0 < decay <= 1.0:
+            raise fail("ef_decay", decay, 'it must be "auto" (beta1) or a number in (0, 1]',
                         'Pass ef_decay="auto", or 1.0 to keep all feedback (it can wind up: see LoRDO\'s docs).')
 
 
@@ -229,7 +201,10 @@ class SyncConfig:
         average_error_feedback: also average the optimizer's error-feedback buffers at each sync.
         warmup_steps: the first ``warmup_steps`` optimizer steps are synchronous low-rank DDP (gradients averaged
             every step, bases refreshed every ``sync_every`` steps from the averaged gradient); local steps follow.
-        synchronous: every step synchronous (low-rank DDP for the whole run, the ``"lowrank_ddp"`` preset).
+        synchronous: every step synchronous (low-rank DDP for the whole run, the ``"lowrank_ddp"`` preset), or
+            local rounds (``False``). ``None`` (the default): local rounds on several processes; on one process, the
+            LoRDO optimizer alone (bases from the gradient every ``sync_every`` steps, no anchor, no rounds) unless a
+            knob of the rounds is set (:data:`ROUND_KNOBS_ALONE`), which asks for rounds and their anchor.
         switch_betas: at the end of the warm-up, set the optimizer's betas to this pair (``None``: keep them).
         switch_reset_moments: at the end of the warm-up, zero the optimizer's moments (bases are kept).
         switch_lr_scale: at the end of the warm-up, multiply the learning rate (and the LR schedulers' base LRs).
@@ -275,7 +250,7 @@ class SyncConfig:
     average_fullrank_moments: bool = False
     average_error_feedback: bool = False
     warmup_steps: int = 0
-    synchronous: bool = False
+    synchronous: Optional[bool] = None
     switch_betas: Optional[tuple[float, float]] = None
     switch_reset_moments: bool = False
     switch_lr_scale: float = 1.0
@@ -294,16 +269,17 @@ class SyncConfig:
         check_unit_interval("outer_momentum", self.outer_momentum, closed_right=False)
         for name in ("average_moments", "broadcast_bases", "average_fullrank_moments", "average_error_feedback",
                      "synchronous", "switch_reset_moments"):
-            if not isinstance(getattr(self, name), bool):
-                raise _fail(name, getattr(self, name), "it must be True or False", "Pass a bool.")
+            if not isinstance(getattr(self, name), bool) and not (name == "synchronous" and self.synchronous is None):
+                raise fail(name, getattr(self, name), "it must be True or False" + (
+                    " (or None: decided by the number of processes)" if name == "synchronous" else ""), "Pass a bool.")
         check_choice("basis_scope", self.basis_scope, BASIS_SCOPES)
         check_choice("initial_basis", self.initial_basis, INITIAL_BASES)
         check_choice("payload", self.payload, PAYLOADS)
         check_choice("payload_dtype", self.payload_dtype, PAYLOAD_DTYPES)
         given = self.timeout
         seconds = given.total_seconds() if isinstance(given, timedelta) else given
-        if not _is_number(seconds) or not TIMEOUT_RANGE_S[0] <= seconds <= TIMEOUT_RANGE_S[1]:
-            raise _fail("timeout", given, f"it must be a timedelta or a number of seconds from {TIMEOUT_RANGE_S[0]:g} "
+        if not is_number(seconds) or not TIMEOUT_RANGE_S[0] <= seconds <= TIMEOUT_RANGE_S[1]:
+            raise fail("timeout", given, f"it must be a timedelta or a number of seconds from {TIMEOUT_RANGE_S[0]:g} "
                         f"s (the process group's setup needs that) to {TIMEOUT_RANGE_S[1]:g} s (one year)",
                         "Pass e.g. timeout=timedelta(minutes=5).")
         self.timeout = given if isinstance(given, timedelta) else timedelta(seconds=float(seconds))
@@ -313,30 +289,30 @@ class SyncConfig:
         check_positive_int("moments_every", self.moments_every)
         check_positive_int("basis_every", self.basis_every)
         if self.basis_every > 1 and self.basis_scope == "local":
-            raise _fail("basis_every", self.basis_every, "it must be 1 with basis_scope='local' (each worker computes "
+            raise fail("basis_every", self.basis_every, "it must be 1 with basis_scope='local' (each worker computes "
                         "its own bases from its own pseudo-gradient at every sync)", "Drop basis_every, or use "
                         "basis_scope='global'.")
         check_positive_int("overlap_steps", self.overlap_steps, minimum=0)
         if self.overlap_steps >= self.sync_every:
-            raise _fail("overlap_steps", self.overlap_steps, f"it must be below sync_every={self.sync_every} (a round "
+            raise fail("overlap_steps", self.overlap_steps, f"it must be below sync_every={self.sync_every} (a round "
                         "lands before the next one starts)", f"Pass overlap_steps < {self.sync_every}, or 0.")
         if self.moments_every > 1 and not (self.average_moments or self.average_fullrank_moments):
-            raise _fail("moments_every", self.moments_every, "it must be 1 when no moments are averaged "
+            raise fail("moments_every", self.moments_every, "it must be 1 when no moments are averaged "
                         "(average_moments=False, average_fullrank_moments=False)", "Drop moments_every, or average "
                         "the moments.")
         if self.broadcast_bases and self.basis_scope == "local":
-            raise _fail("broadcast_bases", True, "it must be False with basis_scope='local' (each worker keeps its own "
+            raise fail("broadcast_bases", True, "it must be False with basis_scope='local' (each worker keeps its own "
                         "bases there, so there is nothing to broadcast)", "Drop broadcast_bases, or use "
                         "basis_scope='global'.")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise _fail("seed", self.seed, "it must be an integer", "Pass e.g. seed=0.")
+            raise fail("seed", self.seed, "it must be an integer", "Pass e.g. seed=0.")
         check_positive_int("warmup_steps", self.warmup_steps, minimum=0)
         if self.switch_betas is not None:
             betas = self.switch_betas
             ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
-                _is_number(b) and 0.0 <= b < 1.0 for b in betas)
+                is_number(b) and 0.0 <= b < 1.0 for b in betas)
             if not ok:
-                raise _fail("switch_betas", betas, "it must be None or a pair (beta1, beta2) of numbers in [0, 1)",
+                raise fail("switch_betas", betas, "it must be None or a pair (beta1, beta2) of numbers in [0, 1)",
                             "Pass e.g. switch_betas=(0.999, 0.999).")
             self.switch_betas = (float(betas[0]), float(betas[1]))
         self.switch_lr_scale = check_positive("switch_lr_scale", self.switch_lr_scale)
@@ -348,23 +324,31 @@ class SyncConfig:
         defaults = SyncConfig.__dataclass_fields__
         changed = [name for name in _SWITCH_KNOBS if getattr(self, name) != defaults[name].default]
         if changed and self.warmup_steps == 0:
-            raise _fail(changed[0], getattr(self, changed[0]), "it must be left at its default without a warm-up "
+            raise fail(changed[0], getattr(self, changed[0]), "it must be left at its default without a warm-up "
                         "(the switch happens at the end of warmup_steps)", "Pass warmup_steps=N, or drop it.")
         if self.synchronous:
             local = [name for name in (*_LOCAL_ROUND_KNOBS, "warmup_steps", *_SWITCH_KNOBS)
                      if getattr(self, name) != defaults[name].default]
             if local:
-                raise _fail(local[0], getattr(self, local[0]), "it must be left at its default with synchronous=True "
+                raise fail(local[0], getattr(self, local[0]), "it must be left at its default with synchronous=True "
                             "(every step is synchronous low-rank DDP: no local rounds, no switch)",
                             "Drop it, or use warmup_steps=N for a synchronous start followed by local steps.")
 
     def alone(self) -> SyncConfig:
-        """The knobs one process runs with: nothing travels, so nothing is compressed, averaged or broadcast (a sync
-        is the outer step and the basis refresh from the pseudo-gradient). ``"lordo_compressed"`` then trains exactly
+        """The knobs one process runs with: nothing travels, so nothing is compressed, averaged or broadcast.
+        ``synchronous=None`` becomes ``True`` (the optimizer alone: bases from the gradient every ``sync_every``
+        steps, no anchor) unless a knob of :data:`ROUND_KNOBS_ALONE` is set; then, as with ``synchronous=False``, a
+        sync is the outer step and the basis refresh from the pseudo-gradient. ``"lordo_compressed"`` trains exactly
         as ``"lordo_lean"``, whose optimizer knobs it shares."""
+        defaults = SyncConfig.__dataclass_fields__
+        rounds_asked = [n for n in ROUND_KNOBS_ALONE if getattr(self, n) != defaults[n].default]
+        synchronous = not rounds_asked if self.synchronous is None else self.synchronous
+        # alone, a local basis is the global one, and the outer step is averaging unless a round knob says otherwise
+        rounds = {} if not synchronous else {n: defaults[n].default for n in ("basis_scope", "outer_lr",
+                                                                              "outer_momentum")}
         return dataclasses.replace(self, payload="full", payload_dtype="float32", fullrank_rank=0, moments_every=1,
                                    average_fullrank_moments=False, average_error_feedback=False,
-                                   broadcast_bases=False)
+                                   broadcast_bases=False, synchronous=synchronous, **rounds)
 
     @property
     def moments_dtype(self) -> str:
@@ -376,6 +360,9 @@ class SyncConfig:
         return "float32" if self.payload_dtype == "float32" else "bfloat16"
 
 
+#: Knobs that ask one process for local rounds (an anchor and bases from the pseudo-gradient) when ``synchronous`` is
+#: left unset: the outer step, basis windows, overlap, a warm-up, and where the anchor lives.
+ROUND_KNOBS_ALONE = ("outer_optimizer", "basis_every", "overlap_steps", "warmup_steps", "anchor_device")
 #: Knobs of the switch at the end of the warm-up.
 _SWITCH_KNOBS = ("switch_betas", "switch_reset_moments", "switch_lr_scale")
 #: Knobs that only shape the local rounds (no such round exists with ``synchronous=True``).

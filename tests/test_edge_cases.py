@@ -205,7 +205,7 @@ def test_shapes_the_method_cannot_help_warn_once_and_train_full_rank(shape: str)
     assert message in found[0]
     plan = fit.strategy.parameter_plan()
     assert [row["step"] for row in plan].count("lowrank") == lowrank
-    assert fit.strategy.synchronizer.syncs_done == 3  # at steps 3 and 6, and the final one at 7
+    assert fit.strategy.synchronizer.syncs_done == 2  # one device: bases refreshed at steps 3 and 6, no rounds
     assert dataset_loss(module) < before
 
 
@@ -393,7 +393,8 @@ class MidRoundCheckpoint(L.Callback):
 
 def test_tied_weights_mid_round_checkpoint_holds_the_anchor_under_both_names() -> None:
     checker = MidRoundCheckpoint()
-    trainer(lordo(sync_every=4, start_method="popen"), devices=1, callbacks=[checker], max_steps=6).fit(
+    trainer(lordo(sync_every=4, start_method="popen", synchronous=False), devices=1, callbacks=[checker],
+            max_steps=6).fit(
         Tied(), loader())
     assert checker.checked == 4  # steps 1, 2, 3 and 5 end mid-round (K = 4; the final sync runs at step 6)
 

@@ -127,8 +127,8 @@ def test_the_saving_ratio_is_always_finite() -> None:
 def test_lordo_figures_share_lightnings_rows(tmp_path: Path, k: int, every: int, steps: int, shared: list[int],
                                              own: list[int]) -> None:
     logger = CSVLogger(tmp_path, name="rows", version=0)
-    fit = trainer(lordo(sync_every=k, start_method="popen"), devices=1, max_steps=steps, logger=logger,
-                  log_every_n_steps=every)
+    fit = trainer(lordo(sync_every=k, start_method="popen", synchronous=False), devices=1, max_steps=steps,
+                  logger=logger, log_every_n_steps=every)
     fit.fit(TinyRegressor(), loader())
     rows = _rows(logger)
     with_loss = [int(r["step"]) for r in rows if r["train_loss"]]

@@ -40,8 +40,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lordo._tensors import nbytes
+from lightning_lordo.checks import check_choice
 from lightning_lordo.comm.communicator import CommAccountant, Communicator, side_communicator
-from lightning_lordo.config import SyncConfig, check_choice
+from lightning_lordo.config import SyncConfig
 from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
 from lightning_lordo.lightning.convert import (
     DEFAULT_FULL_RANK_PARAMS,

@@ -25,8 +25,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lordo._tensors import nbytes
+from lightning_lordo.checks import check_choice
 from lightning_lordo.comm.communicator import CommAccountant, Communicator, side_communicator
-from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig, check_choice
+from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
 from lightning_lordo.lightning.callbacks import add_monitor
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
@@ -99,10 +100,9 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         average_fullrank_moments, average_error_feedback: also average the full-rank optimizer state, or the
             error-feedback buffers, at each sync.
         warmup_steps: the first N optimizer steps synchronous (low-rank DDP), local steps after.
-        synchronous: every step synchronous (the ``lowrank_ddp`` preset).
+        synchronous: every step synchronous (``lowrank_ddp``); unset: the optimizer alone on one device.
         switch_betas: at the end of the warm-up, the optimizer's new betas (``null``: keep them).
-        switch_reset_moments, switch_lr_scale: at the end of the warm-up, zero the optimizer's moments, or multiply
-            the learning rate.
+        switch_reset_moments, switch_lr_scale: at the warm-up's end, zero the moments, or multiply the LR.
         anchor_device: where the anchor lives: ``auto`` (host memory on an accelerator), ``param`` or ``cpu``.
         fullrank_rank: rank of the full-rank 2-D parameters' pseudo-gradient messages (0: sent in full).
         moments_every: average the moments at every n-th sync only.
@@ -156,7 +156,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         average_fullrank_moments: bool = SyncConfig.average_fullrank_moments,
         average_error_feedback: bool = SyncConfig.average_error_feedback,
         warmup_steps: int = SyncConfig.warmup_steps,
-        synchronous: bool = SyncConfig.synchronous,
+        synchronous: Optional[bool] = SyncConfig.synchronous,
         switch_betas: Optional[tuple[float, float]] = SyncConfig.switch_betas,
         switch_reset_moments: bool = SyncConfig.switch_reset_moments,
         switch_lr_scale: float = SyncConfig.switch_lr_scale,
