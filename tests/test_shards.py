@@ -68,8 +68,9 @@ def test_each_rank_writes_its_own_shard_and_removed_or_stale_saves_take_theirs(s
         assert sorted(p.name for p in (sharded / folder).iterdir()) == ["rank-0.pt", "rank-1.pt"]
         rank0 = torch.load(sharded / folder / "rank-0.pt", weights_only=True)
         rank1 = torch.load(sharded / folder / "rank-1.pt", weights_only=True)
-        assert "optimizer" not in rank0 and "optimizer" in rank1  # rank 0's is Lightning's optimizer_states
-        assert any("error_feedback" in s for s in rank1["optimizer"]["state"].values())
+        for shard in (rank0, rank1):  # LoRDO's state; rank 0's is also Lightning's optimizer entry, AdamW-shaped
+            assert any("error_feedback" in s for s in shard["optimizer"]["state"].values())
+        assert not any("error_feedback" in s for s in raw["optimizer_states"][0]["state"].values())
         assert rank0["comm"]["totals"]["checkpoint"] > 0  # a save's broadcast and agreements are counted
     assert len(files) == 4, files  # one shard directory per kept checkpoint: the stale and removed ones are gone
 

@@ -1,20 +1,21 @@
-"""A LoRDO checkpoint for a run without the plugin's strategy (``strategy="ddp"``, one device, FSDP, ...).
+"""What a LoRDO checkpoint leaves behind when another strategy resumes it (``strategy="ddp"``, one device, FSDP).
 
-A LoRDO checkpoint's ``optimizer_states`` hold low-rank moments (``r x n`` with a basis), which torch's Adam/AdamW
-cannot use: resumed as they are, the first optimizer step fails with a shape mismatch. Two ways to convert:
+A LoRDO checkpoint's ``optimizer_states`` entry is in torch AdamW's shape (``resume.adamw_checkpoint_state``): any
+strategy resumes it with the user's AdamW, no callback and no plugin needed. LoRDO's own optimizer state (bases,
+low-rank moments, error feedback) is under ``checkpoint["lordo"]`` (rank 0's shard with ``checkpoint_shards``).
+What this module adds:
 
-* ``Trainer(strategy="ddp", callbacks=[ConvertLoRDOCheckpoint()])`` converts while Lightning loads the checkpoint
-  (``on_load_checkpoint`` runs before the optimizer state is restored), with one warning saying what was reset;
-* ``python -m lightning_lordo.lightning.export lordo.ckpt ddp.ckpt`` writes a converted file that any strategy
-  resumes, no plugin needed.
+* ``Trainer(strategy="ddp", callbacks=[ConvertLoRDOCheckpoint()])`` warns once with what the resume leaves behind;
+* ``python -m lightning_lordo.lightning.export lordo.ckpt ddp.ckpt`` writes a file without the LoRDO state (smaller);
+* both convert a checkpoint whose optimizer entry is LoRDO's own (the earlier format).
 
-What it does: each low-rank matrix's moments are expanded through its basis into AdamW moments (the first moment
-exactly, ``Q u``; the second ``(Q o Q) v`` floored at its mean, as when a matrix becomes full-rank on a resume);
-the full-rank parameters keep their Adam moments; the step counts, learning rates and LR schedulers are kept.
-Reset (there is nothing in DDP to hold them): the error-feedback buffers, the outer (Nesterov) momentum, the
-payload's error feedback, the other ranks' own state and, for a checkpoint written mid-round, each worker's
-progress since the last sync (the model saved is the synchronized one, which DDP resumes from). The LoRDO-only
-knobs leave the param groups, so torch's Adam/AdamW fill in their own defaults.
+The AdamW moments: each low-rank matrix's expanded through its basis (the first moment exactly, ``Q u``; the second
+``(Q o Q) v`` floored at its mean, as when a matrix becomes full-rank on a resume); the full-rank parameters' as they
+are; the step counts, learning rates and LR schedulers kept. Left behind (there is nothing in DDP to hold them): the
+bases, the error-feedback buffers, the outer (Nesterov) momentum, the payload's error feedback, the other ranks' own
+state and, for a checkpoint written mid-round, each worker's progress since the last sync (the model saved is the
+synchronized one, which DDP resumes from). The LoRDO-only knobs are not in the param groups, so torch's Adam/AdamW
+fill in their own defaults.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.resume import LORDO_KNOBS, is_lordo_state
 from lightning_lordo.lightning.shards import load_full
-from lightning_lordo.optim.conversion import adamw_entry
+from lightning_lordo.optim.conversion import adamw_state_dict
 
 
 def to_torch_checkpoint(checkpoint: dict[str, Any]) -> list[str]:
@@ -46,9 +47,10 @@ def to_torch_checkpoint(checkpoint: dict[str, Any]) -> list[str]:
         raise ValueError("This LoRDO checkpoint has no parameter layout (checkpoint['lordo']['layout']), written by "
                          "a version before 0.1.0: its low-rank moments cannot be matched to parameters. Resume it with "
                          "strategy='lordo' and save it again.")
-    notes, expanded, dropped_ef = [], 0, 0
+    left_out = (lordo or {}).get("optimizer_entry", {})  # what the save left out of its AdamW-shaped entry
+    notes, expanded, dropped_ef = [], left_out.get("expanded", 0), left_out.get("error_feedback", 0)
     for i, saved in enumerate(states):
-        if is_lordo_state(saved):
+        if is_lordo_state(saved):  # a checkpoint whose optimizer entry is LoRDO's own (the earlier format)
             states[i], counts = _adamw_state_dict(saved, layout["param_names"], checkpoint["state_dict"])
             expanded, dropped_ef = expanded + counts[0], dropped_ef + counts[1]
     if expanded:
@@ -81,19 +83,16 @@ def to_torch_checkpoint(checkpoint: dict[str, Any]) -> list[str]:
 
 def _adamw_state_dict(saved: dict[str, Any], names: list[str],
                       model: dict[str, torch.Tensor]) -> tuple[dict[str, Any], tuple[int, int]]:
-    state, expanded, dropped_ef = {}, 0, 0
-    for index, entry in saved["state"].items():
-        name = names[index] if index < len(names) else ""
-        if name not in model:
-            raise ValueError(f"The checkpoint's optimizer state {index} belongs to parameter {name!r}, which is not in "
-                             "its state_dict: the checkpoint is inconsistent. Resume it with strategy='lordo'.")
-        state[index], was_lowrank = adamw_entry(entry, model[name])
-        expanded += was_lowrank
-        dropped_ef += "error_feedback" in entry
-    # torch-only keys (fused, foreach, capturable, amsgrad, maximize) were not kept by LoRDO: the torch optimizer
-    # that loads these groups fills in its class's defaults for them
-    groups = [{k: v for k, v in g.items() if k not in LORDO_KNOBS} for g in saved["param_groups"]]
-    return {"state": state, "param_groups": groups}, (expanded, dropped_ef)
+    """The state dict for torch's AdamW (the parameters found by their names, in the groups' order), and how many
+    low-rank matrices were expanded and error-feedback buffers dropped."""
+    positions = [i for g in saved["param_groups"] for i in g["params"]]
+    unknown = [n for n in (names[:len(positions)] + [""] * (len(positions) - len(names))) if n not in model]
+    if unknown:
+        raise ValueError(f"The checkpoint's optimizer state belongs to parameter {unknown[0]!r}, which is not in its "
+                         "state_dict: the checkpoint is inconsistent. Resume it with strategy='lordo'.")
+    entries = [saved["state"].get(i, {}) for i in positions]
+    counts = (sum("basis" in e for e in entries), sum("error_feedback" in e for e in entries))
+    return adamw_state_dict(saved, [model[n] for n in names[:len(positions)]], LORDO_KNOBS), counts
 
 
 def _has_tensors(obj: Any) -> bool:

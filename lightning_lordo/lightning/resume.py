@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
 from lightning_lordo.lightning.checkpoint import gather_to_rank_zero, to_cpu
-from lightning_lordo.optim.conversion import adamw_entry
+from lightning_lordo.optim.conversion import adamw_entry, adamw_state_dict
 from lightning_lordo.optim.error_feedback import EF_PROJECTION
 from lightning_lordo.optim.lordo import LoRDO
 
@@ -58,18 +58,30 @@ def layout(strategy: Any) -> dict[str, Any]:
 
 def local_state(strategy: Any) -> dict[str, Any]:
     """This rank's own state: its communication totals, payload state and buffers (each rank's own between syncs,
-    e.g. BatchNorm's), its optimizer state (not rank 0's: that is Lightning's ``optimizer_states`` entry) and,
-    mid-round, its replica."""
+    e.g. BatchNorm's), its optimizer state (rank 0's only if it is LoRDO's: Lightning's ``optimizer_states`` entry
+    then holds it in AdamW's shape, :func:`adamw_checkpoint_state`) and, mid-round, its replica."""
     sync = strategy.synchronizer
     local: dict[str, Any] = {"comm": strategy.accountant.state_dict(), "payload": to_cpu(sync.payloads.state_dict()),
                              "buffers": to_cpu(sync.buffers)}
-    if strategy.global_rank != 0:
-        local["optimizer"] = to_cpu(strategy.optimizers[0].state_dict())
+    if strategy.global_rank != 0 or isinstance(strategy.optimizers[0], LoRDO):  # rank 0's LoRDO state: here, as
+        local["optimizer"] = to_cpu(strategy.optimizers[0].state_dict())  # Lightning's entry holds AdamW's shape
     if sync.mid_round:
         local["params"] = to_cpu(sync.params)
     if sync.in_flight is not None and sync.in_flight.result is not None:  # an emergency save skips a round in flight
         local["overlap"] = to_cpu(sync.overlap_state_dict())
     return local
+
+
+def adamw_checkpoint_state(strategy: Any, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """Lightning's ``optimizer_states`` entry for rank 0's LoRDO state ``saved``: in torch AdamW's shape, so that a
+    plain strategy (``"ddp"``, ``"fsdp"``, one device) resumes the checkpoint with the user's AdamW, whether this
+    plugin is installed or not (the low-rank moments expanded through their bases; LoRDO's own state is in
+    ``checkpoint["lordo"]``); and what the shape leaves out, for ``checkpoint["lordo"]["optimizer_entry"]``."""
+    params = [p for g in strategy.optimizers[0].param_groups for p in g["params"]]
+    entries = [e for e in saved["state"].values() if e]
+    left_out = {"expanded": sum("basis" in e for e in entries),
+                "error_feedback": sum("error_feedback" in e for e in entries)}
+    return adamw_state_dict(saved, params, LORDO_KNOBS, to_host=True), left_out
 
 
 def shared_state(strategy: Any, partial: bool) -> dict[str, Any]:

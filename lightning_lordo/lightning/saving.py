@@ -84,6 +84,7 @@ class SynchronizedState:
         comm = self.communicator if healthy and self.world_size > 1 else None
         if not self.checkpoint_shards:
             checkpoint["lordo"] = self._read_state(lambda: resume.gather_state(self, collective=healthy))
+            self._adamw_shaped(checkpoint)
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         shards.check_checkpoint_io(self.checkpoint_io)
@@ -95,6 +96,7 @@ class SynchronizedState:
             if comm is not None:  # the two agreements below, counted ahead so the totals saved include them
                 shards.count_agreements(local["comm"], self.world_size)
             checkpoint["lordo"] = resume.shared_state(self, partial=not healthy)
+            self._adamw_shaped(checkpoint)
             checkpoint["lordo"]["shards"] = {"id": save_id, "ranks": self.world_size if healthy else 1,
                                              "dir": shards.directory_name(filepath, save_id)}
         except Exception as err:  # noqa: BLE001 - re-raised by the agreement
@@ -111,6 +113,13 @@ class SynchronizedState:
         self._write_or_agree_to_fail(filepath, save_id, comm, "the checkpoint file", lambda: super(
             SynchronizedState, self).save_checkpoint(checkpoint, filepath, storage_options=storage_options))
         shards.remove_own(filepath, self.global_rank, keep=save_id)  # the previous save's, now stale
+
+    def _adamw_shaped(self, checkpoint: dict[str, Any]) -> None:
+        """Rank 0's optimizer entry in torch AdamW's shape, so that any strategy resumes the file with the user's AdamW
+        (``resume.adamw_checkpoint_state``); LoRDO's own state is in ``checkpoint["lordo"]`` or rank 0's shard."""
+        if isinstance(self.optimizers[0], LoRDO) and self.global_rank == 0:
+            entry, left_out = resume.adamw_checkpoint_state(self, checkpoint["optimizer_states"][0])
+            checkpoint["optimizer_states"], checkpoint["lordo"]["optimizer_entry"] = [entry], left_out
 
     def _every_rank_saves(self) -> bool:
         """Whether this save may wait for every rank: not after a failed collective, and not from an exception

@@ -3,7 +3,7 @@ expanded from a low-rank one (a matrix that becomes full-rank, or a checkpoint r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -71,6 +71,25 @@ def adamw_entry(state: Mapping[str, Any], p: Tensor) -> tuple[dict[str, Any], bo
     if "basis" in state:
         return expand_lowrank_state(state, p), True
     return {k: v for k, v in state.items() if k in ("step", "exp_avg", "exp_avg_sq")}, False
+
+
+def adamw_state_dict(saved: Mapping[str, Any], params: Sequence[Tensor], knobs: Collection[str],
+                     to_host: bool = False) -> dict[str, Any]:
+    """torch Adam/AdamW's state dict from LoRDO's (``saved``; ``params`` in its param groups' order): every entry
+    through :func:`adamw_entry` (moved to host memory one at a time with ``to_host``, so a device holds one expanded
+    matrix at most), and the param groups without LoRDO's ``knobs`` (torch's optimizer fills in its own defaults for
+    its keys, e.g. ``amsgrad``)."""
+    flat = [i for g in saved["param_groups"] for i in g["params"]]
+    if len(flat) != len(params):
+        raise ValueError(f"The optimizer state has {len(flat)} parameters and the model {len(params)}: they cannot be "
+                         "matched. Resume it with strategy='lordo'.")
+    state = {}
+    for i, p in zip(flat, params):
+        if saved["state"].get(i):
+            entry = adamw_entry(saved["state"][i], p)[0]
+            state[i] = {k: v.cpu() if to_host else v for k, v in entry.items()}
+    groups = [{k: v for k, v in g.items() if k not in knobs} for g in saved["param_groups"]]
+    return {"state": state, "param_groups": groups}
 
 
 def expand_lowrank_state(state: Mapping[str, Tensor], p: Tensor) -> dict[str, Tensor]:
