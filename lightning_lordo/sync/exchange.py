@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_lordo._tensors import all_finite, finite_flags, mix_seed, seeded_normal
+from lightning_lordo._tensors import all_finite, finite_flags, math_dtype, mix_seed, seeded_normal
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.comm.quantization import quantized_mean
 from lightning_lordo.config import SyncConfig
@@ -107,15 +107,18 @@ def commit_buffers(buffers: Sequence[Tensor], floating: list[Tensor], others: li
 
 def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncConfig, moments_due: bool = True,
                    fold: bool = True) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
-    """The optimizer state a sync averages, by purpose: ``(parameter, its tensors)`` pairs.
+    """The optimizer state a sync averages, by purpose: ``(parameter, its tensors)`` pairs, the same parameters and
+    shapes on every worker (the order of ``params``).
 
     ``moments`` (when ``moments_due``: every ``moments_every``-th sync): the low-rank moments in their current
-    (old, shared) basis (global scope only) and, with ``average_fullrank_moments``, every floating state tensor
-    shaped like its full-rank parameter (AdamW's moments, SGD's momentum). ``error_feedback``: the optimizer's
+    (old, shared) basis (global scope only) and, with ``average_fullrank_moments``, the full-rank parameters' moments
+    (:func:`fullrank_moments`; zeros where this worker holds none, e.g. a branch it never ran, with a ``holders``
+    flag so that the average is over the workers that hold them). ``error_feedback``: the optimizer's
     error-feedback buffers, if asked for, folded first unless ``fold`` is false (a resumed overlapped round, whose
     averages come from the checkpoint's copies: the live tensors are only written, at the landing)."""
     lowrank = set(optimizer.lowrank_params()) if isinstance(optimizer, LoRDO) else set()
-    moments, feedback = [], []
+    groups = {p: g for g in optimizer.param_groups for p in g["params"]}
+    moments, feedback, holders = [], [], []
     for p in params:
         state = optimizer.state.get(p, {})
         if p in lowrank:
@@ -126,31 +129,50 @@ def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncC
                     optimizer.fold_error_feedback([p])
                 feedback.append((p, [state["error_feedback"]]))
         elif moments_due and config.average_fullrank_moments:
-            tensors = [v for k, v in state.items() if k != "step" and isinstance(v, Tensor)
-                       and v.is_floating_point() and v.shape == p.shape]
-            if tensors:
-                moments.append((p, tensors))
-    return {"moments": moments, "error_feedback": feedback}
+            layout = fullrank_moments(optimizer, p, groups[p])
+            held = bool(layout) and all(k in state for k, _ in layout)
+            if layout:
+                moments.append((p, [state[k] if held else torch.zeros(p.shape, dtype=dtype, device=p.device)
+                                    for k, dtype in layout]))
+                holders.append((p, [torch.full((1,), float(held), device=p.device)]))
+    return {"moments": moments, "error_feedback": feedback, "holders": holders}
+
+
+def fullrank_moments(optimizer: Optimizer, p: Tensor, group: dict[str, Any]) -> Optional[list[tuple[str, Any]]]:
+    """The moments ``(key, dtype)`` that ``optimizer`` keeps for the full-rank ``p`` (each shaped like ``p``), known
+    before its first step: LoRDO's and torch Adam/AdamW's moments, SGD's momentum; ``None`` for another optimizer."""
+    if isinstance(optimizer, LoRDO):
+        return [("exp_avg", math_dtype(p.dtype)), ("exp_avg_sq", math_dtype(p.dtype))]
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return [(k, p.dtype) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[:3 if group.get("amsgrad") else 2]]
+    if isinstance(optimizer, torch.optim.SGD):
+        return [("momentum_buffer", p.dtype)] if group.get("momentum") else []
+    return None
 
 
 def average_state(comm: Communicator, state: dict[str, list[tuple[Tensor, list[Tensor]]]], config: SyncConfig
                   ) -> tuple[dict[str, StateEntries], list[Tensor], Optional[Tensor]]:
     """Averages of ``state`` (from :func:`averaged_state`), in ``config.moments_dtype``; the parameters checked and,
     per parameter, whether its averages are finite (a bool tensor, not read; identical on every worker, the averages
-    being identical). Alone nothing is averaged (the state stays as it is, and is only checked)."""
+    being identical). A parameter with ``holders`` flags is averaged over the workers that hold its state. Alone
+    nothing is averaged (the state stays as it is, and is only checked)."""
     out: dict[str, StateEntries] = {}
     checked: dict[Tensor, list[Tensor]] = {}  # parameter -> the tensors whose finiteness decides its reset
+    shares: dict[Tensor, Tensor] = {}  # parameter -> the share of the workers holding its state
     for purpose, entries in state.items():
         tensors = [t for _, ts in entries for t in ts]
         if not tensors:
             continue
         if comm.world_size == 1:
             means = tensors
-        elif config.moments_dtype == "float32":
+        elif config.moments_dtype == "float32" or purpose == "holders":
             means = comm.mean(tensors, purpose)
         else:
             means = [m.to(t.dtype) for t, m in zip(tensors, quantized_mean(comm, tensors, purpose,
                                                                          config.moments_dtype).means)]
+        if purpose == "holders":
+            shares = {p: m for (p, _), m in zip(entries, means)}
+            continue
         rows, offset = [], 0
         for p, ts in entries:
             mine = means[offset: offset + len(ts)]
@@ -159,6 +181,9 @@ def average_state(comm: Communicator, state: dict[str, list[tuple[Tensor, list[T
             checked.setdefault(p, []).extend(mine)
         if comm.world_size > 1:
             out[purpose] = rows
+    for p, share in shares.items():  # the mean over all workers, over the share that holds the state (0: zeros)
+        if comm.world_size > 1:
+            torch._foreach_div_(checked[p], [share.clamp(min=1.0 / comm.world_size).to(t.dtype) for t in checked[p]])
     if not checked:
         return out, [], None
     return out, list(checked), _per_parameter(finite_flags([t for ts in checked.values() for t in ts]),

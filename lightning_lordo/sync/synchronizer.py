@@ -72,6 +72,10 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         self.params = list(params)
         self.buffers = list(buffers)
         self.optimizer = optimizer
+        if config.average_fullrank_moments and any(ex.fullrank_moments(optimizer, p, g) is None
+                                                   for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(f"Invalid average_fullrank_moments=True with {type(optimizer).__name__}: the moments it "
+                             "averages are those of LoRDO, Adam, AdamW and SGD. Drop average_fullrank_moments.")
         self.config = config = config.alone() if communicator.world_size == 1 else config
         self.comm = communicator
         # overlap_steps: the rounds' collectives run on a thread over this communicator's (side) group

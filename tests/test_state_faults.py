@@ -1,0 +1,112 @@
+"""State that a fault attack found lost or corrupted (issue 31, items 1-3), each with 2 processes where it needs them:
+moments of a parameter that only some workers train, a non-finite buffer under overlap, and a model edited between a
+save and its resume."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from strategy_helpers import TinyRegressor, gather, loader, lordo, trainer
+from torch import nn
+
+from lightning_lordo.strategy_knobs import PRESETS
+
+
+class Branchy(TinyRegressor):
+    """A trunk every worker trains and a second branch (a low-rank matrix, a full-rank head, biases) that only rank 1
+    runs, as a conditional branch or an expert of a mixture would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x)
+        if self.global_rank == 1:
+            out = out + self.branch(x)
+        return nn.functional.mse_loss(out, y)
+
+
+class StateCheck(L.Callback):
+    """At the end of fit: no round was discarded, every moment is finite and every second moment >= 0; the trunk's
+    averaged moments are identical on both workers, and the branch's are rank 1's own (the only worker holding them)."""
+
+    def __init__(self, averaged_fullrank: bool) -> None:
+        self.averaged_fullrank = averaged_fullrank
+        self.before: dict[str, torch.Tensor] = {}
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        sync = trainer.strategy.synchronizer
+        assert sync.skipped_syncs == 0, f"{sync.skipped_syncs} rounds discarded"
+        optimizer = trainer.optimizers[0]
+        for name, p in module.named_parameters():
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.is_floating_point():
+                    assert torch.isfinite(value).all(), (name, key)
+            if "exp_avg_sq" in state:
+                assert (state["exp_avg_sq"] >= 0).all(), f"{name}: a negative second moment"
+        if not self.averaged_fullrank:
+            return
+        for name, p in module.named_parameters():
+            if name.startswith("net.") and "basis" not in optimizer.state[p]:  # the trunk's full-rank moments
+                avg = optimizer.state[p]["exp_avg"]
+                assert torch.equal(*gather(avg)), f"{name}: averaged moments differ between the workers"
+
+
+@pytest.mark.parametrize("preset", [*PRESETS, "lordo+fullrank"])
+def test_a_branch_one_worker_never_runs_keeps_every_workers_state_consistent(preset: str) -> None:
+    knobs: dict[str, Any] = dict(PRESETS[preset][0]) if preset in PRESETS else {"average_fullrank_moments": True}
+    averaged = bool(knobs.get("average_fullrank_moments"))
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=3, **knobs), callbacks=[StateCheck(averaged)], max_steps=10).fit(Branchy(), loader())
+
+
+class AroundEverySync(L.Callback):
+    """Rank 1's full-rank moments of the branch's head just before and just after every sync."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        sync, state = trainer.strategy.synchronizer, trainer.optimizers[0].state
+        head, original = module.branch[2].weight, sync.sync
+
+        def recorded() -> Any:
+            before = {k: v.clone() for k, v in state[head].items() if torch.is_tensor(v)}
+            report = original()
+            self.pairs.append((before, {k: v.clone() for k, v in state[head].items() if torch.is_tensor(v)}))
+            return report
+
+        sync.sync = recorded
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_rank == 1:  # only rank 1 holds the head's moments: their average is its own
+            assert len(self.pairs) == 2
+            for before, after in self.pairs:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(after[key], before[key], rtol=1e-6, atol=0)
+
+
+def test_only_the_workers_holding_a_moment_average_it() -> None:
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=3, average_fullrank_moments=True), callbacks=[AroundEverySync()],
+            max_steps=6).fit(Branchy(), loader())
+
+
+def test_averaging_the_moments_of_an_optimizer_whose_layout_is_unknown_is_refused() -> None:
+    from datetime import timedelta
+
+    from lightning_lordo.comm.communicator import CommAccountant, Communicator
+    from lightning_lordo.config import SyncConfig
+    from lightning_lordo.sync.synchronizer import Synchronizer
+
+    w = nn.Parameter(torch.randn(4, 4))
+    config = SyncConfig(average_fullrank_moments=True)
+    comm = Communicator(CommAccountant(), timedelta(seconds=5))
+    with pytest.raises(ValueError, match="average_fullrank_moments=True with RMSprop"):
+        Synchronizer([w], [], torch.optim.RMSprop([w]), config, comm)
