@@ -110,3 +110,31 @@ def test_averaging_the_moments_of_an_optimizer_whose_layout_is_unknown_is_refuse
     comm = Communicator(CommAccountant(), timedelta(seconds=5))
     with pytest.raises(ValueError, match="average_fullrank_moments=True with RMSprop"):
         Synchronizer([w], [], torch.optim.RMSprop([w]), config, comm)
+
+
+class PoisonedBuffer(TinyRegressor):
+    """A BatchNorm whose running mean turns NaN on rank 1 at one step (as a bad input leaves it), with overlap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 24), nn.BatchNorm1d(24), nn.GELU(), nn.Linear(24, 16), nn.GELU(),
+                                 nn.Linear(16, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and batch_idx in (5, 14):  # once mid-round, once while a round is in flight
+            self.net[1].running_mean[0] = float("nan")
+        return super().training_step(batch, batch_idx)
+
+
+class BuffersAtTheEnd(L.Callback):
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        for name, b in module.named_buffers():
+            assert torch.isfinite(b.float()).all(), f"{name} is not finite on rank {trainer.global_rank}"
+            assert torch.equal(*gather(b)), f"{name} differs between the workers"
+
+
+@pytest.mark.parametrize("overlap", [0, 1, 2])
+def test_a_non_finite_buffer_is_repaired_with_or_without_overlap(overlap: int) -> None:
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=4, overlap_steps=overlap), callbacks=[BuffersAtTheEnd()], max_steps=20).fit(
+        PoisonedBuffer(), loader())

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -129,9 +130,16 @@ def corrected(round_: Launch, result: ex.Exchange, optimizer: Optimizer, live_bu
     for floating, means in ((True, result.buffers[0]), (False, result.buffers[1])):
         live = [b for b in live_buffers if b.is_floating_point() == floating]
         snap = [b for b in round_.buffers if b.is_floating_point() == floating]
-        # alone nothing was averaged (no means): the live buffers stay as they are
-        new.append([m + (x - c) for m, x, c in zip(means, live, snap, strict=True)] if means else [])
+        # alone nothing was averaged (no means): the live buffers stay as they are; a non-finite local change (a bad
+        # input's running statistics) is dropped, so the repaired average lands as on the blocking path
+        new.append([_plus_finite(m, x - c) if floating else m + (x - c)
+                    for m, x, c in zip(means, live, snap, strict=True)] if means else [])
     return dataclasses.replace(result, buffers=(new[0], new[1]), state=state)
+
+
+def _plus_finite(mean: Tensor, change: Tensor) -> Tensor:
+    """``mean + change`` where ``change`` is finite, ``mean`` elsewhere."""
+    return torch.where(torch.isfinite(change), mean + change, mean)
 
 
 def progress(round_: Launch, params: Sequence[Tensor]) -> list[Tensor]:
