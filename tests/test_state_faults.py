@@ -4,6 +4,7 @@ save and its resume."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -138,3 +139,32 @@ def test_a_non_finite_buffer_is_repaired_with_or_without_overlap(overlap: int) -
     torch.manual_seed(0)
     trainer(lordo(sync_every=4, overlap_steps=overlap), callbacks=[BuffersAtTheEnd()], max_steps=20).fit(
         PoisonedBuffer(), loader())
+
+
+class StartWeights(L.Callback):
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("step", [4, 6], ids=["at-a-sync", "mid-round"])
+def test_a_model_edited_between_save_and_resume_is_followed_and_said(tmp_path: Path, step: int) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    save = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=step, save_top_k=-1)
+    strategy = lordo(sync_every=4, start_method="popen", synchronous=False)  # one device, with rounds
+    torch.manual_seed(0)
+    trainer(strategy, devices=1, callbacks=[save], max_steps=step, enable_checkpointing=True).fit(
+        TinyRegressor(), loader())
+    path = tmp_path / f"step={step}.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["state_dict"]["net.3.weight"] = torch.zeros_like(checkpoint["state_dict"]["net.3.weight"])  # surgery
+    torch.save(checkpoint, path)
+    start = StartWeights()
+    with pytest.warns(UserWarning, match="follows the loaded weights") as caught:
+        trainer(lordo(sync_every=4, start_method="popen", synchronous=False), devices=1, callbacks=[start],
+                max_steps=step + 2).fit(TinyRegressor(), loader(), ckpt_path=str(path))
+    assert not start.weights["net.3.weight"].any(), "the edit was overwritten by the saved synchronized model"
+    assert any("net.3.weight" in str(w.message) for w in caught)

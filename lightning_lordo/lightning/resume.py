@@ -183,7 +183,19 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
     self._restored_optimizer = mine.get("optimizer")  # None for rank 0: Lightning's optimizer_states
     self._restored_names = saved["param_names"] if saved is not None else None
     self._lordo_checkpoint = True
-    if same_world and same_params:
+    edited = _edited(self.synchronizer, self.parameter_names) if same_world and same_params else []
+    if edited:
+        if "overlap" in mine:
+            raise ValueError(f"The model differs from the checkpoint's synchronized model ({', '.join(edited[:3])}; "
+                             "edited after the save?), and the checkpoint was written with an overlapped round in "
+                             "flight, which lands on the saved model. Undo the edit, or resume from a checkpoint "
+                             "written at a sync.")
+        self.synchronizer.take_anchor(self.synchronizer.synchronized_step)
+        notes.append(f"the model differs from the checkpoint's synchronized model ({', '.join(edited[:3])}"
+                     f"{', ...' if len(edited) > 3 else ''}; edited after the save?): training follows the loaded "
+                     "weights, which become the synchronized model (each worker's progress since the last sync and "
+                     "its own buffers are dropped)")
+    if same_world and same_params and not edited:
         # mid-round each rank's own parameters; else the model Lightning loaded is already the synchronized one
         source = mine.get("params", self.synchronizer.anchor.tensors)  # no anchor in the synchronous phase
         for p, value in zip(self.synchronizer.params, source, strict=bool(source)):
@@ -214,6 +226,13 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
                      "buffers and the payload's sync-level error feedback; every worker starts from rank 0's "
                      "optimizer moments and communication totals")
     return notes
+
+
+def _edited(sync: Any, names: dict[Tensor, str]) -> list[str]:
+    """The parameters whose loaded values differ from the checkpoint's synchronized model (its anchor), which the
+    model Lightning loaded is a copy of unless it was edited between the save and the resume."""
+    anchor = sync.anchor.tensors  # none: saved in the synchronous phase, where the loaded model is the model
+    return [names.get(p, "?") for p, a in zip(sync.params, anchor) if not torch.equal(p.detach(), a.to(p.dtype))]
 
 
 def load_optimizer(optimizer: Optimizer, saved: dict[str, Any], saved_names: Optional[Sequence[str]],
