@@ -214,3 +214,64 @@ def test_changed_parameters_are_refused_with_an_overlapped_round_in_flight(tmp_p
     ckpt = first / "step=12.ckpt"
     with pytest.raises(Exception, match=r"trainable parameters differ.*overlapped round in\s+flight"):
         _resume(tmp_path, ckpt, FrozenFirst(), lordo(sync_every=K, overlap_steps=2), "frozen")
+
+
+def _fabric_resume(tmp_path: Path, saved_knobs: dict[str, Any], knobs: dict[str, Any]) -> tuple[Any, list[str]]:
+    import os
+
+    from lightning.fabric import Fabric
+
+    from lightning_lordo import LoRDOFabricStrategy
+
+    environment = dict(os.environ)
+    try:
+        def fabric(**k: Any) -> Fabric:
+            strategy = LoRDOFabricStrategy(sync_every=K, start_method="popen", timeout=30, **{"rank": 4, **k})
+            launched = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+            launched.launch()
+            return launched
+
+        def model_and_adamw() -> tuple[nn.Module, torch.optim.Optimizer]:
+            torch.manual_seed(0)
+            net = TinyRegressor().net
+            return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+        first = fabric(**saved_knobs)
+        net, optimizer = first.setup(*model_and_adamw())
+        for x, y in list(epoch_loader())[:K]:
+            first.backward(nn.functional.mse_loss(net(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        first.save(tmp_path / "fabric.ckpt", {"model": net, "optimizer": optimizer})
+        second = fabric(**knobs)
+        net2, optimizer2 = second.setup(*model_and_adamw())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            second.load(tmp_path / "fabric.ckpt", {"model": net2, "optimizer": optimizer2})
+        return optimizer2.optimizer, [str(w.message) for w in caught if "LoRDO resumed a checkpoint" in str(w.message)]
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+def _trainer_resume(tmp_path: Path, saved_knobs: dict[str, Any], knobs: dict[str, Any]) -> tuple[Any, list[str]]:
+    ckpt = _first_fit(tmp_path, TinyRegressor(), lordo(sync_every=K, **saved_knobs)) / "step=12.ckpt"
+    out, messages = _resume(tmp_path, ckpt, TinyRegressor(), lordo(sync_every=K, **knobs), "resumed")
+
+    class Groups:  # what the resumed run's optimizer has, as Record saved it
+        param_groups = out["groups"]
+    return Groups(), messages
+
+
+@pytest.mark.parametrize("driver", ["trainer", "fabric"])
+def test_the_knobs_passed_at_a_resume_win_with_the_trainer_and_with_fabric(tmp_path: Path, driver: str) -> None:
+    """Saved with the defaults at omega 0.9, resumed with the lean preset's knobs at omega 0.5: the optimizer has the
+    knobs passed now (none reverted to the checkpoint's) and one warning lists them."""
+    lean = {"omega": 0.5, "full_rank_input": "gradient", "error_feedback": False, "power_iters": 1}
+    resume = _fabric_resume if driver == "fabric" else _trainer_resume
+    optimizer, messages = resume(tmp_path, {"omega": 0.9}, lean)
+    for group in optimizer.param_groups:
+        assert group["omega"] == 0.5 and group["error_feedback"] is False, group
+    assert len(messages) == 1, messages
+    for text in ("omega: 0.9 -> 0.5", "error_feedback: True -> False"):
+        assert text in messages[0], (text, messages[0])

@@ -19,7 +19,7 @@ from strategy_helpers import TinyRegressor, loader, lordo, trainer
 
 import lightning_lordo
 from lightning_lordo import LoRDO
-from lightning_lordo.lightning import resume
+from lightning_lordo.optim import loading
 from lightning_lordo.lightning.user_warnings import PluginWarnings
 
 PLUGIN_DIR = str(Path(lightning_lordo.__file__).resolve().parent)
@@ -149,7 +149,7 @@ def test_a_warning_held_back_is_shown_once_and_only_on_rank_zero(tmp_path: Path)
             warnings.showwarning = _recording(path)
             for i in range(3):
                 with held, held:  # re-entrant: shown when the outer one ends
-                    resume.warn(["a note"], 0)
+                    loading.warn(["a note"], 0)
                     assert len(_shown(path)) == min(i, expected)
         found = _shown(path)
         assert len(found) == expected, found

@@ -15,10 +15,10 @@ boundary the model and buffers are identical on every rank. The file then holds,
 ``fabric.load(path, {"model": model, "optimizer": optimizer, ...})`` restores all of it on every rank: the loaded
 model becomes the synchronized point, the counters and byte totals continue (a checkpoint saved in the synchronous
 warm-up, loaded into a run past it, switches to local steps there, switch knobs included). Every rank resumes from
-rank 0's
-optimizer state (not bit-exact for the full-rank moments; the compressed payloads' error feedback restarts at
-zero). Loading an optimizer state that was not written by this strategy (a DDP run's AdamW state, say) into it
-raises; load the model only and let the optimizer start fresh.
+rank 0's optimizer state with the knobs passed now, as the Trainer's resume does (one warning lists what changed;
+not bit-exact for the full-rank moments; the compressed payloads' error feedback restarts at zero). Loading an
+optimizer state that was not written by this strategy (a DDP run's AdamW state, say) into it raises; load the model
+only and let the optimizer start fresh.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import warnings
 from typing import Any, Optional
 
 from typing_extensions import override
+
+from lightning_lordo.optim.loading import LORDO_KNOBS, group_knob_changes, load_optimizer, warn
 
 #: The checkpoint key of the strategy's own state.
 STATE_KEY = "lordo"
@@ -42,6 +44,7 @@ class SynchronizedCheckpoints:
     synchronizer: Any
     accountant: Any
     world_size: int
+    global_rank: int
 
     def _ours(self, state: Any) -> tuple[bool, Optional[str]]:
         """Whether ``state`` (a dict of unwrapped objects) holds the synchronized model, and the optimizer's key."""
@@ -128,7 +131,11 @@ class SynchronizedCheckpoints:
                 f"fabric.load: the checkpoint's {key!r} is {written}, and this strategy's optimizer is {kind}: it "
                 "cannot be loaded into it. Load the model only (fabric.load(path, {'model': model})) and let the "
                 "optimizer start fresh, or resume with the strategy and optimizer that wrote the checkpoint.")
-        self.optimizer.load_state_dict(optimizer_state)
+        # as the Trainer's resume (optim/loading.py): the knobs passed now win, and one warning lists what changed
+        knobs = [{k: g[k] for k in LORDO_KNOBS if k in g} for g in optimizer_state["param_groups"]]
+        names = {p: n for n, p in self.module.named_parameters()}
+        notes = group_knob_changes(knobs, self.optimizer) + load_optimizer(self.optimizer, optimizer_state, None, names)
+        warn(notes, self.global_rank)
 
     def _restore_counters(self, saved: dict[str, Any]) -> None:
         synchronizer = self.synchronizer

@@ -30,9 +30,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
-from lightning_lordo.lightning.resume import LORDO_KNOBS, is_lordo_state
 from lightning_lordo.lightning.shards import load_full
 from lightning_lordo.optim.conversion import adamw_state_dict
+from lightning_lordo.optim.loading import LORDO_KNOBS, is_lordo_state
 
 
 def to_torch_checkpoint(checkpoint: dict[str, Any]) -> list[str]:

@@ -19,24 +19,18 @@ expanded through the basis, error feedback dropped).
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
+from lightning_lordo.config import SyncConfig
 from lightning_lordo.lightning.checkpoint import gather_to_rank_zero, to_cpu
-from lightning_lordo.optim.conversion import adamw_entry, adamw_state_dict
+from lightning_lordo.optim.conversion import adamw_state_dict
 from lightning_lordo.optim.error_feedback import EF_PROJECTION
+from lightning_lordo.optim.loading import LORDO_KNOBS, group_knob_changes
 from lightning_lordo.optim.lordo import LoRDO
-
-#: The knobs LoRDO keeps in its param groups (lr, betas, eps, weight_decay come from the user's optimizer and are
-#: restored with its state, as Lightning does for any optimizer).
-LORDO_KNOBS = tuple(k for k in OPTIMIZER_DEFAULTS if k not in ("lr", "betas", "eps", "weight_decay"))
-_HYPER = ("lr", "initial_lr", "betas", "eps", "weight_decay")  # restored from the checkpoint's groups
 
 
 def _sync_knobs(config: SyncConfig) -> dict[str, Any]:
@@ -108,12 +102,7 @@ def knob_changes(saved: dict[str, Any], strategy: Any) -> list[str]:
     for name, value in _sync_knobs(strategy.sync_config).items():
         if name in saved["sync_knobs"] and saved["sync_knobs"][name] != _plain(value):
             changes.append(f"{name}: {saved['sync_knobs'][name]!r} -> {value!r}")
-    optimizer = strategy.optimizers[0]
-    if saved["optimizer_knobs"] is not None and isinstance(optimizer, LoRDO):
-        for i, (old, group) in enumerate(zip(saved["optimizer_knobs"], optimizer.param_groups)):
-            where = f" (group {i})" if len(optimizer.param_groups) > 1 else ""
-            changes += [f"{k}{where}: {old[k]!r} -> {group[k]!r}" for k in LORDO_KNOBS
-                        if k in old and _plain(group[k]) != _plain(old[k])]
+    changes += group_knob_changes(saved["optimizer_knobs"], strategy.optimizers[0])
     if saved["lowrank"] != strategy.lowrank:
         changes.append(f"lowrank: {saved['lowrank']!r} -> {strategy.lowrank!r} (preset "
                        f"{'lordo' if saved['lowrank'] else 'diloco'} -> {'lordo' if strategy.lowrank else 'diloco'})")
@@ -233,73 +222,6 @@ def _edited(sync: Any, names: dict[Tensor, str]) -> list[str]:
     model Lightning loaded is a copy of unless it was edited between the save and the resume."""
     anchor = sync.anchor.tensors  # none: saved in the synchronous phase, where the loaded model is the model
     return [names.get(p, "?") for p, a in zip(sync.params, anchor) if not torch.equal(p.detach(), a.to(p.dtype))]
-
-
-def load_optimizer(optimizer: Optimizer, saved: dict[str, Any], saved_names: Optional[Sequence[str]],
-                   names: dict[Tensor, str]) -> list[str]:
-    """Load ``saved`` (an optimizer state dict, LoRDO's or torch Adam/AdamW's) into ``optimizer`` whatever its
-    knobs; returns what was converted. The current knobs stay (LoRDO's); lr, betas, eps and weight decay come
-    from the checkpoint as for any optimizer."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    order = [names.get(p, "") for p in params]
-    by_name = _state_by_name(saved, saved_names if saved_names is not None else order)
-    notes = []
-    missing = [n for n in order if n not in by_name]
-    dropped = [n for n in by_name if n not in set(order)]
-    if missing or dropped:
-        notes.append(f"optimizer state matched by name: {len(missing)} parameter(s) without saved state start fresh"
-                     f"{' (' + ', '.join(missing[:3]) + ')' if missing else ''}, {len(dropped)} saved one(s) dropped"
-                     f"{' (' + ', '.join(dropped[:3]) + ')' if dropped else ''}")
-    state = {}
-    lordo_now, from_lordo = isinstance(optimizer, LoRDO), is_lordo_state(saved)
-    expanded = 0
-    for i, (p, name) in enumerate(zip(params, order)):
-        entry = by_name.get(name, ({}, {}))[0]
-        if not entry:
-            continue
-        if not lordo_now and from_lordo:  # LoRDO's state into torch's AdamW; any other optimizer's as it is
-            entry, was_lowrank = adamw_entry(entry, p)
-            expanded += was_lowrank
-        state[i] = entry
-    if expanded:
-        notes.append(f"the moments of {expanded} low-rank matrices were expanded through their bases into AdamW "
-                     "moments (error feedback dropped)")
-    groups, index = [], 0
-    saved_groups = saved["param_groups"] if len(saved["param_groups"]) == len(optimizer.param_groups) else None
-    for gi, group in enumerate(optimizer.param_groups):
-        merged = {k: v for k, v in group.items() if k != "params"}
-        if saved_groups is not None:
-            merged.update({k: saved_groups[gi][k] for k in _HYPER if k in saved_groups[gi]})
-        merged["params"] = list(range(index, index + len(group["params"])))
-        index += len(group["params"])
-        groups.append(merged)
-    knobs = [{k: g[k] for k in LORDO_KNOBS if k in g} for g in optimizer.param_groups]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-    for group, now in zip(optimizer.param_groups, knobs):  # the knobs passed now win
-        group.update(now)
-    if lordo_now:
-        notes += optimizer.conform_state(names)
-    return notes
-
-
-def _state_by_name(saved: dict[str, Any], names: Sequence[str]) -> dict[str, tuple[dict[str, Any], int]]:
-    out = {}
-    flat = [i for g in saved["param_groups"] for i in g["params"]]
-    for position, index in enumerate(flat):
-        name = names[position] if position < len(names) else f"#{position}"
-        out[name] = (saved["state"].get(index, {}), position)
-    return out
-
-
-def warn(notes: list[str], rank: int) -> None:
-    """One warning, from rank 0, with every knob that changed and what the resume did about it."""
-    if notes and rank == 0:
-        warnings.warn("LoRDO resumed a checkpoint with changes (the knobs passed now win): " + "; ".join(notes) + ".",
-                      UserWarning, stacklevel=3)
-
-
-def is_lordo_state(state_dict: dict[str, Any]) -> bool:
-    return bool(state_dict.get("param_groups")) and all("omega" in g for g in state_dict["param_groups"])
 
 
 def reset_error_feedback(optimizer: Optimizer) -> int:

@@ -15,6 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
 from lightning_lordo.lightning import resume, shards
+from lightning_lordo.optim import loading
 from lightning_lordo.optim.lordo import LoRDO
 
 
@@ -197,13 +198,13 @@ class SynchronizedState:
         if not self._lordo_checkpoint and isinstance(optimizer, LoRDO):
             notes.append("a checkpoint of another strategy (no LoRDO state): the full-rank parameters keep their Adam "
                          "moments, the low-rank matrices' moments restart in their new subspace")
-        notes += resume.load_optimizer(optimizer, saved, self._restored_names, self.parameter_names)
+        notes += loading.load_optimizer(optimizer, saved, self._restored_names, self.parameter_names)
         if self._reset_on_load:
             resume.reset_error_feedback(optimizer)
         if self._overlap_to_redo is not None:  # every rank together: a round was in flight at the save
             self.synchronizer.load_overlap_state_dict(self._overlap_to_redo)
             self._overlap_to_redo = None
         with self._plugin_warnings:  # at the user's trainer.fit(ckpt_path=...) line
-            resume.warn(notes, self.global_rank)
+            loading.warn(notes, self.global_rank)
         self._restored_optimizer, self._restored_names, self._resume_notes = None, None, []
         self._lordo_checkpoint = self._reset_on_load = False
