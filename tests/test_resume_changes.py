@@ -275,3 +275,27 @@ def test_the_knobs_passed_at_a_resume_win_with_the_trainer_and_with_fabric(tmp_p
     assert len(messages) == 1, messages
     for text in ("omega: 0.9 -> 0.5", "error_feedback: True -> False"):
         assert text in messages[0], (text, messages[0])
+
+
+@pytest.fixture(scope="module")
+def in_flight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint at step 9 with the round launched at step 8 in flight (overlap_steps=2, K=4)."""
+    from test_resume import _fit
+
+    directory = tmp_path_factory.mktemp("flight")
+    _fit(directory, "full", checkpoints=True, overlap_steps=2)
+    return directory / "ckpt" / "step=9.ckpt"
+
+
+@pytest.mark.parametrize(("knobs", "named"), [
+    ({"rank": 8}, "rank"), ({"average_moments": False}, "average_moments"),
+    ({"basis_scope": "local", "average_moments": False}, "basis_scope"), ({"lowrank": False}, "lowrank"),
+    ({"average_fullrank_moments": True}, "average_fullrank_moments"),
+], ids=["rank", "average_moments", "basis_scope", "diloco", "fullrank_moments"])
+def test_a_knob_that_shapes_a_round_in_flight_is_refused_by_name(in_flight: Path, tmp_path: Path,
+                                                                  knobs: dict[str, Any], named: str) -> None:
+    from test_resume import _fit
+
+    with pytest.raises(Exception, match=f"Cannot change .*{named} from .*round in flight") as caught:
+        _fit(tmp_path, "changed", ckpt=str(in_flight), overlap_steps=2, **knobs)
+    assert "zip()" not in str(caught.value)

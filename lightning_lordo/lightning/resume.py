@@ -19,7 +19,7 @@ expanded through the basis, error feedback dropped).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -200,6 +200,7 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
         elif "payload" in mine:
             self.synchronizer.payloads.load_state_dict(mine["payload"])
         if "overlap" in mine:  # a round was in flight: its collectives are redone, it lands at its step
+            _refuse_round_changes(saved, self)
             if payload_changed:
                 raise ValueError("Cannot change the payload (payload, payload_dtype, fullrank_rank) when resuming a "
                                  "checkpoint written while an overlapped round was in flight: the round is redone "
@@ -215,6 +216,33 @@ def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
                      "buffers and the payload's sync-level error feedback; every worker starts from rank 0's "
                      "optimizer moments and communication totals")
     return notes
+
+
+#: Knobs that shape what an overlapped round averages: the round in flight at a save is redone from its saved copies,
+#: which these decided.
+_ROUND_SHAPE = ("average_moments", "average_fullrank_moments", "average_error_feedback", "basis_scope",
+                "moments_every", "basis_every")
+
+
+def _refuse_round_changes(saved: Optional[dict[str, Any]], strategy: Any) -> None:
+    """Raise ``ValueError`` naming the first knob changed since a save with a round in flight that shapes the round."""
+    if saved is None:
+        return
+    defaults = SyncConfig.__dataclass_fields__
+    changed = [(k, saved["sync_knobs"].get(k, defaults[k].default), getattr(strategy.sync_config, k))
+               for k in _ROUND_SHAPE]
+    changed.append(("lowrank", saved["lowrank"], strategy.lowrank))
+    groups = strategy.optimizers[0].param_groups
+    for old, group in zip(saved["optimizer_knobs"] or [], groups if isinstance(strategy.optimizers[0], LoRDO) else []):
+        changed += [(k, old[k], group[k]) for k in ("rank", "error_feedback") if k in old]
+    changed = [(name, was, now) for name, was, now in changed if _plain(was) != _plain(now)]
+    if changed:
+        listed = ", ".join(f"{name} from {was!r} to {now!r}" for name, was, now in changed)
+        keep = ", ".join(f"{name}={was!r}" for name, was, _ in changed)
+        raise ValueError(f"Cannot change {listed} when resuming a checkpoint written with an overlapped round in "
+                         "flight: the round is redone from the state the checkpoint's knobs shaped. Resume with "
+                         f"{keep}, and change it from a checkpoint written at a sync (no round in flight), or resume "
+                         "from another checkpoint.")
 
 
 def _edited(sync: Any, names: dict[Tensor, str]) -> list[str]:
