@@ -168,3 +168,36 @@ def test_a_model_edited_between_save_and_resume_is_followed_and_said(tmp_path: P
                 max_steps=step + 2).fit(TinyRegressor(), loader(), ckpt_path=str(path))
     assert not start.weights["net.3.weight"].any(), "the edit was overwritten by the saved synchronized model"
     assert any("net.3.weight" in str(w.message) for w in caught)
+
+
+class Lazy(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LazyLinear(24), nn.GELU(), nn.Linear(24, 3))
+
+
+def test_a_lazy_module_gets_the_fix_in_its_error() -> None:
+    with pytest.raises(RuntimeError, match=r"\['net.0.weight', 'net.0.bias'\] are not initialized.*forward pass"):
+        trainer(lordo(start_method="popen"), devices=1, max_steps=3).fit(Lazy(), loader())
+    module = Lazy()
+    module.net(torch.randn(2, 12))  # the dry forward pass the message asks for
+    trainer(lordo(start_method="popen"), devices=1, max_steps=3).fit(module, loader())
+
+
+def test_a_lazy_module_under_fabric_gets_the_same_fix() -> None:
+    import os
+
+    from lightning.fabric import Fabric
+
+    from lightning_lordo import LoRDOFabricStrategy
+
+    environment = dict(os.environ)
+    try:
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=LoRDOFabricStrategy(start_method="popen"))
+        fabric.launch()
+        net = Lazy().net
+        with pytest.raises(RuntimeError, match="not initialized.*forward pass"):
+            fabric.setup(net, torch.optim.AdamW(net.parameters()))
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)

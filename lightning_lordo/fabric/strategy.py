@@ -46,6 +46,7 @@ from lightning_lordo.config import SyncConfig
 from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
 from lightning_lordo.lightning.convert import (
     DEFAULT_FULL_RANK_PARAMS,
+    check_initialized,
     compile_patterns,
     convert_optimizer,
     full_rank_params,
@@ -155,6 +156,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         """No DistributedDataParallel: every rank starts from rank 0's parameters and buffers, then runs free."""
         assert self.communicator is not None, "setup_environment runs first (fabric.launch())"
         self.communicator.context = "setup"
+        check_initialized(module)
         state = list(module.parameters()) + list(module.buffers())
         self.communicator.broadcast_unless_identical([t.data for t in state], "setup_broadcast")
         self._last_module = module

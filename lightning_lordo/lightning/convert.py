@@ -55,6 +55,17 @@ def convert_optimizer(optimizer: Optimizer, full_rank: Mapping[Tensor, str], kno
     return lordo
 
 
+def check_initialized(module: nn.Module) -> None:
+    """Refuse lazy parameters (``nn.LazyLinear`` before its first forward pass): the strategy needs every shape at
+    setup, to broadcast the model and to plan each matrix's step."""
+    lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise RuntimeError(f"LoRDO needs every parameter's shape when training starts, but {lazy[:3]} "
+                           f"{'are' if len(lazy) > 1 else 'is'} not initialized yet (a lazy module such as "
+                           "nn.LazyLinear). Run one forward pass with an example batch before trainer.fit (or "
+                           "fabric.setup), e.g. model(example_input), as DistributedDataParallel requires too.")
+
+
 def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()) -> dict[Tensor, str]:
     """The parameters SPEC §2 keeps full-rank, found by the model's structure (not by names), each with why:
 

@@ -33,6 +33,7 @@ from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
 from lightning_lordo.lightning.convert import (
     DEFAULT_FULL_RANK_PARAMS,
+    check_initialized,
     compile_patterns,
     convert_optimizer,
     full_rank_params,
@@ -62,8 +63,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
 
     Args:
         sync_every: K, optimizer steps between synchronizations.
-        lowrank: convert the user's Adam/AdamW into LoRDO (``True``), or keep the user's optimizer, whatever it is,
-            and only synchronize (``False``: DiLoCo).
+        lowrank: convert the user's Adam/AdamW into LoRDO, or (``False``: DiLoCo) keep any optimizer and sync.
         full_rank_params: regular expressions on parameter names that run AdamW, besides the embeddings and output
             heads the model's structure shows (``lightning_lordo.lightning.convert.full_rank_params``).
         monitor: add a :class:`~lightning_lordo.CommunicationMonitor` unless the Trainer already has one.
@@ -92,8 +92,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         average_moments: average the low-rank moments at each sync.
         basis_scope: ``global`` (bases from the averaged pseudo-gradient) or ``local`` (each worker's own).
         initial_basis: first bases from the averaged first ``gradient``, or seeded ``random`` ones.
-        payload: what travels for the pseudo-gradients: ``full`` or ``lowrank`` (PowerSGD-style).
-        payload_dtype: ``float32``, ``bfloat16`` or ``int8`` (with error feedback).
+        payload, payload_dtype: ``full`` or ``lowrank`` (PowerSGD-style); ``float32``, ``bfloat16`` or ``int8``.
         broadcast_bases: compute the bases on rank 0 only and broadcast them.
         timeout: timeout of every collective, in seconds (1 s to one year) or a timedelta.
         seed: seed of random bases and randomized projections.
@@ -269,6 +268,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         self._overlap_comm = side_communicator(self.accountant, self.sync_config.timeout) \
             if self.sync_config.overlap_steps and self.world_size > 1 else None
         self._setup_control()
+        check_initialized(self.model)
         state = list(self.model.parameters()) + list(self.model.buffers())
         self.communicator.broadcast_unless_identical([t.data for t in state], "setup_broadcast")
 
