@@ -201,3 +201,19 @@ def test_a_lazy_module_under_fabric_gets_the_same_fix() -> None:
     finally:
         os.environ.clear()
         os.environ.update(environment)
+
+
+def test_a_worker_that_does_not_join_in_time_gets_an_error_naming_the_timeout_knob() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from strategy_helpers import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0"}
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(name, None)
+    script = Path(__file__).with_name("late_worker_script.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode != 0 and "within timeout=2 s" in last and "LoRDOStrategy(timeout=" in last, last

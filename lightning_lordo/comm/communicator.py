@@ -33,7 +33,8 @@ Failure semantics of :class:`Communicator` (checked on gloo, torch 2.13, see ``t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from typing import Any, Optional
@@ -365,6 +366,21 @@ def _buckets(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
         buckets[-1].append(t)
         size += nbytes
     return buckets
+
+
+@contextmanager
+def joining(timeout: timedelta, owner: str) -> Iterator[None]:
+    """The process group's setup: a worker that does not join within ``timeout`` (started late, or dead) makes the
+    others raise :class:`CollectiveTimeout` naming the knob, instead of the store's bare ``DistStoreError``."""
+    try:
+        yield
+    except dist.DistStoreError as err:
+        seconds = timeout.total_seconds()
+        raise CollectiveTimeout(
+            f"LoRDO setup: not every worker joined the process group within timeout={seconds:g} s ({owner}'s "
+            f"timeout, which also bounds the setup). A worker started late, died, or cannot reach the master "
+            f"address. Start them together, or pass a larger timeout, e.g. {owner}(timeout={max(seconds * 4, 600):g})."
+        ) from err
 
 
 def side_communicator(accountant: CommAccountant, timeout: timedelta) -> Communicator:

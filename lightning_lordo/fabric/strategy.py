@@ -41,7 +41,7 @@ from typing_extensions import override
 
 from lightning_lordo._tensors import nbytes
 from lightning_lordo.checks import check_choice
-from lightning_lordo.comm.communicator import CommAccountant, Communicator, side_communicator
+from lightning_lordo.comm.communicator import CommAccountant, Communicator, joining, side_communicator
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
 from lightning_lordo.lightning.convert import (
@@ -146,7 +146,8 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()  # the process group, with the collectives' timeout
+        with joining(self.sync_config.timeout, "LoRDOFabricStrategy"):  # a late worker's error names the knob
+            super().setup_environment()  # the process group, with the collectives' timeout
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)
         if self.sync_config.overlap_steps and self.world_size > 1:  # every rank creates the side group together
             self._overlap_comm = side_communicator(self.accountant, self.sync_config.timeout)

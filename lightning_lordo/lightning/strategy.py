@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_lordo._tensors import nbytes
 from lightning_lordo.checks import check_choice
-from lightning_lordo.comm.communicator import CommAccountant, Communicator, side_communicator
+from lightning_lordo.comm.communicator import CommAccountant, Communicator, joining, side_communicator
 from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
 from lightning_lordo.lightning.callbacks import add_monitor
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
@@ -64,18 +64,14 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     Args:
         sync_every: K, optimizer steps between synchronizations.
         lowrank: convert the user's Adam/AdamW into LoRDO, or (``False``: DiLoCo) keep any optimizer and sync.
-        full_rank_params: regular expressions on parameter names that run AdamW, besides the embeddings and output
-            heads the model's structure shows (``lightning_lordo.lightning.convert.full_rank_params``).
+        full_rank_params: regexes on parameter names to run AdamW, besides the embeddings and heads found.
         monitor: add a :class:`~lightning_lordo.CommunicationMonitor` unless the Trainer already has one.
-        monitor_progress_bar: that monitor shows ``lordo/saving_vs_ddp`` in the progress bar: ``null`` (when the
-            Trainer has one), ``true`` or ``false`` (a monitor of your own: its ``progress_bar``).
-        checkpoint_shards: each rank writes its own state next to Lightning's checkpoint file (``<file>.lordo-<id>/
-            rank-<r>.pt``; ``lightning/shards.py``), or (``false``) all are gathered to rank 0 into the file.
+        monitor_progress_bar: that monitor shows ``lordo/saving_vs_ddp`` in the progress bar (``null``: if shown).
+        checkpoint_shards: each rank writes its state beside the checkpoint (``<file>.lordo-<id>/rank-<r>.pt``).
         start_method: how processes are launched: ``popen``, ``spawn``, ``fork`` or ``forkserver``, as in DDP.
         rank: rank r per matrix: an int >= 1, or a float in (0, 1] (a fraction of each matrix's smaller side).
         omega: weight of the low-rank term; 1 - omega weights the full-rank normalized term.
-        update: ``lordo``, ``subspace_qh`` (the QH mix inside the subspace, no full-rank term) or
-            ``unnormalized_lowrank`` (ablation).
+        update: ``lordo``, ``subspace_qh`` (no full-rank term) or ``unnormalized_lowrank`` (ablation).
         mu: scale of the full-rank term, or ``auto`` (both terms the same RMS every step).
         normalizer: full-rank normalizer: ``col_rms``, ``factored``, ``scalar``, ``lifted`` or ``mean_denom``.
         lifted_floor: for ``lifted``: the floor of S as a fraction of sqrt(mean(v_hat)).
@@ -96,8 +92,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         broadcast_bases: compute the bases on rank 0 only and broadcast them.
         timeout: timeout of every collective, in seconds (1 s to one year) or a timedelta.
         seed: seed of random bases and randomized projections.
-        average_fullrank_moments, average_error_feedback: also average the full-rank optimizer state, or the
-            error-feedback buffers, at each sync.
+        average_fullrank_moments, average_error_feedback: also average the full-rank moments, or the EF buffers.
         warmup_steps: the first N optimizer steps synchronous (low-rank DDP), local steps after.
         synchronous: every step synchronous (``lowrank_ddp``); unset: the optimizer alone on one device.
         switch_betas: at the end of the warm-up, the optimizer's new betas (``null``: keep them).
@@ -222,6 +217,11 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
                 if name + suffix not in strategy_registry:
                     strategy_registry.register(name + suffix, cls, description=f"{description} ({start_method})",
                                                start_method=start_method, **preset)
+
+    @override
+    def setup_distributed(self) -> None:
+        with joining(self.sync_config.timeout, "LoRDOStrategy"):  # a late worker's error names the knob
+            super().setup_distributed()
 
     # ------------------------------------------------------------------ optimizers
     @property
