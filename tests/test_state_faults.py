@@ -217,3 +217,18 @@ def test_a_worker_that_does_not_join_in_time_gets_an_error_naming_the_timeout_kn
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode != 0 and "within timeout=2 s" in last and "LoRDOStrategy(timeout=" in last, last
+
+
+def test_a_fabric_loop_that_fails_with_a_round_in_flight_ends_with_the_users_exception() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from strategy_helpers import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK")}
+    script = Path(__file__).with_name("fabric_exception_script.py")
+    done = subprocess.run([sys.executable, str(script)], env={**env, "MASTER_PORT": str(free_port())},
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])  # not -6 / 134: an abort
+    assert "ValueError: the user's own error" in done.stderr and "terminate called" not in done.stderr

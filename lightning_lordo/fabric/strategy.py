@@ -26,6 +26,7 @@ Only the plugin's collectives are counted; ``fabric.all_reduce``/``fabric.barrie
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -151,6 +152,14 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)
         if self.sync_config.overlap_steps and self.world_size > 1:  # every rank creates the side group together
             self._overlap_comm = side_communicator(self.accountant, self.sync_config.timeout)
+            # a loop that ends on an exception leaves a round's thread in a collective: let it end before the
+            # interpreter tears the process groups down (an abort otherwise hides the user's exception)
+            atexit.register(self._let_a_round_in_flight_end)
+
+    def _let_a_round_in_flight_end(self) -> None:
+        launched = self.synchronizer.in_flight if self.synchronizer is not None else None
+        if launched is not None and launched.thread is not None:
+            launched.thread.join(self.sync_config.timeout.total_seconds() + 5.0)  # its collectives time out first
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
