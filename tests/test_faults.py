@@ -400,6 +400,23 @@ def test_the_last_wait_slice_is_never_a_wait_without_timeout(monkeypatch: pytest
     assert work.timeouts == [timedelta(milliseconds=250)]
 
 
+def test_a_failed_collective_is_said_on_standard_error_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Lightning's launcher kills rank 0 within 5 s of a child's death, often before an exception is printed: the
+    communicator writes what it knows (the sync, the collective, the peer's address) the moment it fails."""
+    def dead_peer() -> Any:
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:43521")
+
+    comm = Communicator(CommAccountant(), timedelta(seconds=5))
+    comm.context = "sync 7 (optimizer step 70)"
+    with pytest.raises(CollectiveTimeout):
+        try:
+            comm._run(dead_peer, "moments", "all_reduce", torch.device("cpu"))
+        finally:
+            said = capsys.readouterr().err  # before the exception left the communicator
+    assert said.startswith("[rank 0] LoRDO sync 7 (optimizer step 70): the all_reduce of moments failed"), said
+    assert "Connection closed by peer [127.0.0.1]:43521" in said and said.count("\n") == 1
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("wait", ["slices", "poll"], ids=["gloo wait", "polling (as on NCCL)"])
 @pytest.mark.parametrize("mode", ["exit", "hang"])

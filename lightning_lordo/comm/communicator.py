@@ -3,9 +3,8 @@
 Every byte the plugin puts on the wire goes through :class:`Communicator`, which counts the tensors it
 passes to ``torch.distributed`` (numel x itemsize, per worker) under a *purpose* (``pseudo_gradients``,
 ``moments``, ``bases``, ``buffers``, ``setup_broadcast``, ...). Beside these *payload* bytes it counts *wire*
-bytes, what the worker puts on the network by each collective's algorithm (ring all-reduce ``2 (M-1)/M`` times the
-tensor, all-gather ``M - 1`` times the worker's chunk, ...: :mod:`lightning_lordo.comm.wire`). With one process
-nothing travels, so nothing is sent and nothing is counted.
+bytes, what the worker puts on the network by each collective's algorithm (:mod:`lightning_lordo.comm.wire`).
+With one process nothing travels, so nothing is sent and nothing is counted.
 
 Failure semantics of :class:`Communicator` (checked on gloo, torch 2.13, see ``tests/test_faults.py``):
 
@@ -16,9 +15,7 @@ Failure semantics of :class:`Communicator` (checked on gloo, torch 2.13, see ``t
 * a gloo ``wait`` blocks in C++ and ignores Ctrl-C until it returns (a SIGINT at 1 s of a 6 s wait surfaces at
   6 s). So on CPU tensors the communicator waits in slices of ``_WAIT_SLICE_S`` seconds up to its timeout:
   Python handles a pending ``KeyboardInterrupt`` between slices, and a slow but alive peer is not an error.
-* a ``wait`` timeout under 1 ms means *no* timeout: c10d converts it to whole milliseconds and 0 ms is its
-  "wait forever" (``kNoTimeout``); ``wait(timedelta(microseconds=500))`` on a pending gloo work never returns.
-  So no wait here is ever shorter than 1 ms (a slice that would be is the deadline: the wait has timed out).
+* a ``wait`` timeout under 1 ms means *no* timeout (c10d's 0 ms is "wait forever"): no wait here is shorter.
 * NCCL (CUDA tensors): ``wait`` only makes the current stream wait and returns at once, so it bounds nothing.
   The communicator therefore polls the work's ``is_completed()`` (it reads the collective's CUDA event without
   blocking) until it completes or the deadline passes, sleeping a little longer each time (up to
@@ -27,11 +24,12 @@ Failure semantics of :class:`Communicator` (checked on gloo, torch 2.13, see ``t
   same value) then aborts the communicator. The polling path is tested on gloo (``poll=True``); CI has no GPU.
 * after a failed or interrupted collective the process group cannot be trusted (a late peer would pair its
   pending collective with our next one and exchange the wrong tensors), so every later collective of this
-  communicator raises :class:`CollectiveTimeout` at once, naming the first failure.
+  communicator raises :class:`CollectiveTimeout` at once, naming the first failure (printed at once too).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -278,6 +276,9 @@ class Communicator:
         except (RuntimeError, _WaitTimedOut) as err:  # gloo and NCCL raise RuntimeError (DistBackendError, ...)
             message = self._message(purpose, op, err, time.monotonic() - start)
             self.failure = message
+            # said at once: a launcher may kill this process within seconds of a peer's death (Lightning's: 5 s)
+            peer = f" (the other worker is rank {1 - self.rank})" if self.world_size == 2 else ""
+            print(f"[rank {self.rank}] {message.split(' Likely causes')[0]}{peer}", file=sys.stderr, flush=True)
             raise CollectiveTimeout(message) from (err if isinstance(err, RuntimeError) else None)
         except BaseException:  # KeyboardInterrupt, SystemExit: the collective is abandoned half-way
             self.failure = (f"the {op} of {purpose} in {self.context} was interrupted after "
