@@ -5,6 +5,7 @@ and its SIGTERM handler are replaced by versions without a collective inside a s
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch
@@ -13,6 +14,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_lordo.comm.communicator import CollectiveTimeout, Communicator, side_communicator, translate
+
+#: What Lightning's callbacks' collectives carry, by the method that issues them (lightning 2.6).
+_CALLBACK_COLLECTIVES = {("ModelCheckpoint", "check_monitor_top_k"): "whether to save a top-k checkpoint",
+                         ("ModelCheckpoint", "file_exists"): "whether the checkpoint file exists on rank 0",
+                         ("ModelCheckpoint", "setup"): "of its directory",
+                         ("ModelCheckpoint", "on_train_batch_end"): "of its time-interval decision",
+                         ("ModelCheckpoint", "_save_checkpoint"): "after a save",
+                         ("EarlyStopping", "_evaluate_stopping_criteria"): "whether to stop"}
 
 
 class GuardedCollectives:
@@ -31,43 +40,74 @@ class GuardedCollectives:
     launcher: Any
     root_device: Any
 
-    def _lightning_collective(self, what: str, run: Any) -> Any:
-        """Run one of Lightning's collectives (``run``) with its failure named: what was running and the likely
-        causes, instead of the backend's raw text; after an earlier failure, refuse at once (the process group
-        cannot be trusted any more)."""
+    def _lightning_collective(self, what: Any, run: Any) -> Any:
+        """Run one of Lightning's collectives (``run``) with its failure named: what was running (``what``, a string
+        or a function giving it, called only on a failure) and the likely causes, instead of the backend's raw text;
+        after an earlier failure, refuse at once (the process group cannot be trusted any more)."""
         communicator = self.communicator
         if communicator is not None and communicator.failure is not None:
-            raise CollectiveTimeout(f"LoRDO: {what} was not attempted because an earlier collective failed: "
-                                    f"{communicator.failure}")
+            raise CollectiveTimeout(f"LoRDO: {what() if callable(what) else what} was not attempted because an "
+                                    f"earlier collective failed: {communicator.failure}")
         try:
             return run()
         except RuntimeError as err:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
-            failure = translate(err, what, self.sync_config.timeout)
+            failure = translate(err, what() if callable(what) else what, self.sync_config.timeout)
             if communicator is not None:
                 communicator.failure = str(failure)
             raise failure from err
+
+    def _caller(self, operation: str, default: str) -> str:
+        """What issued one of Lightning's collectives, for its error: the first caller that is not the strategy
+        (a few frames up: cheap). A callback is named with its method (``ModelCheckpoint's reduce_boolean_decision
+        (whether to save a top-k checkpoint) in ModelCheckpoint.check_monitor_top_k``), a logged metric as such,
+        another caller by its class and method; ``default`` when none is found."""
+        from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
+
+        frame, decision = sys._getframe(2), False
+        for _ in range(12):
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self")
+            decision = decision or frame.f_code.co_name == "reduce_boolean_decision"
+            if owner is None or owner is self:
+                frame = frame.f_back
+                continue
+            method = frame.f_code.co_name
+            if isinstance(owner, Callback):
+                name = base = type(owner).__name__
+                for known in (ModelCheckpoint, EarlyStopping):
+                    if isinstance(owner, known) and name != known.__name__:
+                        name, base = f"{name} (a {known.__name__})", known.__name__
+                hint = _CALLBACK_COLLECTIVES.get((base, method))
+                verb = "reduce_boolean_decision" if decision else operation
+                return f"{name}'s {verb}{f' ({hint})' if hint else ''} in {type(owner).__name__}.{method}"
+            if type(owner).__name__ in ("_Sync", "_ResultMetric", "_ResultCollection"):
+                return f"Lightning's {operation} of a metric logged with sync_dist=True"
+            return f"Lightning's {operation} in {type(owner).__name__}.{method}"
+        return default
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
         if self.communicator is not None and self.communicator.failure is not None:
             return  # nobody can be waited for (e.g. the emergency checkpoint after an interrupted sync)
-        self._lightning_collective(f"Lightning's barrier ({name or 'unnamed'})",
-                                   lambda: super(GuardedCollectives, self).barrier(name))
+        what = (lambda: self._caller("barrier", "Lightning's barrier")) if name is None else \
+            f"Lightning's barrier ({name})"
+        self._lightning_collective(what, lambda: super(GuardedCollectives, self).barrier(name))
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self._lightning_collective("Lightning's broadcast (e.g. of a checkpoint path)",
+        return self._lightning_collective(lambda: self._caller("broadcast", "Lightning's broadcast"),
                                           lambda: super(GuardedCollectives, self).broadcast(obj, src))
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        return self._lightning_collective("Lightning's reduce (a metric logged with sync_dist=True)",
+        return self._lightning_collective(lambda: self._caller("reduce", "Lightning's reduce"),
                                           lambda: super(GuardedCollectives, self).reduce(tensor, group, reduce_op))
 
     @override
     def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
-        return self._lightning_collective("Lightning's all_gather", lambda: super(GuardedCollectives, self).all_gather(
-            tensor, group, sync_grads))
+        return self._lightning_collective(lambda: self._caller("all_gather", "Lightning's all_gather"),
+                                          lambda: super(GuardedCollectives, self).all_gather(tensor, group, sync_grads))
 
     def _sigterm_check(self, finished: bool = False) -> None:
         """Lightning's check for SIGTERM before every training batch, replaced: an all-reduce of each rank's flags on

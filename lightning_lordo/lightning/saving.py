@@ -108,7 +108,7 @@ class SynchronizedState:
         def write_shard() -> None:
             if error is not None:
                 raise error
-            shards.write(self.checkpoint_io, local, filepath, save_id, self.global_rank)
+            shards.write(self.checkpoint_io, local, filepath, save_id, self.global_rank, checkpoint["lordo"])
 
         self._write_or_agree_to_fail(filepath, save_id, comm, "its LoRDO shard", write_shard)
         self._write_or_agree_to_fail(filepath, save_id, comm, "the checkpoint file", lambda: super(
@@ -178,7 +178,7 @@ class SynchronizedState:
             same_world = restored["world_size"] == self.world_size and not restored.get("partial", False)
             rank = self.global_rank if same_world else 0
             ranks: list[Any] = [None] * max(meta["ranks"], rank + 1)
-            ranks[rank] = shards.read(self.checkpoint_io, checkpoint_path, meta, rank)
+            ranks[rank] = shards.read(self.checkpoint_io, checkpoint_path, meta, rank, lordo=restored)
             restored = {**restored, "ranks": ranks}
         self._restored = restored
         self._restored_optimizer, self._lordo_checkpoint = None, False

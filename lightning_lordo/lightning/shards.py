@@ -19,22 +19,28 @@ name, so a resume finds it next to the file it reads (a copy, a symbolic link's 
 CheckpointIO is refused: its writes could not be agreed on.
 
 On resume each rank reads the file and its own shard (with another world size, or from an emergency save: rank
-0's). A shard that is missing names the file and the fix. Copy a checkpoint with its directory; on nodes without
-a shared file system, each node needs the shards of its ranks (rank 0's for another world size).
-``load_full(path)`` reads a sharded checkpoint into one dict (every rank's state under
-``checkpoint["lordo"]["ranks"]``), e.g. to inspect it.
+0's). A shard that is missing, truncated or corrupt names the file, the rank and the fix. Each shard records its
+identity (``"identity"``: the save id, its rank, the save's ranks and world size, and the synchronizer's counters
+it was written with, e.g. ``steps_since_sync``, with a digest of them all); a shard whose identity the file
+contradicts (swapped between ranks, copied from another save or run, a hand-edited file) is refused. Copy a
+checkpoint with its directory; on nodes without a shared file system, each node needs the shards of its ranks
+(rank 0's for another world size). ``load_full(path)`` reads a sharded checkpoint into one dict (every rank's
+state under ``checkpoint["lordo"]["ranks"]``), e.g. to inspect it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import secrets
+import warnings
 from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from lightning_lordo.comm.wire import wire_bytes
+from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO, CorruptCheckpointError, describe, unreadable
 
 PURPOSE = "checkpoint"
 AGREEMENT_BYTES = 8  # the two float32 flags of a save's agreements (``any_failed``), per rank
@@ -112,12 +118,34 @@ def failure_reasons(communicator: Any, error: Optional[BaseException]) -> list[t
     return [(r, reason) for r, reason in enumerate(reasons) if reason is not None]
 
 
-def write(checkpoint_io: Any, state: dict[str, Any], filepath: Any, save_id: str, rank: int) -> None:
-    checkpoint_io.save_checkpoint(state, shard_path(filepath, save_id, rank))
+#: The synchronizer's counters a shard must agree with (the same on every rank: they move at every step and sync).
+AGREED = ("optimizer_steps", "steps_since_sync", "syncs_done", "skipped_syncs")
 
 
-def read(checkpoint_io: Any, filepath: Any, meta: dict[str, Any], rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s shard of checkpoint ``filepath``, or an error that names it and the fix."""
+def identity(lordo: dict[str, Any], rank: int) -> dict[str, Any]:
+    """What rank ``rank``'s shard of a save must agree with in the file's ``checkpoint["lordo"]``: the save id, the
+    rank, the save's ranks, world size and kind, the synchronizer's counters, and a digest of them all (no tensor is
+    hashed: the counters and the random save id tell the saves apart)."""
+    sync = lordo.get("sync") or {}
+    fields: dict[str, Any] = {"save_id": str(lordo["shards"]["id"]), "rank": int(rank),
+                              "ranks": int(lordo["shards"]["ranks"]), "world_size": int(lordo.get("world_size", 1)),
+                              "partial": bool(lordo.get("partial", False))}
+    fields.update({k: int(sync[k]) for k in AGREED if k in sync})
+    fields["digest"] = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
+    return fields
+
+
+def write(checkpoint_io: Any, state: dict[str, Any], filepath: Any, save_id: str, rank: int,
+          lordo: dict[str, Any]) -> None:
+    """Rank ``rank``'s shard, with its :func:`identity` (``lordo``: the file's ``checkpoint["lordo"]``)."""
+    shard = {**state, "identity": identity(lordo, rank)}
+    checkpoint_io.save_checkpoint(shard, shard_path(filepath, save_id, rank))
+
+
+def read(checkpoint_io: Any, filepath: Any, meta: dict[str, Any], rank: int, *,
+         lordo: dict[str, Any]) -> dict[str, Any]:
+    """Rank ``rank``'s shard of checkpoint ``filepath`` (``lordo``: its ``checkpoint["lordo"]``, whose ``"shards"``
+    is ``meta``), checked against the file, or an error that names it, the rank and the fix."""
     folder = _read_directory(filepath, meta)
     path = f"{folder}/rank-{rank}.pt"
     if not get_filesystem(path).exists(path):
@@ -129,7 +157,51 @@ def read(checkpoint_io: Any, filepath: Any, meta: dict[str, Any], rank: int) -> 
             f"shard {path!r} is not there. Copy that directory with the checkpoint (on nodes without a shared file "
             f"system: {need}). The model alone needs no shard: MyModel.load_from_checkpoint(path), or start a new "
             "fit from its weights.")
-    return checkpoint_io.load_checkpoint(path)
+    try:
+        state = checkpoint_io.load_checkpoint(path)
+    except Exception as err:
+        if not unreadable(err):
+            raise
+        cause = err.__cause__ if isinstance(err, CorruptCheckpointError) and err.__cause__ is not None else err
+        raise CorruptCheckpointError(
+            f"Rank {rank}'s LoRDO shard {path!r} of checkpoint {str(filepath)!r} cannot be read: it is truncated or "
+            f"corrupt ({describe(cause)}). Copy the shard directory again from where the checkpoint was written, or "
+            "resume from an earlier checkpoint. The model alone needs no shard: MyModel.load_from_checkpoint(path), "
+            "or start a new fit from its weights.") from cause
+    _check_identity(state, filepath, path, lordo, rank)
+    return state
+
+
+def _check_identity(state: dict[str, Any], filepath: Any, path: str, lordo: dict[str, Any], rank: int) -> None:
+    """Refuse a shard that is not rank ``rank``'s of this save (its identity differs from what the file says); warn
+    for one written before shards recorded it. Removes ``state["identity"]``."""
+    saved, expected = state.pop("identity", None), identity(lordo, rank)
+    if saved is None:
+        warnings.warn(f"Rank {rank}'s LoRDO shard {path!r} of checkpoint {str(filepath)!r} records no identity (it "
+                      "was written by an earlier lightning-lordo): it cannot be checked against the file. Resuming "
+                      "it as it is; a checkpoint saved from now on can be checked.", UserWarning, stacklevel=4)
+        return
+    if saved == expected:
+        return
+    why = []
+    if saved.get("save_id") != expected["save_id"]:
+        why.append(f"was written by another save (save id {saved.get('save_id')}; this checkpoint's is "
+                   f"{expected['save_id']}): a shard copied from another checkpoint or run")
+    if saved.get("rank") != rank:
+        why.append(f"holds rank {saved.get('rank')}'s state, not rank {rank}'s: the shards were swapped or renamed")
+    differ = [k for k in expected if k not in ("save_id", "rank", "digest") and saved.get(k) != expected[k]]
+    if differ:
+        why.append("was written with " + ", ".join(f"{k}={saved.get(k)!r}" for k in differ) + ", but the checkpoint "
+                   "file says " + ", ".join(f"{k}={expected[k]!r}" for k in differ) + ": the file or the shard was "
+                   "edited or replaced")
+    if not why:
+        why.append(f"has an identity digest {saved.get('digest')!r} that does not match its fields (expected "
+                   f"{expected['digest']!r}): its identity was edited")
+    raise ValueError(
+        f"Refusing checkpoint {str(filepath)!r}: rank {rank}'s shard {path!r} {'; and it '.join(why)}. Resuming it "
+        "(or exporting it) would mix states that do not belong together. Copy the checkpoint file together with its "
+        "shard directory, both as they were written, or resume from an earlier checkpoint. The model alone needs no "
+        "shard: MyModel.load_from_checkpoint(path), or start a new fit from its weights.")
 
 
 def remove_own(filepath: Any, rank: int, keep: Optional[str] = None, only: Optional[str] = None) -> None:
@@ -161,12 +233,10 @@ def glob_escape(path: str) -> str:
 def load_full(filepath: Any) -> dict[str, Any]:
     """A checkpoint as one dict: a sharded one with every rank's state read into ``checkpoint["lordo"]["ranks"]``
     (as a single-file checkpoint has it)."""
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
-
-    io = TorchCheckpointIO()
+    io = AtomicCheckpointIO()  # a truncated or corrupt file: an error that names it
     checkpoint = io.load_checkpoint(filepath)
     lordo = checkpoint.get("lordo")
     if lordo is not None and "shards" in lordo:
         meta = lordo["shards"]
-        lordo["ranks"] = [read(io, filepath, meta, r) for r in range(meta["ranks"])]
+        lordo["ranks"] = [read(io, filepath, meta, r, lordo=lordo) for r in range(meta["ranks"])]
     return checkpoint
