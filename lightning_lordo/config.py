@@ -147,6 +147,8 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
 #: Knobs that only shape the full-rank term (none exists with ``update="subspace_qh"``).
 _FULL_RANK_TERM_KNOBS = ("mu", "normalizer", "lifted_floor", "full_rank_input")
 _ERROR_FEEDBACK_KNOBS = ("ef_dtype", "ef_decay")
+_APPLIES_ONLY_WITH = (("power_iters", "projection", ("power", "randomized")),  # (knob, the knob it needs, values)
+                      ("oversample", "projection", ("randomized",)), ("lifted_floor", "normalizer", ("lifted",)))
 
 
 def check_knob_combinations(explicit: Mapping[str, Any], merged: Mapping[str, Any]) -> None:
@@ -161,6 +163,11 @@ def check_knob_combinations(explicit: Mapping[str, Any], merged: Mapping[str, An
             raise ValueError(f"Invalid {ignored[0]}={explicit[ignored[0]]!r} with update='subspace_qh': that update "
                              "mixes the gradient into the momentum inside the subspace and has no full-rank term, so "
                              f"{', '.join(ignored)} would be ignored. Drop it, or use update='lordo'.")
+    for knob, needs, allowed in _APPLIES_ONLY_WITH:
+        if knob in explicit and merged.get(needs) not in allowed:
+            raise ValueError(f"Invalid {knob}={explicit[knob]!r} with {needs}={merged.get(needs)!r}: it only applies "
+                             f"to {needs}={' or '.join(map(repr, allowed))}, so it would be ignored. Drop it, or pass "
+                             f"{needs}={allowed[0]!r}.")
     if not merged.get("error_feedback"):
         ignored = [k for k in _ERROR_FEEDBACK_KNOBS if k in explicit]
         if explicit.get("full_rank_input") == "accumulated":
@@ -267,6 +274,11 @@ class SyncConfig:
         check_choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
         check_positive("outer_lr", self.outer_lr)
         check_unit_interval("outer_momentum", self.outer_momentum, closed_right=False)
+        for name in ("outer_lr", "outer_momentum"):
+            if self.outer_optimizer == "average" and getattr(self, name) != getattr(SyncConfig, name):
+                raise fail(name, getattr(self, name), "it only applies to outer_optimizer='nesterov' (plain averaging "
+                           "has no outer step size or momentum), so it would be ignored", "Pass "
+                           "outer_optimizer='nesterov', or drop it.")
         for name in ("average_moments", "broadcast_bases", "average_fullrank_moments", "average_error_feedback",
                      "synchronous", "switch_reset_moments"):
             if not isinstance(getattr(self, name), bool) and not (name == "synchronous" and self.synchronous is None):

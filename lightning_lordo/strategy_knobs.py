@@ -65,6 +65,11 @@ def split_strategy_knobs(owner: str, knobs: Mapping[str, Any], accepted: Sequenc
                         f"arguments are: {', '.join(accepted)}.")
     optimizer_knobs = {k: knobs[k] for k in STRATEGY_OPTIMIZER_KNOBS
                        if k in knobs and _differs(knobs[k], OPTIMIZER_DEFAULTS[k])}
+    if optimizer_knobs and lowrank is False:
+        name = next(iter(optimizer_knobs))
+        raise ValueError(f"Invalid {name}={optimizer_knobs[name]!r} with lowrank=False ('diloco'): the optimizer knobs "
+                         "shape LoRDO's step, and 'diloco' runs your optimizer as it is, so it would be ignored. Drop "
+                         "it, or use a LoRDO preset ('lordo').")
     check_optimizer_knobs(optimizer_knobs, in_group=False)
     check_knob_combinations(optimizer_knobs, {**OPTIMIZER_DEFAULTS, **optimizer_knobs})
     config = SyncConfig(**{k: knobs[k] for k in SyncConfig.__dataclass_fields__ if k in knobs})

@@ -71,7 +71,8 @@ def loader(n: int = 256, batch_size: int = 8) -> DataLoader:
 
 def lordo(sync_every: int = 4, start_method: str = "fork", **knobs: Any) -> LoRDOStrategy:
     """The strategy for tests: fork for 2 workers; ``start_method="popen"`` runs a 1-device fit in this process."""
-    knobs.setdefault("rank", 4)
+    if knobs.get("lowrank", True):  # "diloco" takes no optimizer knobs
+        knobs.setdefault("rank", 4)
     return LoRDOStrategy(sync_every=sync_every, start_method=start_method, timeout=timedelta(seconds=60), **knobs)
 
 

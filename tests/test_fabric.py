@@ -39,7 +39,8 @@ def _keep_environment():
 
 def fabric_for(devices: int = 2, **knobs: Any) -> Fabric:
     """Fork for two workers; one device runs in this process (no launcher process)."""
-    knobs.setdefault("rank", 4)
+    if knobs.get("lowrank", True):  # "diloco" takes no optimizer knobs
+        knobs.setdefault("rank", 4)
     strategy = LoRDOFabricStrategy(sync_every=knobs.pop("sync_every", K), start_method="fork" if devices > 1
                                    else "popen", timeout=30, **knobs)
     return Fabric(accelerator="cpu", devices=devices, strategy=strategy)

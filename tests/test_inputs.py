@@ -99,8 +99,9 @@ BAD: list[tuple[str, Any, str]] = [
 GOOD: list[tuple[Any, ...]] = [
     ("rank", 8), ("rank", 0.25), ("rank", 1.0), ("omega", 0.0), ("omega", 1.0), ("omega", 1), ("mu", "auto"),
     ("mu", 2), ("normalizer", "lifted"), ("normalizer", "factored"), ("normalizer", "mean_denom"),
-    ("lifted_floor", 0.05),
-    ("projection", "randomized"), ("projection", "svd"), ("power_iters", 3), ("oversample", 0),
+    ("lifted_floor", 0.05, {"normalizer": "lifted"}),
+    ("projection", "randomized"), ("projection", "svd"), ("power_iters", 3),
+    ("oversample", 0, {"projection": "randomized"}),
     ("transition", "reset"), ("transition", "keep"), ("error_feedback", True),
     ("ef_dtype", "bfloat16", {"error_feedback": True}), ("ef_decay", 0.9, {"error_feedback": True}),
     ("ef_decay", 1, {"error_feedback": True}), ("update_scale", 1.0, {}), ("update_scale", 2, {}),
@@ -114,8 +115,10 @@ GOOD: list[tuple[Any, ...]] = [
     ("fullrank_rank", 0), ("fullrank_rank", 4), ("moments_every", 1), ("moments_every", 4),
     ("basis_every", 1), ("basis_every", 8),
     ("overlap_steps", 0), ("overlap_steps", 15),
-    ("sync_every", 1), ("sync_every", 1000), ("outer_optimizer", "nesterov"), ("outer_lr", 1.0), ("outer_lr", 2),
-    ("outer_momentum", 0.0), ("outer_momentum", 0.95), ("average_moments", False), ("basis_scope", "local"),
+    ("sync_every", 1), ("sync_every", 1000), ("outer_optimizer", "nesterov"),
+    ("outer_lr", 1.0, {"outer_optimizer": "nesterov"}),
+    ("outer_lr", 2, {"outer_optimizer": "nesterov"}), ("outer_momentum", 0.0, {"outer_optimizer": "nesterov"}),
+    ("outer_momentum", 0.95, {"outer_optimizer": "nesterov"}), ("average_moments", False), ("basis_scope", "local"),
     ("initial_basis", "random"), ("payload", "full"), ("payload", "lowrank"),
     ("payload_dtype", "float32"), ("payload_dtype", "bfloat16"), ("payload_dtype", "int8"), ("broadcast_bases", True),
     ("timeout", 5), ("timeout", 1.0), ("timeout", timedelta(minutes=1)), ("timeout", 3600 * 24 * 365),
@@ -315,3 +318,33 @@ def test_each_trainer_gets_its_own_strategy_instance() -> None:
     assert first.strategy is not second.strategy
     assert first.strategy.sync_config is not second.strategy.sync_config
     assert math.isclose(first.strategy.sync_config.timeout.total_seconds(), 1800.0)
+
+
+@pytest.mark.parametrize(("knobs", "named"), [
+    ({"outer_lr": 1.0}, "outer_lr=1.0: it only applies to outer_optimizer"),
+    ({"outer_momentum": 0.5}, "outer_momentum=0.5: it only applies"),
+    ({"projection": "svd", "power_iters": 2}, "power_iters=2 with projection='svd'"),
+    ({"oversample": 8}, "oversample=8 with projection='power'"),
+    ({"lifted_floor": 0.2}, "lifted_floor=0.2 with normalizer='col_rms'"),
+    ({"lowrank": False, "rank": 8}, "rank=8 with lowrank=False"), ({"lowrank": False, "omega": 0.5}, "omega=0.5"),
+], ids=["outer_lr", "outer_momentum", "power_iters", "oversample", "lifted_floor", "diloco-rank", "diloco-omega"])
+def test_a_knob_that_the_others_make_meaningless_is_refused(knobs: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(named)):
+        LoRDOStrategy(**knobs)
+
+
+def test_the_strategys_optimizer_knobs_are_refused_when_the_module_returns_a_lordo() -> None:
+    import lightning as L
+    from strategy_helpers import TinyRegressor, loader
+
+    from lightning_lordo import LoRDO
+
+    class ReturnsLoRDO(TinyRegressor):
+        def configure_optimizers(self) -> LoRDO:
+            return LoRDO(self.parameters(), rank=4, omega=0.5)
+
+    fit = L.Trainer(strategy=LoRDOStrategy(rank=8, omega=0.9, start_method="popen", monitor=False),
+                    accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"optimizer knobs \(rank=8, omega=0.9.*returns a LoRDO"):
+        fit.fit(ReturnsLoRDO(), loader())

@@ -19,8 +19,8 @@ from strategy_helpers import TinyRegressor, loader, lordo, trainer
 
 import lightning_lordo
 from lightning_lordo import LoRDO
-from lightning_lordo.optim import loading
 from lightning_lordo.lightning.user_warnings import PluginWarnings
+from lightning_lordo.optim import loading
 
 PLUGIN_DIR = str(Path(lightning_lordo.__file__).resolve().parent)
 NAN = float("nan")
@@ -105,7 +105,7 @@ class OwnLoRDO(TinyRegressor):
 
 def test_a_warning_from_the_users_configure_optimizers_points_there_once(tmp_path: Path) -> None:
     path = tmp_path / "shown.jsonl"
-    _fit_recording(path, trainer(lordo(sync_every=4), max_steps=4), OwnLoRDO())
+    _fit_recording(path, trainer(lordo(sync_every=4, rank=16), max_steps=4), OwnLoRDO())  # no knobs: LoRDO's own
     shown = _shown(path)
     ours = [w for w in shown if w["message"].startswith("LoRDO")]
     assert len(ours) == 1 and "rank=8 is larger than the smaller side (3)" in ours[0]["message"], ours

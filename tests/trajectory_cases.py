@@ -52,6 +52,8 @@ def recorded_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
     merged = {**base, **knobs}
     if not merged["error_feedback"]:  # the recording's decay (1.0) only applies to a buffer
         merged.pop("ef_decay")
+    if merged.get("projection") == "svd":  # exact bases take no power steps
+        merged.pop("power_iters")
     return merged
 
 
