@@ -116,3 +116,26 @@ def test_no_full_rank_reason_without_strategy_is_plain():
     opt = LoRDO([lin.weight], rank=2, full_rank=[lin.weight])
     assert opt.describe()[0]["reason"] == "listed in full_rank"
     torch.manual_seed(0)
+
+
+def test_a_position_table_as_wide_as_the_model_makes_no_projection_a_head():
+    """65 characters, 128 positions, 128 wide: the 128-wide projections read and write the model's width, so only the
+    embeddings and the real head are full-rank (every attention and MLP matrix takes the low-rank step)."""
+    from lightning_lordo.models import CharGPT
+
+    model = CharGPT(vocab_size=65, d_model=128, n_layers=2, n_heads=4, seq_len=128, tie_weights=False)
+    plan = _plan(model)
+    assert set(plan) == {"tok_emb.weight", "pos_emb.weight", "head.weight"}, sorted(plan)
+
+
+def test_a_vocabulary_sized_head_is_found_wherever_it_is_registered():
+    class HeadFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = nn.Linear(32, 300, bias=False)  # registered before the blocks
+            self.wte, self.wpe = nn.Embedding(300, 32), nn.Embedding(32, 32)
+            self.blocks = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+
+    plan = _plan(HeadFirst())
+    assert plan["lm_head.weight"].startswith("output head (out_features = the token")
+    assert "blocks.0.weight" not in plan

@@ -76,7 +76,8 @@ def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()
     """The parameters SPEC §2 keeps full-rank, found by the model's structure (not by names), each with why:
 
     * every ``nn.Embedding`` / ``nn.EmbeddingBag`` weight, and any parameter sharing its memory (a tied head);
-    * every ``nn.Linear`` whose ``out_features`` is an embedding's ``num_embeddings`` (a vocabulary head);
+    * every ``nn.Linear`` whose ``out_features`` is the largest embedding's ``num_embeddings`` (a vocabulary head),
+      unless some ``nn.Linear`` reads vectors of that size (then it is a hidden width);
     * the output heads (:func:`output_heads`): the last ``nn.Linear`` (or the last run of sibling ``nn.Linear``
       layers: several heads) at the end of the module tree, after parameterless layers such as dropout;
     * the parameters whose name matches one of ``patterns`` (the user's ``full_rank_params``)."""
@@ -85,10 +86,14 @@ def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()
     for m in embeddings:
         found.setdefault(m.weight, "embedding")
     shared = {m.weight.data_ptr() for m in embeddings}
-    vocabularies = {m.num_embeddings for m in embeddings}
-    for m in module.modules():
-        if isinstance(m, nn.Linear) and m.out_features in vocabularies:
-            found.setdefault(m.weight, "output head (out_features = an embedding's vocabulary)")
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    # the token table is the largest embedding (positions, segments are smaller); a width some layer reads is a hidden
+    # width, not logits (a 128-position table in a 128-wide model must not make every 128-wide projection a head)
+    vocabulary = max((m.num_embeddings for m in embeddings), default=None)
+    if vocabulary is not None and all(m.in_features != vocabulary for m in linears):
+        for m in linears:
+            if m.out_features == vocabulary:
+                found.setdefault(m.weight, "output head (out_features = the token embedding's vocabulary)")
     for m in output_heads(module):
         found.setdefault(m.weight, "output head (the model's last linear layer)")
     for name, p in module.named_parameters():
