@@ -404,3 +404,13 @@ def test_loading_a_warmup_checkpoint_past_the_warmup_switches_to_local_steps(tmp
 def _load_only(fabric: Fabric, model: nn.Module, path: Path) -> None:
     net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     fabric.load(path, {"model": net, "optimizer": optimizer})
+
+
+def test_fabric_logs_the_parameter_plan_at_setup(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    fabric, model = _launched(), regression_model()
+    with caplog.at_level(logging.INFO):
+        fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    said = [r.getMessage() for r in caplog.records if "take the low-rank step" in r.getMessage()]
+    assert len(said) == 1 and "largest" in said[0] and "parameter_plan()" in said[0], caplog.text

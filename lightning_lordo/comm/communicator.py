@@ -12,9 +12,8 @@ Failure semantics of :class:`Communicator` (checked on gloo, torch 2.13, see ``t
   ``RuntimeError("Operation timed out!")`` after exactly ``timeout``; a peer that died (its sockets closed) makes
   it raise ``RuntimeError("... Connection closed by peer ...")`` at once. It never returns ``False``. The timed-out
   work itself stays pending (it can be waited on again), so a timeout of ``wait`` is not an error of the work.
-* a gloo ``wait`` blocks in C++ and ignores Ctrl-C until it returns (a SIGINT at 1 s of a 6 s wait surfaces at
-  6 s). So on CPU tensors the communicator waits in slices of ``_WAIT_SLICE_S`` seconds up to its timeout:
-  Python handles a pending ``KeyboardInterrupt`` between slices, and a slow but alive peer is not an error.
+* a gloo ``wait`` blocks in C++ and ignores Ctrl-C until it returns. So on CPU tensors the communicator waits in
+  slices of ``_WAIT_SLICE_S`` seconds up to its timeout: Ctrl-C is handled between slices.
 * a ``wait`` timeout under 1 ms means *no* timeout (c10d's 0 ms is "wait forever"): no wait here is shorter.
 * NCCL (CUDA tensors): ``wait`` only makes the current stream wait and returns at once, so it bounds nothing.
   The communicator therefore polls the work's ``is_completed()`` (it reads the collective's CUDA event without

@@ -36,6 +36,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -51,6 +52,7 @@ from lightning_lordo.lightning.convert import (
     compile_patterns,
     convert_optimizer,
     full_rank_params,
+    plan_message,
     repoint_schedulers,
     scale_base_lrs,
 )
@@ -223,6 +225,8 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
                                          self.communicator, self._overlap_comm)
         self.synchronizer.switch_callbacks.append(self._scale_scheduler)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        if isinstance(optimizer, LoRDO):
+            rank_zero_info(plan_message(optimizer, self.parameter_names))
         return optimizer
 
     def _scale_scheduler(self) -> None:

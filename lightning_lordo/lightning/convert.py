@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_lordo.optim.lordo import LoRDO
+from lightning_lordo.optim.report import plan_summary
 
 #: Parameter names (regular expressions) that run full-rank AdamW besides what the structure finds
 #: (:func:`full_rank_params`): none; the strategies' ``full_rank_params`` adds the user's.
@@ -59,6 +60,12 @@ def convert_optimizer(optimizer: Optimizer, full_rank: Mapping[Tensor, str], kno
         lordo = LoRDO(groups, seed=seed, full_rank=full_rank, fused=fused, **knobs)
     _warn_about_fullrank_matrices(lordo, names)
     return lordo
+
+
+def plan_message(optimizer: LoRDO, names: Mapping[Tensor, str]) -> str:
+    """The start-up log of the parameter plan: how many tensors take each step, the largest of each by name."""
+    return "\n".join(plan_summary(optimizer.describe(names))) + (" strategy.parameter_plan() lists all; "
+                                                                 "full_rank_params=[regex] moves more to AdamW.")
 
 
 def check_initialized(module: nn.Module) -> None:

@@ -37,6 +37,7 @@ from lightning_lordo.lightning.convert import (
     compile_patterns,
     convert_optimizer,
     full_rank_params,
+    plan_message,
     repoint_schedulers,
     scale_base_lrs,
     several_optimizers_message,
@@ -45,7 +46,6 @@ from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimize
 from lightning_lordo.lightning.saving import SynchronizedState
 from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.optim.lordo import LoRDO
-from lightning_lordo.optim.report import plan_summary
 from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, PRESETS, split_strategy_knobs
 from lightning_lordo.sync.report import SyncReport
 from lightning_lordo.sync.synchronizer import Synchronizer
@@ -300,8 +300,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         if self._restored is not None:
             self._apply_restored_state()
         if isinstance(optimizer, LoRDO):
-            rank_zero_info("\n".join(plan_summary(self.parameter_plan())) + " strategy.parameter_plan() lists all; "
-                           "full_rank_params=[regex] moves more to AdamW.")
+            rank_zero_info(plan_message(optimizer, self.parameter_names))
 
     def _convert(self, optimizer: Optimizer, module: nn.Module) -> LoRDO:
         return convert_optimizer(optimizer, full_rank_params(module, self._full_rank_patterns), self.optimizer_knobs,
