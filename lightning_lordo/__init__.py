@@ -1,8 +1,9 @@
 """lightning-lordo: communication-efficient distributed training for PyTorch Lightning (LoRDO).
 
 ``import lightning_lordo`` registers the strategy names with Lightning's Trainer and with Lightning Fabric
-(``"lordo"``, ``"lordo_local"``, ``"diloco"``, ``"lowrank_ddp"``, each also with ``_spawn`` and ``_fork``
-launchers), then ``Trainer(strategy="lordo")`` or ``Fabric(strategy="lordo")``.
+(``"lordo"``, ``"lordo_lean"``, ``"lordo_local"``, ``"diloco"``, ``"lordo_compressed"`` and ``"lowrank_ddp"``,
+each also with ``_spawn`` and ``_fork`` launchers; :data:`lightning_lordo.strategy_knobs.PRESETS`), then
+``Trainer(strategy="lordo")`` or ``Fabric(strategy="lordo")``.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
