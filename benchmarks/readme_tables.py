@@ -1,6 +1,6 @@
-"""Copy the generated result tables into README.md: ``python benchmarks/readme_tables.py`` (after the reports).
+"""Copy the generated result tables into benchmarks/README.md: ``python benchmarks/readme_tables.py`` (after the reports).
 
-Each table lives in README.md between ``<!-- NAME-table: COMMAND -->`` and ``<!-- /NAME-table -->``; this replaces
+Each table lives in benchmarks/README.md between ``<!-- NAME-table: COMMAND -->`` and ``<!-- /NAME-table -->``; this replaces
 what is between them with ``benchmarks/results/NAME.md`` from its first ``### `` heading on (one heading level
 down), so the README's figures are the reports' and nothing is typed by hand.
 """
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-README = ROOT.parent / "README.md"
+README = ROOT / "README.md"  # benchmarks/README.md
 TABLES = {"authors": "### Main table", "compressed": "### ", "netlink": "| method"}
 
 

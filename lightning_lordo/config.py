@@ -235,7 +235,7 @@ class SyncConfig:
             result then lands on every worker at the same step, each keeping its local progress since the round
             began (:mod:`lightning_lordo.sync.overlap`). The ``tau`` steps start from each worker's own point, not
             from the average still in flight. With the default optimizer knobs that costs loss that grows with
-            ``tau`` (+0.31 % at 1, +2.29 % at 4 on the benchmark model; README, "What overlapping costs in loss").
+            ``tau`` (+0.31 % at 1, +2.29 % at 4 on the benchmark model; benchmarks/README.md, "What overlapping costs").
         bucket_cap_mb: the most pseudo-gradient (float32 MB) a one-process sync holds at once: it works bucket by
             bucket (:mod:`lightning_lordo.sync.alone`), as DDP's gradient buckets.
         max_skipped_syncs: after this many consecutive discarded rounds (non-finite values on some worker every

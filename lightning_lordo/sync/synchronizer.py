@@ -11,8 +11,8 @@ Every ``sync_every`` local steps all workers call :meth:`Synchronizer.sync` toge
    the averaged optimizer state written, the new bases installed with the moments rotated into them, buffers,
    payload state, parameters and anchor.
 
-Averaging the first moment before the rotation equals averaging it after (the rotation is linear); for the
-second moment it does not (the rotation mixes in ``u * u``): measured, within the seeds' spread (CHANGELOG).
+Averaging the first moment before the rotation equals averaging it after (the rotation is linear); for the second
+moment it does not (the rotation mixes in ``u * u``): measured, within the seeds' spread (benchmarks/README.md).
 
 Before any round, the synchronous phase (``warmup_steps``, or ``synchronous=True``: low-rank DDP) averages the
 gradients every step (:meth:`before_optimizer_step`) and refreshes the bases every ``sync_every`` steps from the
