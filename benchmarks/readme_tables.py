@@ -1,6 +1,7 @@
-"""Copy the generated result tables into benchmarks/README.md: ``python benchmarks/readme_tables.py`` (after the reports).
+"""Copy the generated result tables into benchmarks/README.md: ``python benchmarks/readme_tables.py`` (after the
+reports).
 
-Each table lives in benchmarks/README.md between ``<!-- NAME-table: COMMAND -->`` and ``<!-- /NAME-table -->``; this replaces
+Each table lives there between ``<!-- NAME-table: COMMAND -->`` and ``<!-- /NAME-table -->``; this replaces
 what is between them with ``benchmarks/results/NAME.md`` from its first ``### `` heading on (one heading level
 down), so the README's figures are the reports' and nothing is typed by hand.
 """
