@@ -149,7 +149,8 @@ def run_one(spec: dict[str, Any], data: str) -> dict[str, Any]:
         batch = 64
     module = Module(spec["family"], spec["lr"], vocab)
     strategy: Any = DDPStrategy(start_method="fork") if spec["method"] == "ddp" else LoRDOStrategy(
-        start_method="fork", monitor=False, synchronous=spec["method"] == "lowrank_ddp")
+        start_method="fork", monitor=False, synchronous=spec["method"] == "lowrank_ddp",
+        lowrank=spec["method"] != "diloco", **spec.get("knobs", {}))
     with tempfile.TemporaryDirectory() as tmp:
         record = Record(str(Path(tmp) / "losses.json"))
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, val_check_interval=SHORT,
@@ -168,8 +169,43 @@ def specs(families: list[str], lrs: tuple[float, ...] = LRS) -> list[dict[str, A
     return out + [{"family": f, "method": "lowrank_ddp", "lr": 1e-3, "seed": s} for f in families for s in SEEDS]
 
 
+#: ``--variants``: the outer step against the gap of the local steps, each at the user's LRs (DDP's best at 50 and at
+#: 500 steps in the main sweep), 2 seeds: ``(method, knobs)``.
+VARIANTS = {"lordo, nesterov(1.0, 0.5)": ("lordo", {"outer_optimizer": "nesterov", "outer_lr": 1.0,
+                                                   "outer_momentum": 0.5}),
+            "diloco, average": ("diloco", {}),
+            "lordo, nesterov(0.7, 0.9)": ("lordo", {"outer_optimizer": "nesterov"})}
+USER_LRS = {"transformer": (3e-3, 1e-3), "mlp": (1e-3, 3e-3), "cnn": (1e-2,)}
+
+
+def variant_specs(families: list[str]) -> list[dict[str, Any]]:
+    return [{"family": f, "method": method, "lr": lr, "seed": s, "knobs": knobs, "variant": name}
+            for name, (method, knobs) in VARIANTS.items() for f in families for lr in USER_LRS[f] for s in SEEDS]
+
+
+def variants_report(records: list[dict[str, Any]]) -> None:
+    """Mean validation loss of each variant against DDP and the default LoRDO at the same LR."""
+    for family in FAMILIES:
+        for lr in USER_LRS[family]:
+            base = {m: [r for r in records if r["family"] == family and r["lr"] == lr and r["method"] == m
+                        and "variant" not in r] for m in ("ddp", "lordo")}
+            if not base["ddp"]:
+                continue
+            ddp = [statistics.mean(r[k] for r in base["ddp"]) for k in ("loss_short", "loss_long")]
+            print(f"\n{family}, lr {lr:g}: mean over seeds, 50 steps | 500 steps (vs DDP)")
+            rows = [("ddp", base["ddp"]), ("lordo (defaults)", base["lordo"])] + [
+                (name, [r for r in records if r.get("variant") == name and r["family"] == family and r["lr"] == lr])
+                for name in VARIANTS]
+            for name, runs in rows:
+                if runs:
+                    short, long = (statistics.mean(r[k] for r in runs) for k in ("loss_short", "loss_long"))
+                    print(f"  {name:28s} {short:.4f} ({short / ddp[0] - 1:+.1%}) | {long:.4f} "
+                          f"({long / ddp[1] - 1:+.1%})  [{len(runs)} seed(s)]")
+
+
 def _key(record: dict[str, Any]) -> tuple[Any, ...]:
-    return record["family"], record["method"], record["lr"], record["seed"]
+    return (record["family"], record["method"], record["lr"], record["seed"],
+            json.dumps(record.get("knobs", {}), sort_keys=True))
 
 
 def load() -> list[dict[str, Any]]:
@@ -184,7 +220,7 @@ def report(records: list[dict[str, Any]]) -> bool:
     against DDP there; returns whether every target holds (within 2 % at 50 steps, 1 % at 500; best LR within 2x)."""
     ok = True
     for family in FAMILIES:
-        mine = [r for r in records if r["family"] == family]
+        mine = [r for r in records if r["family"] == family and "variant" not in r]  # the main sweep
         if not mine:
             continue
         for horizon, key, tolerance in (("50 steps", "loss_short", 0.02), ("500 steps", "loss_long", 0.01)):
@@ -220,16 +256,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--lrs", default=",".join(map(str, LRS)), help="a part of the sweep, run in this order")
     parser.add_argument("--report", action="store_true")
+    parser.add_argument("--variants", action="store_true", help="run (or, with --report, report) VARIANTS")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:  # a run in its own process (the parent collects its line)
         print("RESULT " + json.dumps(run_one(json.loads(args.one), args.data)), flush=True)
         return 0
     if args.report:
+        if args.variants:
+            variants_report(load())
+            return 0
         return 0 if report(load()) else 1
     done = {_key(r) for r in load()}
     lrs = tuple(float(lr) for lr in args.lrs.split(","))
-    pending = [s for s in specs(args.families.split(","), lrs) if _key(s) not in done]
+    wanted = variant_specs(args.families.split(",")) if args.variants else specs(args.families.split(","), lrs)
+    pending = [s for s in wanted if _key(s) not in done]
     if pending:
         append(OUT, {"header": provenance("python benchmarks/dropin.py " + " ".join(argv)), "steps": STEPS,
                      "resumed": bool(done)})
@@ -241,8 +282,12 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"run {spec} failed:\n{proc.stderr[-3000:]}")
         record = json.loads(lines[-1][len("RESULT "):])
         append(OUT, record)
-        print(f"{spec['family']:11s} {spec['method']:11s} lr {spec['lr']:<7g} seed {spec['seed']}: "
+        print(f"{spec.get('variant', '')} {spec['family']:11s} {spec['method']:11s} lr {spec['lr']:<7g} "
+              f"seed {spec['seed']}: "
               f"{record['loss_short']:.4f} @ {SHORT}, {record['loss_long']:.4f} @ {STEPS}", flush=True)
+    if args.variants:
+        variants_report(load())
+        return 0
     return 0 if report(load()) else 1
 
 
