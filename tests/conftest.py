@@ -1,6 +1,12 @@
 """Shared test setup."""
 
 import os
+import signal
+
+# A suite started in the background of a non-interactive shell inherits SIGINT ignored, and so would every worker it
+# starts: the Ctrl-C tests need Python's handler, which a child process gets back at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Before torch loads its OpenMP runtime: one thread, so no thread team ever exists in this process. A worker
 # forked from a process whose OpenMP team has run deadlocks in its first parallel op (seen as both forked
