@@ -266,7 +266,7 @@ def free_port() -> int:
 
 
 class RunFailed(RuntimeError):
-    pass
+    """A run's workers failed or timed out; the message holds their errors."""
 
 
 def launch(job: dict[str, Any], workers: int, timeout: float) -> dict[str, Any]:
