@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_lordo.comm.wire import ddp_wire_bytes
+from lightning_lordo.lightning._compat import batches_that_stepped, logged_results, logs_this_batch
 from lightning_lordo.sync.report import SyncReport, breakdown
 
 
@@ -124,13 +125,12 @@ def add_monitor(trainer: Trainer, progress_bar: Optional[bool]) -> None:
 def _lightning_step(trainer: Trainer) -> int:
     """The step Lightning's logger connector gives the rows of ``self.log`` during training (it counts the batches
     that took an optimizer step, and is saved in checkpoints)."""
-    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    return batches_that_stepped(trainer)
 
 
 def _lightning_writes_this_batch(trainer: Trainer) -> bool:
     """Whether Lightning writes its step metrics to the loggers after this batch (``log_every_n_steps``)."""
-    connector = trainer._logger_connector
-    return bool(connector.should_update_logs or trainer.fast_dev_run)
+    return logs_this_batch(trainer)
 
 
 def _write(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
@@ -142,8 +142,7 @@ def _write(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
 def _forget_logged(trainer: Trainer, prefix: str, keep: str) -> None:
     """Lightning keeps writing a value logged with ``self.log(on_step=True)`` into every later row until it is
     logged again; a synchronization's figures belong to its own row only, so they are dropped after it."""
-    results = getattr(trainer, "_results", None)
-    for result in (results or {}).values():
+    for result in logged_results(trainer).values():
         meta = getattr(result, "meta", None)
         if meta is not None and meta.fx == "on_train_batch_end" and meta.name.startswith(prefix) \
                 and meta.name != keep and not getattr(result, "has_reset", True):

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_lordo.comm.communicator import CollectiveTimeout, Communicator, side_communicator, translate
+from lightning_lordo.lightning._compat import note_sigterm
 
 #: What Lightning's callbacks' collectives carry, by the method that issues them (lightning 2.6).
 _CALLBACK_COLLECTIVES = {("ModelCheckpoint", "check_monitor_top_k"): "whether to save a top-k checkpoint",
@@ -170,7 +171,7 @@ class GuardedCollectives:
                 f"{steps} steps). Give every rank the same number of batches: a DistributedSampler with drop_last, "
                 "or data of equal length per rank.")
         if sigterm > 0:  # on every rank at once; Lightning's own checks follow its flag, set only here
-            self.lightning_module.trainer._signal_connector.received_sigterm = True
+            note_sigterm(self.lightning_module.trainer)
             raise SIGTERMException()
 
     def _sigterm_notifier(self, signum: int, frame: Any) -> None:

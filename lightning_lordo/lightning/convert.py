@@ -4,11 +4,9 @@ so they keep driving the learning rate."""
 
 from __future__ import annotations
 
-import functools
 import inspect
 import re
 import warnings
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_lordo.lightning._compat import track_step_calls
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.optim.report import plan_summary
 
@@ -185,22 +184,6 @@ def scale_base_lrs(scheduler: Any, scale: float) -> None:
         scheduler.base_lrs = [lr * scale for lr in scheduler.base_lrs]
     for inner in getattr(scheduler, "_schedulers", ()):
         scale_base_lrs(inner, scale)
-
-
-def track_step_calls(optimizer: Optimizer) -> None:
-    """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does, so that re-pointed
-    schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``."""
-    step = type(optimizer).step
-    ref = weakref.ref(optimizer)
-
-    @functools.wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = ref()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return step(opt, *args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 def several_optimizers_message(module: Any) -> str:

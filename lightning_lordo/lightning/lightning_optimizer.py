@@ -17,6 +17,8 @@ from typing import Any, Optional, Protocol
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
+from lightning_lordo.lightning._compat import strategy_of
+
 
 class StepDriver(Protocol):
     """What the wrapper needs of its strategy (``LoRDOStrategy``): a hook after the backward pass, one after the
@@ -31,7 +33,7 @@ class LoRDOLightningOptimizer(LightningOptimizer):
     """A :class:`~lightning.pytorch.core.optimizer.LightningOptimizer` that drives LoRDO's synchronization."""
 
     def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-        strategy: StepDriver = self._strategy  # type: ignore[assignment]
+        strategy: StepDriver = strategy_of(self)
 
         def backward_then_prepare() -> Any:
             output = closure() if closure is not None else None

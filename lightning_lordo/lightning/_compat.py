@@ -1,0 +1,86 @@
+"""Every use of a private attribute of Lightning (and of torch's LR schedulers), in one place.
+
+The plugin supports ``lightning>=2.5,<2.7`` (pyproject). Each function below names what it touches; where a
+release may lack it, it checks the attribute and says what is lost without it. A Lightning upgrade that moves one of
+these should need changes here only (``tests/test_compat.py`` checks each against the installed version).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import lightning
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.pytorch import Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch.optim import Optimizer
+
+LIGHTNING_VERSION = lightning.__version__
+#: Fabric's hook for ``fabric.no_backward_sync`` (its base class is private).
+BackwardSyncControl = _BackwardSyncControl
+
+
+def install_sigterm_hooks(trainer: Trainer, check: Callable[[], None], notifier: Callable[[int, Any], None]) -> bool:
+    """Replace the per-batch SIGTERM broadcast of ``trainer.fit_loop.epoch_loop`` (``_broadcast_sigterm_tensor``,
+    lightning >= 2.5.2) and the handler the signal connector registers (``_sigterm_notifier_fn``, registered after
+    ``Strategy.setup``, so the instance attribute is what gets registered). ``False`` where the loop has no such
+    check (lightning < 2.5.2): Lightning's own SIGTERM handling then applies."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+        return False
+    epoch_loop._broadcast_sigterm_tensor = check
+    trainer._signal_connector._sigterm_notifier_fn = notifier
+    return True
+
+
+def note_sigterm(trainer: Trainer) -> None:
+    """Set the flag Lightning's loops read to stop at the end of the batch (``_signal_connector.received_sigterm``)."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def batches_that_stepped(trainer: Trainer) -> int:
+    """The step Lightning's logger connector gives the rows of ``self.log`` during training (it counts the batches
+    that took an optimizer step, and is saved in checkpoints): ``epoch_loop._batches_that_stepped``."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def logs_this_batch(trainer: Trainer) -> bool:
+    """Whether Lightning writes its step metrics to the loggers after this batch (``log_every_n_steps``), from the
+    logger connector (``trainer._logger_connector``)."""
+    return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
+
+
+def logged_results(trainer: Trainer) -> dict[str, Any]:
+    """The values ``self.log`` holds for the running loop (``trainer._results``; empty outside a loop)."""
+    return getattr(trainer, "_results", None) or {}
+
+
+def lightning_optimizer(cls: type[LightningOptimizer], optimizer: Optimizer, strategy: Any) -> LightningOptimizer:
+    """``optimizer`` in the LightningOptimizer subclass ``cls``, bound to ``strategy`` as Lightning binds its own
+    (``LightningOptimizer._to_lightning_optimizer``)."""
+    return cls._to_lightning_optimizer(optimizer, strategy)
+
+
+def strategy_of(optimizer: LightningOptimizer) -> Any:
+    """The strategy a LightningOptimizer is bound to (``_strategy``)."""
+    return optimizer._strategy
+
+
+def track_step_calls(optimizer: Optimizer) -> None:
+    """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does (``_opt_called``,
+    ``_wrapped_by_lr_sched``), so that re-pointed schedulers do not warn that ``lr_scheduler.step()`` ran before
+    ``optimizer.step()``."""
+    step = type(optimizer).step
+    ref = weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]

@@ -1,0 +1,37 @@
+"""The private attributes of Lightning and torch that ``lightning_lordo/lightning/_compat.py`` uses exist in the
+installed versions, so that an upgrade that moves one fails here, by name, and not in a user's run."""
+
+from __future__ import annotations
+
+import inspect
+
+import lightning as L
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from strategy_helpers import TinyRegressor, loader, lordo, trainer
+
+from lightning_lordo.lightning import _compat
+
+
+def test_the_private_attributes_used_exist() -> None:
+    fitted = L.Trainer(logger=False, enable_checkpointing=False)
+    assert hasattr(fitted.fit_loop.epoch_loop, "_broadcast_sigterm_tensor")  # lightning >= 2.5.2
+    assert hasattr(fitted.fit_loop.epoch_loop, "_batches_that_stepped")
+    assert hasattr(fitted._logger_connector, "should_update_logs")
+    assert hasattr(fitted._signal_connector, "received_sigterm")
+    assert "_sigterm_notifier_fn" in inspect.getsource(_SignalConnector)
+    assert callable(LightningOptimizer._to_lightning_optimizer)
+    source = inspect.getsource(torch.optim.lr_scheduler)
+    assert "_opt_called" in source and "_wrapped_by_lr_sched" in source
+    assert _compat.BackwardSyncControl.__name__ == "_BackwardSyncControl"
+
+
+def test_the_hooks_are_installed_on_a_fit() -> None:
+    strategy = lordo(sync_every=2, start_method="popen")
+    fit = trainer(strategy, devices=1, max_steps=2)
+    fit.fit(TinyRegressor(), loader())
+    assert fit.fit_loop.epoch_loop._broadcast_sigterm_tensor == strategy._sigterm_check
+    assert fit._signal_connector._sigterm_notifier_fn == strategy._sigterm_notifier
+    assert _compat.strategy_of(strategy._lightning_optimizers[0]).sync_config is strategy.sync_config  # a weak proxy
+    assert _compat.batches_that_stepped(fit) == 2
