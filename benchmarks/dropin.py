@@ -42,6 +42,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_lordo import LoRDOStrategy
+from lightning_lordo.strategy_knobs import strategy_kwargs
 
 LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 SEEDS = (0, 1)
@@ -148,9 +149,10 @@ def run_one(spec: dict[str, Any], data: str) -> dict[str, Any]:
         train, val = teacher_task() if spec["family"] == "mlp" else template_images()
         batch = 64
     module = Module(spec["family"], spec["lr"], vocab)
-    strategy: Any = DDPStrategy(start_method="fork") if spec["method"] == "ddp" else LoRDOStrategy(
-        start_method="fork", monitor=False, synchronous=spec["method"] == "lowrank_ddp",
-        lowrank=spec["method"] != "diloco", **spec.get("knobs", {}))
+    knobs = strategy_kwargs(**spec.get("knobs", {}), synchronous=spec["method"] == "lowrank_ddp",
+                            lowrank=spec["method"] != "diloco")
+    strategy: Any = DDPStrategy(start_method="fork") if spec["method"] == "ddp" else \
+        LoRDOStrategy(start_method="fork", monitor=False, **knobs)
     with tempfile.TemporaryDirectory() as tmp:
         record = Record(str(Path(tmp) / "losses.json"))
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, val_check_interval=SHORT,

@@ -185,12 +185,12 @@ def make_strategy(name: str, anchor_device: str | None, sync_every: int | None) 
         if anchor_device:
             raise SystemExit("--anchor-device needs a LoRDO strategy")
         return "auto"
-    knobs = dict(PRESETS[name][0])
+    knobs: dict[str, Any] = {}
     if anchor_device:
         knobs["anchor_device"] = anchor_device
     if sync_every:
         knobs["sync_every"] = sync_every
-    return LoRDOStrategy(**knobs)
+    return LoRDOStrategy(preset=name, **knobs)
 
 
 def fit(name: str, anchor_device: str | None, cpu: bool) -> dict[str, Any]:

@@ -45,8 +45,9 @@ from peers import HOOKS, HookedDDP
 from lightning_lordo import LoRDO, LoRDOStrategy
 from lightning_lordo.comm.wire import ddp_wire_bytes
 from lightning_lordo.config import LEAN_KNOBS
-from lightning_lordo.lightning.convert import track_step_calls
+from lightning_lordo.lightning._compat import track_step_calls
 from lightning_lordo.models import ByteDataModule, GPTLightningModule
+from lightning_lordo.strategy_knobs import strategy_kwargs
 from lightning_lordo.sync.report import breakdown
 
 METHODS = ("ddp", "lowrank_ddp", "diloco", "lordo_noqhm", "lordo_local", "lordo")
@@ -288,7 +289,8 @@ def _strategy(spec: RunSpec) -> Any:
         lean = {k: v for k, v in LEAN_KNOBS.items() if not (k == "full_rank_input" and
                                                            knobs.get("update") == "subspace_qh")}
         knobs = {**lean, **knobs}
-    return LoRDOStrategy(sync_every=spec.sync_every, start_method="fork", seed=spec.seed, monitor=False, **knobs)
+    return LoRDOStrategy(sync_every=spec.sync_every, start_method="fork", monitor=False,
+                         **strategy_kwargs(**knobs, seed=spec.seed))
 
 
 def run(spec: RunSpec) -> dict[str, Any]:

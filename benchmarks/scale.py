@@ -66,6 +66,7 @@ import lightning_lordo  # noqa: F401  (registers the strategy names)
 from lightning_lordo import LoRDOStrategy
 from lightning_lordo.comm.wire import ddp_wire_bytes
 from lightning_lordo.models import ByteDataModule
+from lightning_lordo.strategy_knobs import strategy_kwargs
 
 SYNC_EVERY = 32  # the paper's K
 #: Model, data and run sizes per stage (batch_size per worker; val_batches: batches of held-out windows per
@@ -209,9 +210,9 @@ def make_strategy(job: dict[str, Any]) -> Any:
     if job["strategy"] == "ddp":
         return TimedDDP(job["knobs"]["hook"], timeout=timedelta(seconds=job["timeout"]), **common)
     entry = StrategyRegistry[job["strategy"]]
-    return entry["strategy"](**{**entry["init_params"], **job["knobs"], **common, "timeout": job["timeout"],
-                                "sync_every": job["spec"]["sync_every"], "monitor": False,
-                                "seed": job["spec"]["seed"]})
+    return entry["strategy"](**entry["init_params"], **common, timeout=job["timeout"], monitor=False,
+                             sync_every=job["spec"]["sync_every"],
+                             **strategy_kwargs(**job["knobs"], seed=job["spec"]["seed"]))
 
 
 def train(job: dict[str, Any]) -> None:

@@ -69,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank
     # strategy="lordo" takes the defaults (sync_every=16); the class takes every knob by name
-    strategy = LoRDOFabricStrategy(sync_every=args.sync_every, rank=args.rank)
+    strategy = LoRDOFabricStrategy(sync_every=args.sync_every, optimizer={"rank": args.rank})
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     result = fabric.launch(train, args)
     if fabric.is_global_zero:

@@ -99,8 +99,8 @@ def run_method(method: str, args: argparse.Namespace, init: dict[str, torch.Tens
     module.load_state_dict(init)
     datamodule = _datamodule(args, config["seq_len"])
     if method == "lordo":
-        strategy: Any = LoRDOStrategy(sync_every=args.sync_every, rank=args.rank, start_method="fork",
-                                      seed=args.seed)
+        strategy: Any = LoRDOStrategy(sync_every=args.sync_every, start_method="fork", optimizer={"rank": args.rank},
+                                      experimental={"seed": args.seed})
     else:
         strategy = "ddp_fork"
     result_file = workdir / f"{method}.json"

@@ -1,13 +1,27 @@
-"""The strategies' side of the knobs: the registered names (presets) and the split of a strategy's arguments into
-its :class:`~lightning_lordo.config.SyncConfig` and the optimizer knobs, validated (shared by the Trainer's and
-Fabric's strategies)."""
+"""The strategies' knobs, each with one home, and their resolution (shared by the Trainer's and Fabric's strategies).
+
+A knob lives in exactly one of three places:
+
+* a named argument of the strategy: the distribution knobs (:data:`NAMED_SYNC_KNOBS`, with ``preset`` and
+  ``monitor``);
+* the ``optimizer`` mapping: LoRDO's knobs for the conversion of the user's Adam/AdamW
+  (:data:`OPTIMIZER_MAPPING_KNOBS`); a ``LoRDO`` returned by ``configure_optimizers`` carries its own instead;
+* :class:`Experimental`: research, ablation and rarely changed knobs, a typed dataclass LightningCLI reads.
+
+A preset (:data:`PRESETS`) is a named set of knob values; what the user passes overrides it, knob by knob.
+:func:`resolve_knobs` merges the three, validates them and refuses a knob passed in the wrong place with its home.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
+from lightning_lordo.checks import check_choice
 from lightning_lordo.config import (
     LEAN_KNOBS,
     OPTIMIZER_DEFAULTS,
@@ -16,8 +30,9 @@ from lightning_lordo.config import (
     check_optimizer_knobs,
 )
 
-#: The registered strategy names (the Trainer's and Fabric's): name -> (knobs, description). Each is registered as
-#: is and with the suffixes of :data:`LAUNCH_SUFFIXES`.
+#: The registered strategy names (the Trainer's and Fabric's) and the values of ``preset``: name -> (knobs, by
+#: name wherever they live, and a description). Each is registered as is and with the suffixes of
+#: :data:`LAUNCH_SUFFIXES`.
 PRESETS: dict[str, tuple[dict[str, Any], str]] = {
     "lordo": ({}, "LoRDO: global basis from the averaged pseudo-gradient + full-rank QHM term, error feedback"),
     "lordo_local": ({"basis_scope": "local", "average_moments": False},
@@ -34,8 +49,97 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
 }
 #: Suffix of a registered name -> its start method (as Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``).
 LAUNCH_SUFFIXES = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
-#: The optimizer knobs a strategy takes (lr, betas, eps and weight_decay come from the user's optimizer).
+#: The optimizer knobs a strategy converts with (lr, betas, eps and weight_decay come from the user's optimizer).
 STRATEGY_OPTIMIZER_KNOBS = tuple(k for k in OPTIMIZER_DEFAULTS if k not in ("lr", "betas", "eps", "weight_decay"))
+#: The keys of the ``optimizer`` mapping: LoRDO's knobs and the names of the parameters kept full-rank.
+OPTIMIZER_MAPPING_KNOBS = (*STRATEGY_OPTIMIZER_KNOBS, "full_rank_params")
+#: The synchronization knobs that are named arguments of the strategies (the rest are :class:`Experimental`).
+NAMED_SYNC_KNOBS = ("sync_every", "payload", "payload_dtype", "outer_optimizer", "outer_lr", "outer_momentum",
+                    "overlap_steps", "anchor_device", "bucket_cap_mb", "timeout")
+#: Named arguments a preset may set: their default is ``None``, "the preset's value".
+PRESET_NAMED = ("payload", "payload_dtype")
+_FROM_USER_OPTIMIZER = ("lr", "betas", "eps", "weight_decay")
+
+
+def _attribute_docs(doc: str) -> dict[str, str]:
+    """``name -> description`` from the ``Attributes:`` section of a Google-style docstring."""
+    entries: dict[str, str] = {}
+    name = None
+    for line in doc.split("Attributes:", 1)[-1].splitlines():
+        match = re.match(r"^ {8}(\w+): (.*)$", line)
+        if match:
+            name, entries[match[1]] = match[1], match[2]
+        elif name and line.startswith(" " * 12):
+            entries[name] += " " + line.strip()
+    return entries
+
+
+@dataclass(frozen=True)
+class Experimental:
+    lowrank: Optional[bool] = None
+    basis_scope: Optional[Literal["global", "local"]] = None
+    average_moments: Optional[bool] = None
+    initial_basis: Optional[Literal["gradient", "random"]] = None
+    broadcast_bases: Optional[bool] = None
+    seed: Optional[int] = None
+    average_fullrank_moments: Optional[bool] = None
+    average_error_feedback: Optional[bool] = None
+    warmup_steps: Optional[int] = None
+    synchronous: Optional[bool] = None
+    switch_betas: Optional[tuple[float, float]] = None
+    switch_reset_moments: Optional[bool] = None
+    switch_lr_scale: Optional[float] = None
+    fullrank_rank: Optional[int] = None
+    moments_every: Optional[int] = None
+    basis_every: Optional[int] = None
+    max_skipped_syncs: Optional[int] = None
+    checkpoint_shards: Optional[bool] = None
+    monitor_progress_bar: Optional[bool] = None
+
+
+_OWN_DOCS = {
+    "lowrank": "convert the user's Adam/AdamW into LoRDO (``True``), or keep any optimizer and only synchronize "
+               "(``False``: the ``\"diloco\"`` preset).",
+    "checkpoint_shards": "each rank writes its state beside the checkpoint (``<file>.lordo-<id>/rank-<r>.pt``); "
+                         "``False``: gathered into the file (Trainer only).",
+    "monitor_progress_bar": "the monitor the strategy adds shows ``lordo/saving_vs_ddp`` in the progress bar "
+                            "(``None``: if a progress bar is shown; Trainer only).",
+}
+_SYNC_DOCS = _attribute_docs(SyncConfig.__doc__ or "")
+Experimental.__doc__ = (
+    "Research, ablation and rarely changed knobs of the strategies (``experimental=``). ``None``, the default of "
+    "each, means the preset's value, else :class:`~lightning_lordo.config.SyncConfig`'s default.\n\n    Attributes:\n"
+    + "".join(f"        {f.name}: {_OWN_DOCS.get(f.name) or _SYNC_DOCS[f.name]}\n"
+              for f in dataclasses.fields(Experimental)))
+EXPERIMENTAL_KNOBS = tuple(f.name for f in dataclasses.fields(Experimental))
+NO_EXPERIMENTS = Experimental()  #: the strategies' default: every knob the preset's (or the default)
+assert set(SyncConfig.__dataclass_fields__) == set(NAMED_SYNC_KNOBS) | (set(EXPERIMENTAL_KNOBS) - set(_OWN_DOCS))
+assert all(k in PRESET_NAMED or k not in NAMED_SYNC_KNOBS for knobs, _ in PRESETS.values() for k in knobs)
+
+
+def home_of(name: str, value: Any) -> Optional[str]:
+    """Where the knob ``name`` is passed, written as the fix (``None``: no knob has that name)."""
+    if name in _FROM_USER_OPTIMIZER:
+        return "your own optimizer (configure_optimizers, or the optimizer given to fabric.setup)"
+    if name in OPTIMIZER_MAPPING_KNOBS:
+        return f"optimizer={{{name!r}: {value!r}}}"
+    if name in EXPERIMENTAL_KNOBS:
+        return f"experimental={{{name!r}: {value!r}}} (or Experimental({name}={value!r}))"
+    if name in NAMED_SYNC_KNOBS or name in ("preset", "monitor"):
+        return f"{name}={value!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """A strategy's resolved knobs."""
+
+    sync_config: SyncConfig
+    optimizer_knobs: dict[str, Any]  # LoRDO knobs for the conversion, those that differ from the defaults
+    lowrank: bool
+    full_rank_params: Sequence[str]
+    checkpoint_shards: bool
+    monitor_progress_bar: Optional[bool]
 
 
 def _differs(value: Any, default: Any) -> bool:
@@ -43,41 +147,102 @@ def _differs(value: Any, default: Any) -> bool:
     return type(value) is not type(default) or value != default
 
 
-def split_strategy_knobs(owner: str, knobs: Mapping[str, Any], accepted: Sequence[str], *, lowrank: bool,
-                         optimizer_source: str) -> tuple[SyncConfig, dict[str, Any]]:
-    """A strategy's knobs, validated: its :class:`SyncConfig` and the optimizer knobs set to non-defaults.
+def _mapping(argument: str, value: Any, allowed: Sequence[str], owner: str) -> dict[str, Any]:
+    """The entries of the ``optimizer`` or ``experimental`` argument, every key checked against ``allowed``."""
+    if value is None:
+        return {}
+    if isinstance(value, Experimental):
+        return {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{owner}({argument}={value!r}): it must be a mapping of knob names to values, e.g. "
+                        f"{argument}={{{allowed[0]!r}: ...}}.")
+    for key in value:
+        if key not in allowed:
+            home = home_of(key, value[key])
+            hint = (f" {key!r} is passed as {home}." if home else
+                    "".join(f" Did you mean {m!r}?" for m in difflib.get_close_matches(str(key), allowed, n=1)))
+            raise ValueError(f"{owner}({argument}=...) got {key!r}, which is not one of its keys.{hint} Its keys "
+                             f"are: {', '.join(allowed)}.")
+    return {k: v for k, v in value.items() if v is not None or argument == "optimizer"}
+
+
+def resolve_knobs(owner: str, *, preset: str, named: Mapping[str, Any], optimizer: Any, experimental: Any,
+                  misplaced: Mapping[str, Any], optimizer_source: str, trainer_only: bool) -> Knobs:
+    """Merge a preset, the named arguments, ``optimizer`` and ``experimental`` into validated :class:`Knobs`.
 
     Args:
         owner: the strategy's class name, for the errors.
-        knobs: every argument given by name (optimizer knobs, SyncConfig fields, the strategy's own).
-        accepted: the argument names the strategy takes; any other is refused with a close match suggested.
-        lowrank: whether the user's optimizer becomes LoRDO (``False``: DiLoCo, no low-rank payload).
+        preset: a key of :data:`PRESETS`; the other arguments override its values knob by knob.
+        named: the strategy's named distribution arguments (``None``: the preset's value, else the default).
+        optimizer, experimental: the two nested arguments (a mapping, an :class:`Experimental`, or ``None``).
+        misplaced: keyword arguments the strategy does not take; each is refused with its home.
         optimizer_source: where lr, betas, eps and weight_decay come from, for the error that refuses them.
+        trainer_only: whether the Trainer-only knobs (``checkpoint_shards``, ``monitor_progress_bar``) apply.
     """
-    unknown = sorted(set(knobs) - set(accepted))
-    from_user = sorted(set(unknown) & {"lr", "betas", "eps", "weight_decay"})
-    if from_user:
-        raise ValueError(f"{owner} got {from_user}: these come from {optimizer_source}. Set them there.")
-    if unknown:
-        hints = {k: difflib.get_close_matches(k, accepted, n=1) for k in unknown}
-        raise TypeError(f"{owner} got unknown arguments {unknown}"
-                        f"{''.join(f' ({k}: did you mean {v[0]!r}?)' for k, v in hints.items() if v)}. The "
-                        f"arguments are: {', '.join(accepted)}.")
-    optimizer_knobs = {k: knobs[k] for k in STRATEGY_OPTIMIZER_KNOBS
-                       if k in knobs and _differs(knobs[k], OPTIMIZER_DEFAULTS[k])}
-    if optimizer_knobs and lowrank is False:
-        name = next(iter(optimizer_knobs))
-        raise ValueError(f"Invalid {name}={optimizer_knobs[name]!r} with lowrank=False ('diloco'): the optimizer knobs "
-                         "shape LoRDO's step, and 'diloco' runs your optimizer as it is, so it would be ignored. Drop "
-                         "it, or use a LoRDO preset ('lordo').")
+    check_choice("preset", preset, tuple(PRESETS))
+    for key, value in misplaced.items():
+        home = home_of(key, value)
+        if key in _FROM_USER_OPTIMIZER:
+            raise ValueError(f"{owner} got {key}={value!r}: it comes from {optimizer_source}. Set it there.")
+        if key == "monitor":
+            raise TypeError(f"{owner} got monitor={value!r}: Fabric has no callbacks, so there is no monitor to add. "
+                            "Drop it, and read strategy.accountant (bytes sent) and strategy.sync_reports.")
+        if home:
+            raise TypeError(f"{owner} got {key}={value!r}, which is not a named argument: pass it as {home}.")
+        arguments = ["preset", *named, *(["monitor"] if trainer_only else []), "start_method", "optimizer",
+                     "experimental"]
+        every = [*arguments, *OPTIMIZER_MAPPING_KNOBS, *EXPERIMENTAL_KNOBS]
+        hint = "".join(f" Did you mean {m!r}?" for m in difflib.get_close_matches(key, every, n=1))
+        raise TypeError(f"{owner} got an unknown argument {key!r}.{hint} Its named arguments are: "
+                        f"{', '.join(arguments)}.")
+    experimental_knobs = _mapping("experimental", experimental, EXPERIMENTAL_KNOBS, owner)
+    if not trainer_only:
+        for key in ("checkpoint_shards", "monitor_progress_bar"):
+            if key in experimental_knobs:
+                raise ValueError(f"Invalid experimental {key}={experimental_knobs[key]!r}: {owner} has no such "
+                                 "setting (it is the Trainer strategy's), so it would be ignored. Drop it.")
+    flat = {**PRESETS[preset][0], **{k: v for k, v in named.items() if v is not None or k not in PRESET_NAMED},
+            **_mapping("optimizer", optimizer, OPTIMIZER_MAPPING_KNOBS, owner), **experimental_knobs}
+    lowrank = flat.pop("lowrank", True)
+    shards = flat.pop("checkpoint_shards", True)
+    progress_bar = flat.pop("monitor_progress_bar", None)
+    for name, flag in (("lowrank", lowrank), ("checkpoint_shards", shards)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"Invalid {name}={flag!r}: it must be True or False.")
+    full_rank = flat.pop("full_rank_params", ())
+    if not isinstance(full_rank, (list, tuple)) or not all(isinstance(p, str) for p in full_rank):
+        raise ValueError(f"Invalid full_rank_params={full_rank!r}: it must be a list of regular expressions on "
+                         "parameter names, e.g. optimizer={'full_rank_params': ['decoder']}.")
+    optimizer_knobs = {k: flat.pop(k) for k in STRATEGY_OPTIMIZER_KNOBS if k in flat}
+    optimizer_knobs = {k: v for k, v in optimizer_knobs.items() if _differs(v, OPTIMIZER_DEFAULTS[k])}
+    if (optimizer_knobs or full_rank) and lowrank is False:
+        name = next(iter(optimizer_knobs), "full_rank_params")
+        raise ValueError(f"Invalid optimizer {name}={optimizer_knobs.get(name, full_rank)!r} with lowrank=False "
+                         f"(preset={preset!r}): the optimizer knobs shape LoRDO's step, and without LoRDO your "
+                         "optimizer runs as it is, so it would be ignored. Drop it, or use preset='lordo'.")
     check_optimizer_knobs(optimizer_knobs, in_group=False)
     check_knob_combinations(optimizer_knobs, {**OPTIMIZER_DEFAULTS, **optimizer_knobs})
-    config = SyncConfig(**{k: knobs[k] for k in SyncConfig.__dataclass_fields__ if k in knobs})
+    config = SyncConfig(**flat)
     if config.basis_every > 1 and lowrank is False:
-        raise ValueError(f"Invalid basis_every={config.basis_every} with lowrank=False ('diloco'): there are no "
-                         "low-rank bases to refresh. Drop basis_every, or use a LoRDO preset.")
+        raise ValueError(f"Invalid basis_every={config.basis_every} with lowrank=False (preset={preset!r}): there "
+                         "are no low-rank bases to refresh. Drop basis_every, or use preset='lordo'.")
     if config.payload == "lowrank" and lowrank is False:
-        raise ValueError("Invalid payload='lowrank' with lowrank=False ('diloco'): the low-rank payload sends the "
-                         "low-rank matrices of the LoRDO optimizer. Use payload='full' (payload_dtype may be "
-                         "'bfloat16' or 'int8'), or a LoRDO preset.")
-    return config, optimizer_knobs
+        raise ValueError(f"Invalid payload='lowrank' with lowrank=False (preset={preset!r}): the low-rank payload "
+                         "sends the low-rank matrices of the LoRDO optimizer. Use payload='full' (payload_dtype may "
+                         "be 'bfloat16' or 'int8'), or preset='lordo'.")
+    return Knobs(config, optimizer_knobs, lowrank, full_rank, shards, progress_bar)
+
+
+def strategy_kwargs(**knobs: Any) -> dict[str, Any]:
+    """Knobs given by name wherever they live, as a strategy's arguments: ``strategy_kwargs(rank=8,
+    basis_every=2)`` is ``{"optimizer": {"rank": 8}, "experimental": {"basis_every": 2}}`` (scripts that sweep
+    knobs of every kind use it)."""
+    out: dict[str, Any] = {}
+    for key, value in knobs.items():
+        if key in OPTIMIZER_MAPPING_KNOBS:
+            out.setdefault("optimizer", {})[key] = value
+        elif key in EXPERIMENTAL_KNOBS:
+            out.setdefault("experimental", {})[key] = value
+        else:
+            out[key] = value
+    return out

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_lordo  # noqa: F401  (registers the strategy names)
 from lightning_lordo import LoRDOStrategy
+from lightning_lordo.strategy_knobs import strategy_kwargs
 
 
 class TinyRegressor(L.LightningModule):
@@ -73,7 +74,8 @@ def lordo(sync_every: int = 4, start_method: str = "fork", **knobs: Any) -> LoRD
     """The strategy for tests: fork for 2 workers; ``start_method="popen"`` runs a 1-device fit in this process."""
     if knobs.get("lowrank", True):  # "diloco" takes no optimizer knobs
         knobs.setdefault("rank", 4)
-    return LoRDOStrategy(sync_every=sync_every, start_method=start_method, timeout=timedelta(seconds=60), **knobs)
+    return LoRDOStrategy(sync_every=sync_every, start_method=start_method, timeout=timedelta(seconds=60),
+                         **strategy_kwargs(**knobs))
 
 
 def trainer(strategy: Any, devices: int = 2, callbacks: Any = (), **kwargs: Any) -> L.Trainer:

@@ -13,6 +13,7 @@ from strategy_helpers import TinyRegressor, gather, loader, lordo, trainer
 from lightning_lordo import LoRDOStrategy
 from lightning_lordo._tensors import canonical
 from lightning_lordo.optim.projection import power_basis
+from lightning_lordo.strategy_knobs import strategy_kwargs
 
 
 @pytest.mark.parametrize(("knobs", "message"), [
@@ -24,7 +25,7 @@ from lightning_lordo.optim.projection import power_basis
 ])
 def test_bad_basis_every_is_refused_with_the_argument_named(knobs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        LoRDOStrategy(**knobs)
+        LoRDOStrategy(**strategy_kwargs(**knobs))
 
 
 class WindowChecker(L.Callback):

@@ -21,6 +21,8 @@ from lightning_lordo import LoRDOStrategy
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.shards import load_full
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 REFUSED = "Copy the checkpoint file together with its shard directory"
 
 
@@ -190,7 +192,7 @@ class StallingCheckpoint(ModelCheckpoint):
 def test_a_stall_in_model_checkpoint_names_model_checkpoint(tmp_path: Path) -> None:
     start = time.monotonic()
     with pytest.raises(Exception) as info:
-        trainer(LoRDOStrategy(sync_every=4, start_method="fork", timeout=3, rank=4), max_steps=6,
+        trainer(LoRDOStrategy(sync_every=4, start_method="fork", timeout=3, optimizer={"rank": 4}), max_steps=6,
                 enable_checkpointing=True,
                 callbacks=[StallingCheckpoint(dirpath=tmp_path, every_n_train_steps=2)]).fit(TinyRegressor(), loader())
     text = str(info.value)

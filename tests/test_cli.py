@@ -1,5 +1,5 @@
-"""LightningCLI and YAML configs set every knob of the strategy by name: flags, a config file, ``--print_config``
-round-tripping the values, and ``--help`` listing them all."""
+"""LightningCLI and YAML configs reach every knob in its home (a named argument, ``optimizer``, ``experimental``):
+flags, a config file, a preset overridden, ``--print_config`` round-tripping the values, ``--help`` listing them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 from strategy_helpers import TinyRegressor, loader
 
-from lightning_lordo import LoRDOStrategy
+from lightning_lordo import LoRDOFabricStrategy, LoRDOStrategy
+from lightning_lordo.strategy_knobs import EXPERIMENTAL_KNOBS
 
 
 class CLIModel(TinyRegressor):
@@ -22,9 +23,11 @@ class CLIModel(TinyRegressor):
 
 BASE = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.max_steps=4", "--trainer.logger=false",
         "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false"]
-KNOBS = {"rank": 8, "omega": 0.9, "normalizer": "mean_denom", "payload": "lowrank", "payload_dtype": "int8",
-         "warmup_steps": 2, "switch_betas": [0.99, 0.99], "switch_lr_scale": 0.5, "timeout": 60.0, "seed": 3,
-         "anchor_device": "cpu", "error_feedback": False, "full_rank_input": "gradient", "power_iters": 2}
+#: A knob of each home: named distribution knobs, the optimizer mapping, the experimental dataclass.
+NAMED = {"payload": "lowrank", "payload_dtype": "int8", "timeout": 60.0, "anchor_device": "cpu"}
+OPTIMIZER = {"rank": 8, "omega": 0.9, "normalizer": "mean_denom", "error_feedback": False,
+             "full_rank_input": "gradient", "power_iters": 2}
+EXPERIMENTAL = {"warmup_steps": 2, "switch_betas": [0.99, 0.99], "switch_lr_scale": 0.5, "seed": 3}
 
 
 def _cli(args: list[str]) -> LightningCLI:
@@ -33,8 +36,7 @@ def _cli(args: list[str]) -> LightningCLI:
 
 def _check(strategy: Any) -> None:
     assert isinstance(strategy, LoRDOStrategy)
-    assert strategy.optimizer_knobs == {k: KNOBS[k] for k in ("rank", "omega", "normalizer", "error_feedback",
-                                                              "full_rank_input", "power_iters")}
+    assert strategy.optimizer_knobs == OPTIMIZER
     config = strategy.sync_config
     assert (config.payload, config.payload_dtype, config.warmup_steps, config.switch_betas) == (
         "lowrank", "int8", 2, (0.99, 0.99))
@@ -42,25 +44,27 @@ def _check(strategy: Any) -> None:
     assert config.anchor_device == "cpu"
 
 
-def _flags(knobs: dict[str, Any]) -> list[str]:
-    out = ["--trainer.strategy=lightning_lordo.LoRDOStrategy"]
-    for k, v in knobs.items():
-        value = {True: "true", False: "false"}.get(v, str(v).replace(" ", "")) if isinstance(v, bool) \
-            else str(v).replace(" ", "")
-        out.append(f"--trainer.strategy.{k}={value}")
-    return out
+def _value(v: Any) -> str:
+    return {True: "true", False: "false"}[v] if isinstance(v, bool) else str(v).replace(" ", "")
+
+
+def _flags() -> list[str]:
+    return ["--trainer.strategy=lightning_lordo.LoRDOStrategy",
+            *(f"--trainer.strategy.{k}={_value(v)}" for k, v in NAMED.items()),
+            *(f"--trainer.strategy.optimizer.{k}={_value(v)}" for k, v in OPTIMIZER.items()),
+            *(f"--trainer.strategy.experimental.{k}={_value(v)}" for k, v in EXPERIMENTAL.items())]
 
 
 def test_flags_set_every_kind_of_knob_and_the_run_trains() -> None:
-    cli = _cli(BASE + _flags(KNOBS))
+    cli = _cli(BASE + _flags())
     _check(cli.trainer.strategy)
     cli.trainer.fit(cli.model)
     assert cli.trainer.strategy.synchronizer.optimizer_steps == 4
 
 
 def test_a_yaml_config_sets_the_knobs(tmp_path: Path) -> None:
-    config = {"trainer": {"strategy": {"class_path": "lightning_lordo.LoRDOStrategy",
-                                       "init_args": {"sync_every": 4, **KNOBS}}}}
+    config = {"trainer": {"strategy": {"class_path": "lightning_lordo.LoRDOStrategy", "init_args": {
+        "sync_every": 4, **NAMED, "optimizer": OPTIMIZER, "experimental": EXPERIMENTAL}}}}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     cli = _cli(BASE + [f"--config={path}"])
@@ -68,29 +72,52 @@ def test_a_yaml_config_sets_the_knobs(tmp_path: Path) -> None:
     assert cli.trainer.strategy.sync_config.sync_every == 4
 
 
+def test_a_preset_is_a_knob_the_other_knobs_override() -> None:
+    """``--trainer.strategy.preset`` starts from a registered name; what else is given overrides it."""
+    cli = _cli(BASE + ["--trainer.strategy=LoRDOStrategy", "--trainer.strategy.preset=lordo_compressed",
+                       "--trainer.strategy.sync_every=8", "--trainer.strategy.payload_dtype=bfloat16",
+                       "--trainer.strategy.experimental.moments_every=1", "--trainer.strategy.optimizer={rank: 4}"])
+    strategy = cli.trainer.strategy
+    config = strategy.sync_config
+    assert strategy.preset == "lordo_compressed" and config.sync_every == 8
+    assert (config.payload, config.payload_dtype, config.moments_every, config.fullrank_rank) == (
+        "lowrank", "bfloat16", 1, 16)  # payload and fullrank_rank from the preset, the rest overridden
+    assert strategy.optimizer_knobs["rank"] == 4 and strategy.optimizer_knobs["error_feedback"] is False
+
+
 def test_print_config_round_trips_the_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        _cli(BASE + _flags(KNOBS) + ["--print_config"])
+        _cli(BASE + _flags() + ["--print_config"])
     printed = capsys.readouterr().out
     init_args = yaml.safe_load(printed)["trainer"]["strategy"]["init_args"]
-    for name, value in KNOBS.items():
+    for name, value in NAMED.items():
         assert init_args[name] == value, (name, init_args[name])
+    assert init_args["optimizer"] == OPTIMIZER
+    assert {k: init_args["experimental"][k] for k in EXPERIMENTAL} == EXPERIMENTAL
     path = tmp_path / "printed.yaml"
     path.write_text(printed)
     _check(_cli([f"--config={path}"]).trainer.strategy)
 
 
-def test_help_lists_every_knob(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_every_named_and_experimental_knob(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         _cli(["--trainer.strategy.help=lightning_lordo.LoRDOStrategy"])
     text = capsys.readouterr().out
-    names = [n for n in inspect.signature(LoRDOStrategy.__init__).parameters if n not in ("self", "unknown")]
-    assert len(names) > 40
+    names = [n for n in inspect.signature(LoRDOStrategy.__init__).parameters
+             if n not in ("self", "ddp", "experimental")]
     missing = [n for n in names if f"--trainer.strategy.{n} " not in text]
+    missing += [n for n in EXPERIMENTAL_KNOBS if f"--trainer.strategy.experimental.{n} " not in text]
     assert not missing, missing
-    assert "rank r per matrix" in text and "consecutive non-finite rounds" in text  # the docstring's words
+    assert "PowerSGD-style" in text and "consecutive discarded rounds" in text  # the docstrings' words
+
+
+def test_the_strategy_has_at_most_15_named_arguments() -> None:
+    for cls in (LoRDOStrategy, LoRDOFabricStrategy):
+        named = [n for n, p in inspect.signature(cls.__init__).parameters.items()
+                 if n != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+        assert len(named) <= 15, (cls.__name__, named)
 
 
 def test_a_bad_value_from_the_command_line_names_the_knob() -> None:
     with pytest.raises(ValueError, match=r"Invalid rank=0: it must be an integer >= 1"):
-        _cli(BASE + ["--trainer.strategy=lightning_lordo.LoRDOStrategy", "--trainer.strategy.rank=0"])
+        _cli(BASE + ["--trainer.strategy=lightning_lordo.LoRDOStrategy", "--trainer.strategy.optimizer.rank=0"])

@@ -13,6 +13,8 @@ from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, 
 
 from lightning_lordo import LoRDOStrategy
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 
 class SaveFinal(L.Callback):
     def __init__(self, path: Path) -> None:
@@ -134,13 +136,13 @@ class ReducedPrecision(L.Callback):
 
 
 def test_bfloat16_full_payload_on_diloco() -> None:
-    trainer(LoRDOStrategy(sync_every=4, lowrank=False, payload_dtype="bfloat16", start_method="fork"),
+    trainer(LoRDOStrategy(preset="diloco", sync_every=4, payload_dtype="bfloat16", start_method="fork"),
             callbacks=[ReducedPrecision()], max_steps=12).fit(TinyRegressor(), loader())
 
 
 def test_lowrank_payload_is_refused_for_diloco_before_launch() -> None:
     with pytest.raises(ValueError, match="payload='lowrank'"):
-        LoRDOStrategy(lowrank=False, payload="lowrank")
+        LoRDOStrategy(preset="diloco", payload="lowrank")
 
 
 def test_compressed_payloads_train(tmp_path: Path) -> None:

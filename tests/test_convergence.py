@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_lordo import LoRDO, LoRDOStrategy
 from lightning_lordo.config import LEAN_KNOBS
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 #: The optimizer knobs of the presets: "lordo", "lordo_local" and "lowrank_ddp" take the defaults, "lordo_lean" and
 #: "lordo_compressed" the lean ones ("diloco" runs the user's AdamW); "authors" is the authors' recipe (SPEC §10).
 PRESET_KNOBS: dict[str, dict[str, Any]] = {

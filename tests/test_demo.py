@@ -14,6 +14,8 @@ import pytest
 
 from lightning_lordo.demo import main
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 
 def _clean_env() -> dict[str, str]:
     drop = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")

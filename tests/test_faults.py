@@ -47,7 +47,8 @@ from lightning_lordo.sync.synchronizer import Synchronizer
 NAN = float("nan")
 
 # the models' (3, 16) head is smaller than the rank: LoRDO says so once per construction; not what is tested here
-pytestmark = pytest.mark.filterwarnings("ignore:LoRDO. rank=4 is larger than the smaller side:UserWarning")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore:LoRDO. rank=4 is larger than the smaller side:UserWarning")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -565,7 +566,7 @@ def test_non_finite_pseudo_gradient_on_one_rank_is_skipped_consistently(
     from lightning.pytorch.loggers import CSVLogger
 
     strategy = lordo(sync_every=4, **knobs) if preset == "lordo" else \
-        LoRDOStrategy(sync_every=4, lowrank=False, start_method="fork", timeout=60)
+        LoRDOStrategy(preset="diloco", sync_every=4, start_method="fork", timeout=60)
     at_step = 7 if inject == "grad" else 5  # grad: the last step of round 2; loss: mid-round
     csv = CSVLogger(tmp_path, name="csv", version=0)
     module = NaNRegressor(inject, at_step, optimizer)
@@ -599,7 +600,7 @@ class Misbehave(L.Callback):
 def test_fit_fails_instead_of_hanging_when_a_worker_dies_or_hangs(mode: str) -> None:
     start = time.monotonic()
     with pytest.raises(Exception) as info:
-        trainer(LoRDOStrategy(sync_every=4, start_method="fork", timeout=TIMEOUT_S, rank=4),
+        trainer(LoRDOStrategy(sync_every=4, start_method="fork", timeout=TIMEOUT_S, optimizer={"rank": 4}),
                 callbacks=[Misbehave(mode)], max_steps=12).fit(TinyRegressor(), loader())
     assert time.monotonic() - start < 30
     if mode == "hang":  # rank 0 waited in sync 1's all-reduce and failed with the plugin's error

@@ -21,6 +21,8 @@ from lightning_lordo.strategy_knobs import PRESETS
 from lightning_lordo.sync.payloads import FULLRANK_PART, LOWRANK_PART, PseudoGradientPayloads, compressible
 from lightning_lordo.sync.report import breakdown
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 FIRST_LAYER = [r"net\.0\.weight$"]  # TinyRegressor's 24 x 12 input layer, kept full-rank here
 RANK = 2
 
@@ -79,8 +81,9 @@ def test_accountant_counts_parts_under_their_purpose_and_between_rounds() -> Non
 
 def test_moments_every_refuses_a_run_that_averages_no_moments() -> None:
     with pytest.raises(ValueError, match=r"moments_every=2.*average_moments=False"):
-        LoRDOStrategy(moments_every=2, average_moments=False)
-    LoRDOStrategy(moments_every=2, average_moments=False, average_fullrank_moments=True)  # these are averaged
+        LoRDOStrategy(experimental={"moments_every": 2, "average_moments": False})
+    # the full-rank moments are averaged
+    LoRDOStrategy(experimental={"moments_every": 2, "average_moments": False, "average_fullrank_moments": True})
 
 
 # ------------------------------------------------------------------------------------------------ 2 processes

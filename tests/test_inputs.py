@@ -23,12 +23,14 @@ from torch import nn
 import lightning_lordo  # noqa: F401  (registers the strategy names)
 from lightning_lordo import LoRDO, LoRDOStrategy, SyncConfig
 from lightning_lordo.config import OPTIMIZER_DEFAULTS
+from lightning_lordo.strategy_knobs import strategy_kwargs
 
 NAN, INF = float("nan"), float("inf")
 FROM_USER_OPTIMIZER = ("lr", "betas", "eps", "weight_decay")
 STRATEGY_OPTIMIZER_KNOBS = tuple(k for k in OPTIMIZER_DEFAULTS if k not in FROM_USER_OPTIMIZER)
 SYNC_KNOBS = tuple(SyncConfig.__dataclass_fields__)
-OWN_ARGS = ("lowrank", "monitor", "start_method", "full_rank_params")
+OWN_ARGS = ("lowrank", "monitor", "start_method", "full_rank_params", "preset", "checkpoint_shards",
+            "monitor_progress_bar")
 
 # (argument, bad value, what the message must show of it). ``shown`` is repr(value) unless a part is blamed.
 BAD: list[tuple[str, Any, str]] = [
@@ -65,25 +67,26 @@ BAD: list[tuple[str, Any, str]] = [
     ("average_moments", 1, "1"), ("average_moments", "yes", "'yes'"),
     ("basis_scope", "globl", "'globl'"),
     ("initial_basis", "zeros", "'zeros'"),
-    ("payload", "powersgd", "'powersgd'"), ("payload", None, "None"),
+    ("payload", "powersgd", "'powersgd'"),
     ("payload_dtype", "float16", "'float16'"), ("payload_dtype", "fp8", "'fp8'"),
-    ("broadcast_bases", 0, "0"), ("broadcast_bases", None, "None"),
+    ("broadcast_bases", 0, "0"),
     ("timeout", 0, "0"), ("timeout", -5.0, "-5.0"), ("timeout", NAN, "nan"), ("timeout", INF, "inf"),
     ("timeout", True, "True"), ("timeout", "30", "'30'"), ("timeout", timedelta(0), repr(timedelta(0))),
     ("timeout", timedelta(seconds=-1), repr(timedelta(seconds=-1))), ("timeout", 0.001, "0.001"),
     ("timeout", 1e15, "1000000000000000.0"), ("timeout", timedelta(days=400), repr(timedelta(days=400))),
-    ("max_skipped_syncs", 0, "0"), ("max_skipped_syncs", 2.0, "2.0"), ("max_skipped_syncs", None, "None"),
-    ("seed", 1.5, "1.5"), ("seed", True, "True"), ("seed", "0", "'0'"), ("seed", None, "None"),
+    ("max_skipped_syncs", 0, "0"), ("max_skipped_syncs", 2.0, "2.0"),
+    ("seed", 1.5, "1.5"), ("seed", True, "True"), ("seed", "0", "'0'"),
     ("average_fullrank_moments", 1, "1"), ("average_error_feedback", "no", "'no'"),
     ("warmup_steps", -1, "-1"), ("warmup_steps", 2.5, "2.5"), ("warmup_steps", True, "True"),
-    ("synchronous", 1, "1"), ("switch_reset_moments", None, "None"),
+    ("synchronous", 1, "1"), ("switch_reset_moments", 1, "1"), ("preset", "lordo2", "'lordo2'"),
+    ("checkpoint_shards", 1, "1"), ("monitor_progress_bar", 1, "1"),
     ("switch_betas", 0.9, "0.9"), ("switch_betas", (0.9, 1.0), "(0.9, 1.0)"),
     ("switch_betas", (NAN, 0.9), "(nan, 0.9)"),
     ("switch_lr_scale", 0.0, "0.0"), ("switch_lr_scale", -2.0, "-2.0"), ("switch_lr_scale", INF, "inf"),
     ("switch_lr_scale", True, "True"),
     ("anchor_device", "gpu", "'gpu'"), ("anchor_device", None, "None"),
     ("fullrank_rank", -1, "-1"), ("fullrank_rank", 2.0, "2.0"), ("fullrank_rank", True, "True"),
-    ("moments_every", 0, "0"), ("moments_every", 1.5, "1.5"), ("moments_every", None, "None"),
+    ("moments_every", 0, "0"), ("moments_every", 1.5, "1.5"),
     ("basis_every", 0, "0"), ("basis_every", 2.0, "2.0"), ("basis_every", True, "True"),
     ("overlap_steps", -1, "-1"), ("overlap_steps", 16, "16"), ("overlap_steps", 1.0, "1.0"),
     ("bucket_cap_mb", 0, "0"), ("bucket_cap_mb", INF, "inf"), ("bucket_cap_mb", "25", "'25'"),
@@ -124,7 +127,8 @@ GOOD: list[tuple[Any, ...]] = [
     ("timeout", 5), ("timeout", 1.0), ("timeout", timedelta(minutes=1)), ("timeout", 3600 * 24 * 365),
     ("seed", 7), ("seed", 0), ("max_skipped_syncs", 1), ("max_skipped_syncs", 10),
     ("lowrank", False), ("monitor", False), ("start_method", "spawn"), ("start_method", "fork"),
-    ("full_rank_params", [r"fc\.weight$"]), ("full_rank_params", ()),
+    ("full_rank_params", [r"fc\.weight$"]), ("full_rank_params", ()), ("preset", "lordo_compressed"),
+    ("checkpoint_shards", False), ("monitor_progress_bar", True),
 ]
 
 
@@ -142,7 +146,7 @@ def test_the_lists_cover_every_knob() -> None:
 @pytest.mark.parametrize(("name", "value", "shown"), BAD, ids=[_id(n, v) for n, v, _ in BAD])
 def test_strategy_refuses_a_bad_value_naming_it(name: str, value: Any, shown: str) -> None:
     with pytest.raises(ValueError) as info:
-        LoRDOStrategy(**{name: value})
+        LoRDOStrategy(**strategy_kwargs(**{name: value}))
     message = str(info.value)
     assert f"{name}={shown}" in message, message  # the argument and the value as the user wrote it
     assert re.search(r"must be|allowed values|Pass valid", message), message  # and what is allowed
@@ -151,7 +155,7 @@ def test_strategy_refuses_a_bad_value_naming_it(name: str, value: Any, shown: st
 @pytest.mark.parametrize("good", GOOD, ids=[_id(g[0], g[1]) for g in GOOD])
 def test_strategy_accepts_a_good_value(good: tuple[Any, ...]) -> None:
     name, value = good[:2]
-    strategy = LoRDOStrategy(**{name: value}, **(good[2] if len(good) > 2 else {}))
+    strategy = LoRDOStrategy(**strategy_kwargs(**{name: value}, **(good[2] if len(good) > 2 else {})))
     if name in STRATEGY_OPTIMIZER_KNOBS:  # the knobs passed on to LoRDO: those set to another value than its default
         assert strategy.optimizer_knobs.get(name, OPTIMIZER_DEFAULTS[name]) == value
     elif name == "timeout":
@@ -179,7 +183,7 @@ def test_strategy_refuses_knobs_that_come_from_the_users_optimizer(name: str) ->
 def test_strategy_refuses_unknown_keywords_with_type_error(name: str) -> None:
     with pytest.raises(TypeError, match=name) as info:
         LoRDOStrategy(**{name: 1})
-    assert "sync_every" in str(info.value) and "rank" in str(info.value)  # it lists what is known
+    assert "sync_every" in str(info.value) and "optimizer" in str(info.value)  # it lists what is known
 
 
 IGNORED_COMBINATIONS: list[tuple[dict[str, Any], str]] = [
@@ -214,7 +218,7 @@ def test_the_accumulated_input_without_error_feedback_is_refused_by_the_optimize
 def test_a_knob_the_configuration_would_ignore_is_refused(knobs: dict[str, Any], shown: str) -> None:
     """Nothing is silently ignored: a knob that has no effect with the other knobs given is refused, naming it."""
     with pytest.raises(ValueError) as info:
-        LoRDOStrategy(**knobs)
+        LoRDOStrategy(**strategy_kwargs(**knobs))
     assert shown in str(info.value) and re.search(r"must be|would be ignored|only applies", str(info.value))
     optimizer_knobs = {k: v for k, v in knobs.items() if k in OPTIMIZER_DEFAULTS}
     if optimizer_knobs == knobs:  # the optimizer alone refuses it too, and in a param group
@@ -330,7 +334,7 @@ def test_each_trainer_gets_its_own_strategy_instance() -> None:
 ], ids=["outer_lr", "outer_momentum", "power_iters", "oversample", "lifted_floor", "diloco-rank", "diloco-omega"])
 def test_a_knob_that_the_others_make_meaningless_is_refused(knobs: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=re.escape(named)):
-        LoRDOStrategy(**knobs)
+        LoRDOStrategy(**strategy_kwargs(**knobs))
 
 
 def test_the_strategys_optimizer_knobs_are_refused_when_the_module_returns_a_lordo() -> None:
@@ -343,7 +347,7 @@ def test_the_strategys_optimizer_knobs_are_refused_when_the_module_returns_a_lor
         def configure_optimizers(self) -> LoRDO:
             return LoRDO(self.parameters(), rank=4, omega=0.5)
 
-    fit = L.Trainer(strategy=LoRDOStrategy(rank=8, omega=0.9, start_method="popen", monitor=False),
+    fit = L.Trainer(strategy=LoRDOStrategy(start_method="popen", monitor=False, optimizer={"rank": 8, "omega": 0.9}),
                     accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match=r"optimizer knobs \(rank=8, omega=0.9.*returns a LoRDO"):

@@ -25,6 +25,8 @@ from lightning_lordo.comm.quantization import QuantizedAverager, quantized_mean,
 from lightning_lordo.comm.reduce_scatter import chunk_layout, reduce_scatter_bytes
 from lightning_lordo.comm.wire import ddp_wire_bytes, wire_bytes
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 WORLDS = (2, 3, 4)
 SHAPES = [(40, 33), (7,), (3, 5, 2), (), (9, 31)]  # 1637 numbers
 NUMEL = sum(math.prod(s) for s in SHAPES)

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 SCRIPT = Path(__file__).with_name("launch_script.py")
 HARD_TIMEOUT_S = 150  # a 2-process run takes ~10-20 s here; a hang is killed well before pytest's own timeout
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK",

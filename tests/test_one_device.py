@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_lordo import LoRDOStrategy
 from lightning_lordo.config import SyncConfig
+from lightning_lordo.strategy_knobs import strategy_kwargs
 
 
 class DemoLM(L.LightningModule):
@@ -82,7 +83,7 @@ def test_one_device_holds_no_anchor_and_less_state_than_adamw() -> None:
 
 @pytest.mark.parametrize("knobs", [{"synchronous": False}, {"basis_every": 2}, {"outer_optimizer": "nesterov"}])
 def test_a_knob_of_the_rounds_asks_one_device_for_rounds(knobs: dict[str, Any]) -> None:
-    trainer, _ = _fit(LoRDOStrategy(sync_every=2, monitor=False, **knobs))
+    trainer, _ = _fit(LoRDOStrategy(sync_every=2, monitor=False, **strategy_kwargs(**knobs)))
     sync = trainer.strategy.synchronizer
     assert not sync.config.synchronous and sync.anchor and sync.syncs_done >= 2
 

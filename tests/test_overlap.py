@@ -15,6 +15,8 @@ from test_optim import _ef
 
 from lightning_lordo import LoRDOFabricStrategy, LoRDOStrategy
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 K, TAU = 4, 2
 
 
@@ -24,7 +26,7 @@ def test_overlap_steps_is_validated() -> None:
     with pytest.raises(ValueError, match=r"overlap_steps=-1"):
         LoRDOStrategy(overlap_steps=-1)
     with pytest.raises(ValueError, match=r"overlap_steps=2.*synchronous=True"):
-        LoRDOStrategy(synchronous=True, overlap_steps=2)
+        LoRDOStrategy(overlap_steps=2, experimental={"synchronous": True})
     with pytest.raises(ValueError, match=r"overlap_steps=4.*below sync_every=4"):
         LoRDOFabricStrategy(sync_every=4, overlap_steps=4)  # Fabric takes the knob, with the same checks
 
@@ -133,7 +135,8 @@ def test_an_overlapped_fit_fails_instead_of_hanging_when_a_worker_dies_or_hangs(
 
     start = time.monotonic()
     with pytest.raises(Exception) as info:
-        trainer(LoRDOStrategy(sync_every=K, overlap_steps=TAU, start_method="fork", timeout=TIMEOUT_S, rank=4),
+        trainer(LoRDOStrategy(sync_every=K, overlap_steps=TAU, start_method="fork", timeout=TIMEOUT_S,
+                              optimizer={"rank": 4}),
                 callbacks=[Misbehave(mode)], max_steps=12).fit(TinyRegressor(), loader())
     assert time.monotonic() - start < 40
     if mode == "hang":

@@ -13,7 +13,11 @@ import torch
 from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
 
 from lightning_lordo import LoRDO, LoRDOStrategy
-from lightning_lordo.lightning.convert import full_rank_params, track_step_calls
+from lightning_lordo.lightning._compat import track_step_calls
+from lightning_lordo.lightning.convert import full_rank_params
+from lightning_lordo.strategy_knobs import strategy_kwargs
+
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
 
 
 def _flags_and_grads(module: L.LightningModule) -> int:
@@ -141,7 +145,8 @@ def test_lowrank_ddp_is_ddp_with_the_lowrank_optimizer(tmp_path: Path) -> None:
     reference = torch.load(tmp_path / "ddp.pt")
     plain = TinyRegressor()
     plain.load_state_dict(init)
-    strategy = LoRDOStrategy(sync_every=4, rank=4, synchronous=True, start_method="fork")
+    strategy = LoRDOStrategy(sync_every=4, start_method="fork", optimizer={"rank": 4},
+                             experimental={"synchronous": True})
     trainer(strategy, callbacks=[SaveFinal(tmp_path / "lowrank_ddp.pt")], max_steps=12).fit(plain, loader())
     ours = torch.load(tmp_path / "lowrank_ddp.pt")
     assert not torch.equal(reference, flat_params(LoRDOUnderDDP()))
@@ -209,5 +214,5 @@ def test_a_sync_averages_the_optimizer_state_asked_for(preset: str, knobs: dict[
     checker = AveragedState(4, fullrank=knobs.get("average_fullrank_moments", False),
                             feedback=knobs.get("average_error_feedback", False))
     strategy = lordo(sync_every=4, lowrank=preset == "lordo", **knobs) if preset == "lordo" else \
-        LoRDOStrategy(sync_every=4, lowrank=False, start_method="fork", **knobs)
+        LoRDOStrategy(preset="diloco", sync_every=4, start_method="fork", **strategy_kwargs(**knobs))
     trainer(strategy, callbacks=[checker], max_steps=10).fit(TinyRegressor(), loader())

@@ -24,6 +24,8 @@ from lightning_lordo import LoRDOStrategy
 from lightning_lordo.comm.communicator import CollectiveTimeout
 from lightning_lordo.lightning.shards import load_full
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 SCRIPT = """
 import os, sys, time
 sys.path.insert(0, {tests!r})
@@ -47,8 +49,8 @@ def late_rank1(self):  # sync 2: rank 0 waits in its first collective while rank
     return real_sync(self)
 
 synchronizer.Synchronizer._sync = late_rank1
-fit = L.Trainer(strategy=LoRDOStrategy(sync_every=int(sys.argv[1]), rank=4, timeout=20), accelerator="cpu",
-                devices=2, max_steps=10_000, callbacks=[OnExceptionCheckpoint(out)], logger=False,
+fit = L.Trainer(strategy=LoRDOStrategy(sync_every=int(sys.argv[1]), optimizer=dict(rank=4), timeout=20),
+                accelerator="cpu", devices=2, max_steps=10_000, callbacks=[OnExceptionCheckpoint(out)], logger=False,
                 enable_progress_bar=False, enable_model_summary=False)
 fit.fit(TinyRegressor(), loader(n=20_000))
 """
@@ -110,7 +112,7 @@ def test_ctrl_c_inside_a_sync_writes_the_emergency_checkpoint_without_waiting_fo
 
 
 def _strategy(k: int, timeout: float) -> LoRDOStrategy:
-    return LoRDOStrategy(sync_every=k, rank=4, start_method="fork", timeout=timeout)
+    return LoRDOStrategy(sync_every=k, start_method="fork", timeout=timeout, optimizer={"rank": 4})
 
 
 class HangsAtStep(TinyRegressor):
@@ -151,8 +153,8 @@ def test_a_worker_that_dies_between_syncs_is_named_by_the_others(tmp_path: Path)
                 return super().training_step(batch, batch_idx)
 
         torch.set_num_threads(1)
-        L.Trainer(strategy=LoRDOStrategy(sync_every=8, rank=4, timeout=20), accelerator="cpu", devices=2,
-                  max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        L.Trainer(strategy=LoRDOStrategy(sync_every=8, optimizer=dict(rank=4), timeout=20), accelerator="cpu",
+                  devices=2, max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False).fit(Dies(), loader())
     """))
     env = {k: v for k, v in os.environ.items()
@@ -197,7 +199,7 @@ def test_a_rank_whose_next_step_syncs_names_uneven_batches_before_the_sync(tmp_p
             rows = range(64 if dist.get_rank() == 0 else 24)
             return DataLoader(Subset(loader(n=64).dataset, list(rows)), batch_size=8)
 
-    strategy = RecordsCheckErrors(tmp_path, sync_every=4, rank=4, start_method="fork", timeout=10)
+    strategy = RecordsCheckErrors(tmp_path, sync_every=4, optimizer={"rank": 4}, start_method="fork", timeout=10)
     with pytest.raises(Exception):  # noqa: B017 - the first failing worker's error, from the launcher
         trainer(strategy, max_epochs=1, use_distributed_sampler=False).fit(RankData())
     message = (tmp_path / "rank0.txt").read_text()
@@ -285,7 +287,8 @@ class RecordsStop(L.Callback):
             f.write(f"{{type(exception).__name__}} {{trainer.global_step}}")
 
 torch.set_num_threads(1)
-L.Trainer(strategy=LoRDOStrategy(sync_every=8, rank=4, timeout=20), accelerator="cpu", devices=2, max_steps=12,
+L.Trainer(strategy=LoRDOStrategy(sync_every=8, optimizer=dict(rank=4), timeout=20), accelerator="cpu", devices=2,
+          max_steps=12,
           callbacks=[RecordsStop()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
           enable_model_summary=False).fit(SigtermOnRank1(), loader())
 """

@@ -19,6 +19,8 @@ from strategy_helpers import TinyRegressor, gather, loader, lordo, trainer
 from lightning_lordo import LoRDOStrategy
 from lightning_lordo.lightning.shards import load_full
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 
 class Float64Kept(L.Callback):
     """After every sync the parameters are float64 and not all representable in float32 (a float32 round trip
@@ -45,8 +47,8 @@ class Float64Kept(L.Callback):
 
 @pytest.mark.parametrize("preset", ["lordo", "diloco"])
 def test_float64_parameters_stay_float64_through_every_sync(preset: str) -> None:
-    strategy = lordo(sync_every=2) if preset == "lordo" else LoRDOStrategy(sync_every=2, lowrank=False,
-                                                                           start_method="fork")
+    strategy = lordo(sync_every=2) if preset == "lordo" else \
+        LoRDOStrategy(preset="diloco", sync_every=2, start_method="fork")
     trainer(strategy, callbacks=[Float64Kept()], max_steps=10, precision="64-true").fit(TinyRegressor(), loader())
 
 

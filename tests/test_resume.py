@@ -19,6 +19,8 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from lightning_lordo.lightning.shards import load_full
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 K = 4  # step 6 is mid-round (2 steps after a sync) and step 12 is exactly at a sync
 # The resume tests' data: 80 samples, 40 a rank, batches of 8, so epochs end at steps 5, 10 and 15, and the checkpoints
 # (every 3 steps: 3, 6, 9, 12) all fall mid-epoch. A resume must continue at the batch where the run stopped.

@@ -16,6 +16,9 @@ from test_resume import FIXED_DATA, BatchNormRegressor, K, epoch_loader
 from torch import nn
 
 from lightning_lordo import LoRDO, LoRDOStrategy
+from lightning_lordo.strategy_knobs import strategy_kwargs
+
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
 
 
 def _first_fit(tmp_path: Path, module: L.LightningModule, strategy: Any, steps: int = 12) -> Path:
@@ -90,8 +93,8 @@ def test_a_checkpoint_of_one_preset_resumes_under_the_other(tmp_path: Path, firs
     """lordo <-> diloco: the same AdamW state for the full-rank parameters; LoRDO's low-rank moments become AdamW
     moments (expanded through the basis) for diloco, and restart for lordo from diloco's."""
     def strategy(preset: str) -> Any:
-        return lordo(sync_every=K) if preset == "lordo" else LoRDOStrategy(sync_every=K, lowrank=False,
-                                                                            start_method="fork")
+        return lordo(sync_every=K) if preset == "lordo" else \
+            LoRDOStrategy(preset="diloco", sync_every=K, start_method="fork")
     ckpt = _first_fit(tmp_path, TinyRegressor(scheduler=True), strategy(first)) / "step=12.ckpt"
     out, messages = _resume(tmp_path, ckpt, TinyRegressor(scheduler=True), strategy(then), "other")
     assert len(messages) == 1 and f"preset {first} -> {then}" in messages[0], messages
@@ -159,10 +162,10 @@ class MomentumAtStart(L.Callback):
 def test_diloco_resumes_any_optimizers_state_as_it_is(tmp_path: Path) -> None:
     """``diloco`` keeps the user's optimizer: SGD's momentum comes back from the checkpoint unchanged (only a
     LoRDO state is converted into AdamW's)."""
-    diloco = LoRDOStrategy(sync_every=K, lowrank=False, start_method="fork")
+    diloco = LoRDOStrategy(preset="diloco", sync_every=K, start_method="fork")
     ckpt = _first_fit(tmp_path, TinyRegressor(optimizer="sgd"), diloco) / "step=12.ckpt"
     saved = [s["momentum_buffer"] for s in torch.load(ckpt, weights_only=True)["optimizer_states"][0]["state"].values()]
-    trainer(LoRDOStrategy(sync_every=K, lowrank=False, start_method="fork"), max_steps=14, **FIXED_DATA,
+    trainer(LoRDOStrategy(preset="diloco", sync_every=K, start_method="fork"), max_steps=14, **FIXED_DATA,
             callbacks=[MomentumAtStart(tmp_path / "m.pt")]).fit(TinyRegressor(optimizer="sgd"), epoch_loader(),
                                                                  ckpt_path=str(ckpt))
     resumed = torch.load(tmp_path / "m.pt", weights_only=True)
@@ -226,7 +229,8 @@ def _fabric_resume(tmp_path: Path, saved_knobs: dict[str, Any], knobs: dict[str,
     environment = dict(os.environ)
     try:
         def fabric(**k: Any) -> Fabric:
-            strategy = LoRDOFabricStrategy(sync_every=K, start_method="popen", timeout=30, **{"rank": 4, **k})
+            strategy = LoRDOFabricStrategy(sync_every=K, start_method="popen", timeout=30,
+                                           **strategy_kwargs(**{"rank": 4, **k}))
             launched = Fabric(accelerator="cpu", devices=1, strategy=strategy)
             launched.launch()
             return launched

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 SCRIPT = Path(__file__).with_name("round_trip_script.py")
 
 

@@ -15,6 +15,8 @@ from torch import nn
 
 from lightning_lordo.strategy_knobs import PRESETS
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 
 class Branchy(TinyRegressor):
     """A trunk every worker trains and a second branch (a low-rank matrix, a full-rank head, biases) that only rank 1

@@ -146,7 +146,7 @@ def test_diloco_k1_with_sgd_is_ddp(tmp_path: Path) -> None:
     init = {k: v.clone() for k, v in module.state_dict().items()}
     ddp = _final_params("ddp_fork", module, tmp_path / "ddp.pt")
     module.load_state_dict(init)
-    diloco = _final_params(LoRDOStrategy(sync_every=1, lowrank=False, start_method="fork"), module,
+    diloco = _final_params(LoRDOStrategy(preset="diloco", sync_every=1, start_method="fork"), module,
                            tmp_path / "diloco.pt")
     assert not torch.equal(ddp, flat_params(TinyRegressor()))
     torch.testing.assert_close(diloco, ddp, rtol=1e-5, atol=1e-6)
@@ -223,7 +223,7 @@ def test_adam_and_adamw_are_converted_and_other_optimizers_rejected() -> None:
         assert [row["step"] for row in fit.strategy.parameter_plan()].count("lowrank") == 2
     with pytest.raises(TypeError, match="diloco"):
         trainer(lordo(start_method="popen"), devices=1, max_steps=2).fit(TinyRegressor(optimizer="sgd"), loader())
-    fit = trainer(LoRDOStrategy(lowrank=False, start_method="popen"), devices=1, max_steps=2)
+    fit = trainer(LoRDOStrategy(preset="diloco", start_method="popen"), devices=1, max_steps=2)
     fit.fit(TinyRegressor(optimizer="sgd"), loader())  # diloco takes any optimizer
     assert isinstance(fit.strategy.optimizers[0], torch.optim.SGD)
 

@@ -21,6 +21,8 @@ from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.projection import rotate_moments
 from lightning_lordo.sync.synchronizer import Synchronizer
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 
 class FlipRank1Bases(L.Callback):
     """Rank 1 computes bases of the right subspace with every sign flipped (as another BLAS may); with
@@ -115,7 +117,7 @@ class SleepOnRank1(TinyRegressor):
 def test_a_peer_that_hangs_between_syncs_is_named_with_the_check_that_noticed() -> None:
     """Lightning checks for SIGTERM with a broadcast before every batch and swallows its failure; the plugin's
     version of that check raises, naming it, the step and the timeout (not "failed after 0.0 s" at the next sync)."""
-    strategy = LoRDOStrategy(sync_every=8, rank=4, start_method="fork", timeout=timedelta(seconds=2))
+    strategy = LoRDOStrategy(sync_every=8, start_method="fork", timeout=timedelta(seconds=2), optimizer={"rank": 4})
     with pytest.raises(Exception) as info:
         trainer(strategy, max_steps=10).fit(SleepOnRank1(), loader())
     message = str(info.value)

@@ -21,6 +21,8 @@ from strategy_helpers import TinyRegressor, loader, lordo, trainer
 from lightning_lordo.lightning.export import ConvertLoRDOCheckpoint
 from lightning_lordo.lightning.shards import load_full
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 
 @pytest.fixture(scope="module")
 def mid_round(tmp_path_factory: pytest.TempPathFactory) -> Path:

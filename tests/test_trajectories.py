@@ -11,6 +11,8 @@ import pytest
 import torch
 from trajectory_cases import FIXTURE, OPTIMIZER_CASES, STRATEGY_CASES, run_optimizer_case, run_strategy_case
 
+pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
+
 #: How close each case must be: 0 is bitwise; otherwise the largest difference of each tensor, relative to its
 #: largest entry. The per-matrix reference step is the recorded step, and the reordered synchronization is the
 #: recorded math in these configurations (moments local, reset, DiLoCo), so they must agree bitwise. Where only the

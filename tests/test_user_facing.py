@@ -63,9 +63,9 @@ def test_the_progress_bar_shows_the_saving_on_two_processes() -> None:
 
 
 def test_progress_bar_knobs_that_would_be_ignored_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"Invalid monitor_progress_bar=True with monitor=False"):
+    with pytest.raises(ValueError, match=r"Invalid experimental monitor_progress_bar=True with monitor=False"):
         lordo(monitor=False, monitor_progress_bar=True)
-    with pytest.raises(ValueError, match=r"Invalid monitor_progress_bar='yes'"):
+    with pytest.raises(ValueError, match=r"Invalid experimental monitor_progress_bar='yes'"):
         lordo(monitor_progress_bar="yes")
     with pytest.raises(ValueError, match=r"Invalid progress_bar=1: it must be True, False or None"):
         CommunicationMonitor(progress_bar=1)  # type: ignore[arg-type]

@@ -191,8 +191,10 @@ def _fit_case(knobs: dict[str, Any], path: str, LoRDOStrategy: Any, loader: Any,
     os.environ["LORDO_TRAJECTORY_OUT"] = path
     torch.manual_seed(0)
     module = MixedShapes()
+    from lightning_lordo.strategy_knobs import strategy_kwargs
+
     strategy = LoRDOStrategy(sync_every=4, start_method="fork", timeout=timedelta(seconds=60), monitor=False,
-                             **knobs)
+                             **strategy_kwargs(**knobs))
     L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=10, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, callbacks=[Record({})]).fit(module, loader())
     del os.environ["LORDO_TRAJECTORY_OUT"]

@@ -27,7 +27,6 @@ Only the plugin's collectives are counted; ``fabric.all_reduce``/``fabric.barrie
 from __future__ import annotations
 
 import atexit
-from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
@@ -35,7 +34,6 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -46,8 +44,8 @@ from lightning_lordo.checks import check_choice
 from lightning_lordo.comm.communicator import CommAccountant, Communicator, joining, side_communicator
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
+from lightning_lordo.lightning._compat import BackwardSyncControl
 from lightning_lordo.lightning.convert import (
-    DEFAULT_FULL_RANK_PARAMS,
     check_initialized,
     compile_patterns,
     convert_optimizer,
@@ -57,17 +55,17 @@ from lightning_lordo.lightning.convert import (
     scale_base_lrs,
 )
 from lightning_lordo.optim.lordo import LoRDO
-from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, PRESETS, STRATEGY_OPTIMIZER_KNOBS, split_strategy_knobs
+from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, NO_EXPERIMENTS, PRESETS, Experimental, resolve_knobs
 from lightning_lordo.sync.report import SyncReport
 from lightning_lordo.sync.synchronizer import Synchronizer
 
-#: Every knob of :class:`~lightning_lordo.LoRDOStrategy` this strategy takes through ``**knobs``.
-KNOB_NAMES = (*STRATEGY_OPTIMIZER_KNOBS, *(k for k in SyncConfig.__dataclass_fields__ if k not in ("sync_every",
-                                                                                                  "timeout")))
 DEFAULT_TIMEOUT = SyncConfig().timeout.total_seconds()
+#: The arguments of Fabric's ``DDPStrategy`` this strategy passes on (through ``**ddp``).
+DDP_ARGUMENTS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision",
+                 "process_group_backend")
 
 
-class _NothingToSkip(_BackwardSyncControl):
+class _NothingToSkip(BackwardSyncControl):
     """``fabric.no_backward_sync``: the backward pass never all-reduces here, so there is nothing to skip."""
 
     @override
@@ -78,18 +76,11 @@ class _NothingToSkip(_BackwardSyncControl):
 class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
     """Local steps with a low-rank synchronization every ``sync_every`` optimizer steps, for Lightning Fabric.
 
-    Args:
-        sync_every: K, optimizer steps between synchronizations.
-        lowrank: convert the Adam/AdamW given to ``fabric.setup`` into LoRDO (``True``), or keep the user's
-            optimizer, whatever it is, and only synchronize (``False``: DiLoCo).
-        full_rank_params: regular expressions on parameter names that run AdamW, besides the embeddings and output
-            heads the model's structure shows (``lightning_lordo.lightning.convert.full_rank_params``).
-        start_method: ``popen`` (re-runs your script per rank), ``spawn``, ``fork`` or ``forkserver``.
-        timeout: timeout of every collective, in seconds (1 s to one year) or a timedelta.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision, process_group_backend: as in
-            Fabric's ``DDPStrategy``.
-        **knobs: any other knob of :class:`~lightning_lordo.LoRDOStrategy`, by the same name and with the same
-            meaning and checks (``rank``, ``omega``, ``payload``, ``outer_optimizer``, ``warmup_steps``, ...).
+    It takes the arguments of :class:`~lightning_lordo.LoRDOStrategy`, with the same homes, meanings and checks,
+    except ``monitor`` (Fabric has no callbacks: read ``strategy.accountant``) and the Trainer-only experimental
+    knobs; ``**ddp`` holds Fabric's ``DDPStrategy`` arguments (``accelerator``, ``parallel_devices``,
+    ``cluster_environment``, ``checkpoint_io``, ``precision``, ``process_group_backend``). The optimizer given to
+    ``fabric.setup`` is converted (Adam/AdamW) or kept (a LoRDO; any optimizer with ``preset="diloco"``).
     """
 
     strategy_name = "lordo"
@@ -98,31 +89,38 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         self,
         sync_every: int = SyncConfig.sync_every,
         *,
-        lowrank: bool = True,
-        full_rank_params: Sequence[str] = DEFAULT_FULL_RANK_PARAMS,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        preset: str = "lordo",
+        optimizer: Optional[dict[str, Any]] = None,
+        payload: Optional[Literal["full", "lowrank"]] = None,
+        payload_dtype: Optional[Literal["float32", "bfloat16", "int8"]] = None,
+        outer_optimizer: Literal["average", "nesterov"] = SyncConfig.outer_optimizer,
+        outer_lr: float = SyncConfig.outer_lr,
+        outer_momentum: float = SyncConfig.outer_momentum,
+        overlap_steps: int = SyncConfig.overlap_steps,
+        anchor_device: Literal["auto", "param", "cpu"] = SyncConfig.anchor_device,
+        bucket_cap_mb: float = SyncConfig.bucket_cap_mb,
         timeout: Union[float, timedelta] = DEFAULT_TIMEOUT,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision: Optional[Any] = None,
-        process_group_backend: Optional[str] = None,
-        **knobs: Any,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        experimental: Experimental = NO_EXPERIMENTS,
+        **ddp: Any,
     ) -> None:
-        accepted = ["sync_every", "lowrank", "full_rank_params", "start_method", "timeout", *KNOB_NAMES]
-        self.sync_config, self.optimizer_knobs = split_strategy_knobs(
-            "LoRDOFabricStrategy", {"sync_every": sync_every, "timeout": timeout, **knobs}, accepted, lowrank=lowrank,
+        named = {"sync_every": sync_every, "payload": payload, "payload_dtype": payload_dtype,
+                 "outer_optimizer": outer_optimizer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                 "overlap_steps": overlap_steps, "anchor_device": anchor_device, "bucket_cap_mb": bucket_cap_mb,
+                 "timeout": timeout}
+        knobs = resolve_knobs(
+            "LoRDOFabricStrategy", preset=preset, named=named, optimizer=optimizer, experimental=experimental,
+            misplaced={k: v for k, v in ddp.items() if k not in DDP_ARGUMENTS}, trainer_only=False,
             optimizer_source="the optimizer you pass to fabric.setup (and your LR scheduler keeps driving lr)")
-        if not isinstance(lowrank, bool):
-            raise ValueError(f"Invalid lowrank={lowrank!r}: it must be True or False.")
         check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
-        self._full_rank_patterns = compile_patterns(full_rank_params)
-        self.lowrank = lowrank
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
-                         process_group_backend=process_group_backend, timeout=self.sync_config.timeout,
-                         start_method=start_method)
+        self.preset = preset
+        self.sync_config, self.optimizer_knobs = knobs.sync_config, knobs.optimizer_knobs
+        self._full_rank_patterns = compile_patterns(knobs.full_rank_params)
+        self.lowrank = knobs.lowrank
+        super().__init__(accelerator=ddp.get("accelerator"), parallel_devices=ddp.get("parallel_devices"),
+                         cluster_environment=ddp.get("cluster_environment"), checkpoint_io=ddp.get("checkpoint_io"),
+                         precision=ddp.get("precision"), process_group_backend=ddp.get("process_group_backend"),
+                         timeout=self.sync_config.timeout, start_method=start_method)
         self._backward_sync_control = _NothingToSkip()
         self.accountant = CommAccountant()
         self.communicator: Optional[Communicator] = None
@@ -140,11 +138,11 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (preset, description) in PRESETS.items():
+        for name, (_, description) in PRESETS.items():
             for suffix, start_method in LAUNCH_SUFFIXES:
                 if name + suffix not in strategy_registry:
                     strategy_registry.register(name + suffix, cls, description=f"{description} ({start_method})",
-                                               start_method=start_method, **preset)
+                                               start_method=start_method, preset=name)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -156,12 +154,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
             self._overlap_comm = side_communicator(self.accountant, self.sync_config.timeout)
             # a loop that ends on an exception leaves a round's thread in a collective: let it end before the
             # interpreter tears the process groups down (an abort otherwise hides the user's exception)
-            atexit.register(self._let_a_round_in_flight_end)
-
-    def _let_a_round_in_flight_end(self) -> None:
-        launched = self.synchronizer.in_flight if self.synchronizer is not None else None
-        if launched is not None and launched.thread is not None:
-            launched.thread.join(self.sync_config.timeout.total_seconds() + 5.0)  # its collectives time out first
+            atexit.register(lambda: self.synchronizer is not None and self.synchronizer.let_in_flight_end())
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:

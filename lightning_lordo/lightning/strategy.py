@@ -12,7 +12,6 @@ since the launch of the last round that landed). ``strategy.synchronizer.synchro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -27,12 +26,12 @@ from typing_extensions import override
 from lightning_lordo._tensors import nbytes
 from lightning_lordo.checks import check_choice
 from lightning_lordo.comm.communicator import CommAccountant, Communicator, joining, side_communicator
-from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
+from lightning_lordo.config import SyncConfig
+from lightning_lordo.lightning._compat import install_sigterm_hooks, lightning_optimizer
 from lightning_lordo.lightning.callbacks import add_monitor
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
 from lightning_lordo.lightning.convert import (
-    DEFAULT_FULL_RANK_PARAMS,
     check_initialized,
     compile_patterns,
     convert_optimizer,
@@ -46,66 +45,42 @@ from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimize
 from lightning_lordo.lightning.saving import SynchronizedState
 from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.optim.lordo import LoRDO
-from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, PRESETS, split_strategy_knobs
+from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, NO_EXPERIMENTS, PRESETS, Experimental, resolve_knobs
 from lightning_lordo.sync.report import SyncReport
 from lightning_lordo.sync.synchronizer import Synchronizer
 
 DEFAULT_TIMEOUT = SyncConfig().timeout.total_seconds()
+#: The arguments of Lightning's ``DDPStrategy`` this strategy passes on (through ``**ddp``).
+DDP_ARGUMENTS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+                 "process_group_backend")
 
 
 class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     """Local LoRDO steps with a low-rank synchronization every ``sync_every`` optimizer steps.
 
-    Every knob is a named argument (LightningCLI and YAML configs set them by name). The optimizer knobs are the
-    defaults of :class:`~lightning_lordo.LoRDO` for the user's converted Adam/AdamW; the synchronization knobs
-    are :class:`~lightning_lordo.SyncConfig`'s. A knob left at its default that the others make meaningless is
-    fine; one set to another value is refused (nothing is silently ignored).
+    Each knob has one home: the distribution knobs are named arguments; LoRDO's knobs for converting your
+    Adam/AdamW go in ``optimizer``; research and ablation knobs in ``experimental``. ``preset`` starts from a
+    registered name, and every knob passed overrides it. A knob that the others make meaningless is refused.
 
     Args:
         sync_every: K, optimizer steps between synchronizations.
-        lowrank: convert the user's Adam/AdamW into LoRDO, or (``False``: DiLoCo) keep any optimizer and sync.
-        full_rank_params: regexes on parameter names to run AdamW, besides the embeddings and heads found.
-        monitor: add a :class:`~lightning_lordo.CommunicationMonitor` unless the Trainer already has one.
-        monitor_progress_bar: that monitor shows ``lordo/saving_vs_ddp`` in the progress bar (``null``: if shown).
-        checkpoint_shards: each rank writes its state beside the checkpoint (``<file>.lordo-<id>/rank-<r>.pt``).
-        start_method: how processes are launched: ``popen``, ``spawn``, ``fork`` or ``forkserver``, as in DDP.
-        rank: rank r per matrix: an int >= 1, or a float in (0, 1] (a fraction of each matrix's smaller side).
-        omega: weight of the low-rank term; 1 - omega weights the full-rank normalized term.
-        update: ``lordo``, ``subspace_qh`` (no full-rank term) or ``unnormalized_lowrank`` (ablation).
-        mu: scale of the full-rank term, or ``auto`` (both terms the same RMS every step).
-        normalizer: full-rank normalizer: ``col_rms``, ``factored``, ``scalar``, ``lifted`` or ``mean_denom``.
-        lifted_floor: for ``lifted``: the floor of S as a fraction of sqrt(mean(v_hat)).
-        full_rank_input: ``gradient``, or ``accumulated`` (gradient + error feedback).
-        projection: new bases by ``power`` iteration (warm-started), ``randomized`` SVD or exact ``svd``.
-        power_iters, oversample: power steps of ``power`` and ``randomized``; the latter's extra columns.
-        transition: moments on a basis change: ``rotate`` (LDAdam), ``reset`` or ``keep`` (ablation).
-        variance_clamp: clamp the variance v_hat - u_hat^2 at 0 before rotating.
-        error_feedback: keep what the projection drops in a full-size buffer per matrix.
-        ef_dtype: dtype of that buffer: ``auto`` (bfloat16 on an accelerator), ``float32`` or ``bfloat16``.
-        ef_decay, update_scale: ``"auto"`` (beta1; AdamW's LR carries over) or a number (see LoRDO).
-        outer_optimizer: ``average`` or ``nesterov`` (DiLoCo's outer SGD).
-        outer_lr, outer_momentum: learning rate and momentum of the Nesterov outer step.
-        average_moments: average the low-rank moments at each sync.
-        basis_scope: ``global`` (bases from the averaged pseudo-gradient) or ``local`` (each worker's own).
-        initial_basis: first bases from the averaged first ``gradient``, or seeded ``random`` ones.
-        payload, payload_dtype: ``full`` or ``lowrank`` (PowerSGD-style); ``float32``, ``bfloat16`` or ``int8``.
-        broadcast_bases: compute the bases on rank 0 only and broadcast them.
-        timeout: timeout of every collective, in seconds (1 s to one year) or a timedelta.
-        seed: seed of random bases and randomized projections.
-        average_fullrank_moments, average_error_feedback: also average the full-rank moments, or the EF buffers.
-        warmup_steps: the first N optimizer steps synchronous (low-rank DDP), local steps after.
-        synchronous: every step synchronous (``lowrank_ddp``); unset: the optimizer alone on one device.
-        switch_betas: at the end of the warm-up, the optimizer's new betas (``null``: keep them).
-        switch_reset_moments, switch_lr_scale: at the warm-up's end, zero the moments, or multiply the LR.
-        anchor_device: where the anchor lives: ``auto`` (host memory on an accelerator), ``param`` or ``cpu``.
-        fullrank_rank: rank of the full-rank 2-D parameters' pseudo-gradient messages (0: sent in full).
-        moments_every: average the moments at every n-th sync only.
-        basis_every: recompute the bases at every n-th sync only, from the pseudo-gradients summed since.
+        preset: ``lordo``, ``lordo_local``, ``lordo_lean``, ``lordo_compressed``, ``lowrank_ddp`` or ``diloco``
+            (:data:`~lightning_lordo.strategy_knobs.PRESETS`).
+        optimizer: LoRDO's knobs for the conversion of your Adam/AdamW (``rank``, ``omega``, ``full_rank_params``,
+            ...; see :class:`~lightning_lordo.LoRDO`). Refused when ``configure_optimizers`` returns a LoRDO.
+        payload, payload_dtype: ``full`` or ``lowrank`` (PowerSGD-style); ``float32``, ``bfloat16`` or ``int8``
+            (``None``: the preset's, else ``full`` in ``float32``).
+        outer_optimizer: ``average`` or ``nesterov`` (DiLoCo's outer SGD); outer_lr, outer_momentum: its step.
         overlap_steps: 0 (blocking syncs), or tau < sync_every: a round's collectives overlap tau local steps.
-        max_skipped_syncs: consecutive non-finite rounds after which the run stops.
+        anchor_device: where the anchor lives: ``auto`` (host memory on an accelerator), ``param`` or ``cpu``.
         bucket_cap_mb: the most pseudo-gradient (MB) a one-process sync holds at once.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend: as
-            in Lightning's ``DDPStrategy`` (the checkpoint IO defaults to an atomic one).
+        monitor: add a :class:`~lightning_lordo.CommunicationMonitor` unless the Trainer already has one.
+        timeout: timeout of every collective, in seconds (1 s to one year) or a timedelta.
+        start_method: how processes are launched: ``popen``, ``spawn``, ``fork`` or ``forkserver``, as in DDP.
+        experimental: an :class:`~lightning_lordo.Experimental` (or a mapping of its fields).
+        **ddp: ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+            ``precision_plugin`` and ``process_group_backend``, as in Lightning's ``DDPStrategy`` (the Trainer sets
+            the first ones; the checkpoint IO defaults to an atomic one).
     """
 
     strategy_name = "lordo"
@@ -114,83 +89,52 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         self,
         sync_every: int = SyncConfig.sync_every,
         *,
-        lowrank: bool = True,
-        full_rank_params: Sequence[str] = DEFAULT_FULL_RANK_PARAMS,
-        monitor: bool = True,
-        monitor_progress_bar: Optional[bool] = None,
-        checkpoint_shards: bool = True,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        rank: Union[int, float] = OPTIMIZER_DEFAULTS["rank"],
-        omega: float = OPTIMIZER_DEFAULTS["omega"],
-        update: Literal["lordo", "subspace_qh", "unnormalized_lowrank"] = OPTIMIZER_DEFAULTS["update"],
-        mu: Union[float, Literal["auto"]] = OPTIMIZER_DEFAULTS["mu"],
-        normalizer: Literal["col_rms", "factored", "scalar", "lifted", "mean_denom"] = OPTIMIZER_DEFAULTS["normalizer"],
-        lifted_floor: float = OPTIMIZER_DEFAULTS["lifted_floor"],
-        full_rank_input: Literal["gradient", "accumulated"] = OPTIMIZER_DEFAULTS["full_rank_input"],
-        projection: Literal["power", "randomized", "svd"] = OPTIMIZER_DEFAULTS["projection"],
-        power_iters: int = OPTIMIZER_DEFAULTS["power_iters"],
-        oversample: int = OPTIMIZER_DEFAULTS["oversample"],
-        transition: Literal["rotate", "reset", "keep"] = OPTIMIZER_DEFAULTS["transition"],
-        variance_clamp: bool = OPTIMIZER_DEFAULTS["variance_clamp"],
-        error_feedback: bool = OPTIMIZER_DEFAULTS["error_feedback"],
-        ef_dtype: Literal["auto", "float32", "bfloat16"] = OPTIMIZER_DEFAULTS["ef_dtype"],
-        ef_decay: Union[float, Literal["auto"]] = OPTIMIZER_DEFAULTS["ef_decay"],
-        update_scale: Union[float, Literal["auto"]] = OPTIMIZER_DEFAULTS["update_scale"],
+        preset: str = "lordo",
+        optimizer: Optional[dict[str, Any]] = None,
+        payload: Optional[Literal["full", "lowrank"]] = None,
+        payload_dtype: Optional[Literal["float32", "bfloat16", "int8"]] = None,
         outer_optimizer: Literal["average", "nesterov"] = SyncConfig.outer_optimizer,
         outer_lr: float = SyncConfig.outer_lr,
         outer_momentum: float = SyncConfig.outer_momentum,
-        average_moments: bool = SyncConfig.average_moments,
-        basis_scope: Literal["global", "local"] = SyncConfig.basis_scope,
-        initial_basis: Literal["gradient", "random"] = SyncConfig.initial_basis,
-        payload: Literal["full", "lowrank"] = SyncConfig.payload,
-        payload_dtype: Literal["float32", "bfloat16", "int8"] = SyncConfig.payload_dtype,
-        broadcast_bases: bool = SyncConfig.broadcast_bases,
-        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT,
-        seed: int = SyncConfig.seed,
-        average_fullrank_moments: bool = SyncConfig.average_fullrank_moments,
-        average_error_feedback: bool = SyncConfig.average_error_feedback,
-        warmup_steps: int = SyncConfig.warmup_steps,
-        synchronous: Optional[bool] = SyncConfig.synchronous,
-        switch_betas: Optional[tuple[float, float]] = SyncConfig.switch_betas,
-        switch_reset_moments: bool = SyncConfig.switch_reset_moments,
-        switch_lr_scale: float = SyncConfig.switch_lr_scale,
-        anchor_device: Literal["auto", "param", "cpu"] = SyncConfig.anchor_device,
-        fullrank_rank: int = SyncConfig.fullrank_rank,
-        moments_every: int = SyncConfig.moments_every,
-        basis_every: int = SyncConfig.basis_every,
         overlap_steps: int = SyncConfig.overlap_steps,
-        max_skipped_syncs: int = SyncConfig.max_skipped_syncs,
+        anchor_device: Literal["auto", "param", "cpu"] = SyncConfig.anchor_device,
         bucket_cap_mb: float = SyncConfig.bucket_cap_mb,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[Any]] = None,
-        cluster_environment: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision_plugin: Optional[Any] = None,
-        process_group_backend: Optional[str] = None,
-        **unknown: Any,
+        monitor: bool = True,
+        timeout: Union[float, timedelta] = DEFAULT_TIMEOUT,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        experimental: Experimental = NO_EXPERIMENTS,
+        **ddp: Any,
     ) -> None:
-        given = dict(locals())
-        known = [k for k in given if k not in ("self", "unknown", "__class__")]
-        self.sync_config, optimizer_knobs = split_strategy_knobs(
-            "LoRDOStrategy", {**{k: given[k] for k in known}, **unknown}, known, lowrank=lowrank,
+        named = {"sync_every": sync_every, "payload": payload, "payload_dtype": payload_dtype,
+                 "outer_optimizer": outer_optimizer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                 "overlap_steps": overlap_steps, "anchor_device": anchor_device, "bucket_cap_mb": bucket_cap_mb,
+                 "timeout": timeout}
+        knobs = resolve_knobs(
+            "LoRDOStrategy", preset=preset, named=named, optimizer=optimizer, experimental=experimental,
+            misplaced={k: v for k, v in ddp.items() if k not in DDP_ARGUMENTS}, trainer_only=True,
             optimizer_source="the optimizer your configure_optimizers returns (and your LR schedulers keep driving lr)")
-        for name, flag in (("lowrank", lowrank), ("monitor", monitor), ("checkpoint_shards", checkpoint_shards)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"Invalid {name}={flag!r}: it must be True or False.")
-        if monitor_progress_bar is not None and (not isinstance(monitor_progress_bar, bool) or not monitor):
-            raise ValueError(f"Invalid monitor_progress_bar={monitor_progress_bar!r} with monitor={monitor!r}: it must "
-                             "be None, True or False, and it configures the monitor the strategy adds (monitor=True).")
+        if not isinstance(monitor, bool):
+            raise ValueError(f"Invalid monitor={monitor!r}: it must be True or False.")
+        if knobs.monitor_progress_bar is not None and (not isinstance(knobs.monitor_progress_bar, bool) or not monitor):
+            raise ValueError(f"Invalid experimental monitor_progress_bar={knobs.monitor_progress_bar!r} with "
+                             f"monitor={monitor!r}: it must be None, True or False, and it configures the monitor the "
+                             "strategy adds (monitor=True).")
         check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
-        self._full_rank_patterns = compile_patterns(full_rank_params)
-        self.optimizer_knobs = optimizer_knobs
-        self.lowrank = lowrank
+        self.preset = preset
+        self.sync_config = knobs.sync_config
+        self._full_rank_patterns = compile_patterns(knobs.full_rank_params)
+        self.optimizer_knobs = knobs.optimizer_knobs
+        self.lowrank = knobs.lowrank
         self.monitor = monitor
-        self.monitor_progress_bar = monitor_progress_bar
-        self.checkpoint_shards = checkpoint_shards
-        super().__init__(timeout=self.sync_config.timeout, start_method=start_method, accelerator=accelerator,
-                         parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+        self.monitor_progress_bar = knobs.monitor_progress_bar
+        self.checkpoint_shards = knobs.checkpoint_shards
+        checkpoint_io = ddp.get("checkpoint_io")
+        super().__init__(timeout=self.sync_config.timeout, start_method=start_method,
+                         accelerator=ddp.get("accelerator"), parallel_devices=ddp.get("parallel_devices"),
+                         cluster_environment=ddp.get("cluster_environment"),
                          checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend)
+                         precision_plugin=ddp.get("precision_plugin"),
+                         process_group_backend=ddp.get("process_group_backend"))
         self.accountant = CommAccountant()
         self.communicator: Optional[Communicator] = None
         self.synchronizer: Optional[Synchronizer] = None
@@ -198,6 +142,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         self.parameter_names: dict[Tensor, str] = {}
         self.ddp_bytes_per_step = 0  # what DDP's gradient all-reduce passes per worker and optimizer step
         self._swapped_for_eval = False
+        self._overlap_group: Any = None  # overlap_steps: the side gloo group of the rounds' thread, kept across fits
         self._restored: Optional[dict[str, Any]] = None
         self._restored_optimizer: Optional[dict[str, Any]] = None
         self._restored_names: Optional[list[str]] = None
@@ -212,11 +157,11 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (preset, description) in PRESETS.items():
+        for name, (_, description) in PRESETS.items():
             for suffix, start_method in LAUNCH_SUFFIXES:
                 if name + suffix not in strategy_registry:
                     strategy_registry.register(name + suffix, cls, description=f"{description} ({start_method})",
-                                               start_method=start_method, **preset)
+                                               start_method=start_method, preset=name)
 
     @override
     def setup_distributed(self) -> None:
@@ -232,7 +177,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
     def optimizers(self, optimizers: list[Optimizer]) -> None:
         # Lightning wraps optimizers in LightningOptimizer here; ours counts steps and synchronizes.
         self._optimizers = optimizers
-        self._lightning_optimizers = [LoRDOLightningOptimizer._to_lightning_optimizer(o, self) for o in optimizers]
+        self._lightning_optimizers = [lightning_optimizer(LoRDOLightningOptimizer, o, self) for o in optimizers]
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -245,11 +190,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
 
         if self.monitor:
             add_monitor(trainer, self.monitor_progress_bar)
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):  # lightning >= 2.5.2 runs it before every batch
-            epoch_loop._broadcast_sigterm_tensor = self._sigterm_check
-            # registered after Strategy.setup (Trainer._run), so the instance attribute is what gets registered
-            trainer._signal_connector._sigterm_notifier_fn = self._sigterm_notifier
+        install_sigterm_hooks(trainer, self._sigterm_check, self._sigterm_notifier)  # the per-batch check
         super().setup(trainer)
 
     @override
@@ -265,8 +206,11 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
             )
         self.accountant, self.sync_reports = CommAccountant(), []  # each fit counts its own traffic
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)
-        self._overlap_comm = side_communicator(self.accountant, self.sync_config.timeout) \
-            if self.sync_config.overlap_steps and self.world_size > 1 else None
+        self._overlap_comm = None
+        if self.sync_config.overlap_steps and self.world_size > 1:  # its gloo group made once per strategy
+            group = self._overlap_group or side_communicator(self.accountant, self.sync_config.timeout).group
+            self._overlap_group = group
+            self._overlap_comm = Communicator(self.accountant, self.sync_config.timeout, group=group)
         self._setup_control()
         check_initialized(self.model)
         state = list(self.model.parameters()) + list(self.model.buffers())
@@ -390,6 +334,22 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         with self._plugin_warnings:
             self._finish_training()
         super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A fit that fails with a round in flight: its thread ends before the process tears the groups down (which
+        would abort the process and hide the user's exception)."""
+        if self.synchronizer is not None:
+            self.synchronizer.let_in_flight_end()
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        """As Lightning moves the model and the optimizer state to the CPU, an anchor kept in accelerator memory
+        (``anchor_device="param"``) moves to host memory: a checkpoint saved after ``fit`` still has it."""
+        if self.synchronizer is not None:
+            self.synchronizer.anchor.tensors = [t.cpu() for t in self.synchronizer.anchor.tensors]
+        super().teardown()
 
     @property
     def ddp_equivalent_bytes(self) -> int:

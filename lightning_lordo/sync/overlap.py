@@ -225,6 +225,13 @@ class OverlappedRounds:
         self.wait_in_flight()
         self.in_flight = None
 
+    def let_in_flight_end(self) -> None:
+        """A loop that failed: the round in flight's thread ends (its collectives finish or time out) before the
+        process tears its process groups down, which would abort it and hide the user's exception. Not landed."""
+        launched = self.in_flight
+        if launched is not None and launched.thread is not None:
+            launched.thread.join(self.config.timeout.total_seconds() + 5.0)
+
     def finish(self) -> list[SyncReport]:
         """The end of training: land the round in flight, then a final blocking sync of the steps after it."""
         reports = [self._land_in_flight()] if self.in_flight is not None else []
