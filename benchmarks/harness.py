@@ -45,7 +45,7 @@ from peers import HOOKS, HookedDDP
 from lightning_lordo import LoRDO, LoRDOStrategy
 from lightning_lordo.comm.wire import ddp_wire_bytes
 from lightning_lordo.config import LEAN_KNOBS
-from lightning_lordo.lightning._compat import track_step_calls
+from lightning_lordo.convert import track_step_calls
 from lightning_lordo.models import ByteDataModule, GPTLightningModule
 from lightning_lordo.strategy_knobs import strategy_kwargs
 from lightning_lordo.sync.report import breakdown

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_lordo import LoRDO
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.config import SyncConfig
-from lightning_lordo.lightning.convert import full_rank_params
+from lightning_lordo.convert import full_rank_params
 from lightning_lordo.models import CharGPT
 from lightning_lordo.sync.synchronizer import Synchronizer
 

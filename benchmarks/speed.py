@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_lordo import LoRDO
 from lightning_lordo._tensors import canonical
 from lightning_lordo.config import LEAN_KNOBS, OPTIMIZER_DEFAULTS
-from lightning_lordo.lightning.convert import full_rank_params
+from lightning_lordo.convert import full_rank_params
 from lightning_lordo.models import CharGPT
 from lightning_lordo.optim.projection import compute_basis
 

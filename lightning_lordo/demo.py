@@ -12,6 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import platform
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -124,17 +128,31 @@ def _datamodule(args: argparse.Namespace, seq_len: int) -> ByteDataModule:
                           val_batches=8 if args.tiny else 64, seed=args.seed)
 
 
-def results_table(results: list[dict[str, Any]], args: argparse.Namespace) -> Table:
+#: The columns of the demo's table (the terminal's and the README's, :func:`result_rows`).
+COLUMNS = ("method", "val loss", "val ppl", "sent per worker", "DDP / this", "optimizer state",
+           "of which error feedback", "wall time")
+
+
+def result_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """The table's cells: the optimizer state counts the error-feedback buffers (LoRDO's full-size state)."""
     ddp = next(r for r in results if r["method"] == "ddp")
-    table = Table(title=f"{args.steps} steps, {args.workers} workers x {args.batch_size} sequences; LoRDO "
-                        f"K={args.sync_every}, rank={args.rank}; bytes sent per worker")
-    for column in ("method", "val loss", "val ppl", "sent", "DDP/this", "opt. state", "wall time"):
-        table.add_column(column, justify="left" if column == "method" else "right")
+    rows = []
     for r in results:
         saving = ddp["bytes_sent"] / r["bytes_sent"] if r["bytes_sent"] else math.inf
-        table.add_row(r["method"], f"{r['val_loss']:.3f}", f"{r['val_ppl']:.2f}", _human(r["bytes_sent"]),
-                      f"{saving:.1f}x", _human(r["optimizer_state_bytes"]),
-                      f"{r['wall_seconds']:.1f} s")
+        feedback = r.get("error_feedback_bytes", 0)
+        rows.append([r["method"], f"{r['val_loss']:.3f}", f"{r['val_ppl']:.2f}", _human(r["bytes_sent"]),
+                     f"{saving:.1f}x", _human(r["optimizer_state_bytes"] + feedback),
+                     _human(feedback) if feedback else "-", f"{r['wall_seconds']:.1f} s"])
+    return rows
+
+
+def results_table(results: list[dict[str, Any]], args: argparse.Namespace) -> Table:
+    table = Table(title=f"{args.steps} steps, {args.workers} workers x {args.batch_size} sequences; LoRDO "
+                        f"K={args.sync_every}, rank={args.rank}")
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for row in result_rows(results):
+        table.add_row(*row)
     return table
 
 
@@ -156,8 +174,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             results.append(run_method(method, args, init, Path(tmp)))
     console.print(results_table(results, args))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results,
+                                               "provenance": _provenance(argv)}, indent=2))
     return 0
+
+
+def _provenance(argv: Optional[list[str]]) -> dict[str, Any]:
+    """The command, commit (when run from a git checkout), versions and machine of a result file."""
+    root = Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(root)]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run([*git, "status", "--porcelain", "--", "lightning_lordo"], capture_output=True,
+                                    text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", None
+    return {"command": " ".join(["lordo-demo", *(sys.argv[1:] if argv is None else argv)]), "commit": commit,
+            "uncommitted_changes": dirty, "torch": torch.__version__, "lightning": L.__version__,
+            "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
 
 
 if __name__ == "__main__":

@@ -61,16 +61,20 @@ PRESET_NAMED = ("payload", "payload_dtype")
 _FROM_USER_OPTIMIZER = ("lr", "betas", "eps", "weight_decay")
 
 
-def _attribute_docs(doc: str) -> dict[str, str]:
-    """``name -> description`` from the ``Attributes:`` section of a Google-style docstring."""
+def docstring_entries(doc: str, section: str = "Attributes:") -> dict[str, str]:
+    """``name -> description`` from a section (``Args:``, ``Attributes:``) of a Google-style docstring; an entry
+    naming several knobs (``power_iters, oversample: ...``) is given to each."""
     entries: dict[str, str] = {}
-    name = None
-    for line in doc.split("Attributes:", 1)[-1].splitlines():
-        match = re.match(r"^ {8}(\w+): (.*)$", line)
+    names: list[str] = []
+    for line in doc.split(section, 1)[-1].splitlines():
+        match = re.match(r"^ {8}(\*{0,2}\w+(?:, \w+)*): (.*)$", line)
         if match:
-            name, entries[match[1]] = match[1], match[2]
-        elif name and line.startswith(" " * 12):
-            entries[name] += " " + line.strip()
+            names = [n.lstrip("*") for n in match[1].split(", ")]
+            entries.update({n: match[2] for n in names})
+        elif names and line.startswith(" " * 12):
+            entries.update({n: entries[n] + " " + line.strip() for n in names})
+        elif names and line.strip() and not line.startswith(" " * 8):
+            break  # the section ended
     return entries
 
 
@@ -105,7 +109,10 @@ _OWN_DOCS = {
     "monitor_progress_bar": "the monitor the strategy adds shows ``lordo/saving_vs_ddp`` in the progress bar "
                             "(``None``: if a progress bar is shown; Trainer only).",
 }
-_SYNC_DOCS = _attribute_docs(SyncConfig.__doc__ or "")
+_SYNC_DOCS = docstring_entries(SyncConfig.__doc__ or "")
+#: The ``optimizer`` mapping's key that is not a knob of LoRDO itself.
+MAPPING_DOCS = {"full_rank_params": "regular expressions on parameter names that take AdamW, besides the embeddings "
+                                    "and output heads found by the model's structure."}
 Experimental.__doc__ = (
     "Research, ablation and rarely changed knobs of the strategies (``experimental=``). ``None``, the default of "
     "each, means the preset's value, else :class:`~lightning_lordo.config.SyncConfig`'s default.\n\n    Attributes:\n"

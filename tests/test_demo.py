@@ -27,8 +27,7 @@ def test_demo_console_command_tiny_run(tmp_path: Path) -> None:
     command = shutil.which("lordo-demo", path=str(Path(sys.executable).parent))
     assert command is not None, "the console script `lordo-demo` is not installed"
     out = tmp_path / "demo.json"
-    # rank d/8, as the full demo's 16 of 128 (the default 16 of the tiny model's 32 would make the default's
-    # full-size error-feedback buffer outweigh what the low-rank moments save)
+    # rank d/8, as the full demo's 16 of 128
     done = subprocess.run([command, "--tiny", "--steps", "16", "--sync-every", "4", "--rank", "4", "--json", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=tmp_path, env=_clean_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -39,7 +38,9 @@ def test_demo_console_command_tiny_run(tmp_path: Path) -> None:
         assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-3)
     assert results["lordo"]["syncs"] == 4
     assert results["lordo"]["bytes_sent"] < results["ddp"]["bytes_sent"] / 2
-    assert results["lordo"]["error_feedback_bytes"] > 0  # the default keeps the buffer, counted in the state
+    assert results["lordo"]["error_feedback_bytes"] > 0  # the default keeps the buffer, reported beside the state
+    # the moments and bases are below AdamW's moments; the float32 buffer on the CPU is reported apart (the table
+    # adds it: on this tiny model, state and buffer together are above AdamW's)
     assert results["lordo"]["optimizer_state_bytes"] < results["ddp"]["optimizer_state_bytes"]
     assert "val ppl" in done.stdout and "lordo" in done.stdout and "ddp" in done.stdout
 

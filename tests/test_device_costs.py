@@ -144,7 +144,7 @@ def _alone_run(general: bool, cap_mb: float, monkeypatch: pytest.MonkeyPatch
     import memory  # benchmarks/memory.py: LiveBytes
 
     from lightning_lordo.comm.communicator import CommAccountant, Communicator
-    from lightning_lordo.lightning.convert import full_rank_params
+    from lightning_lordo.convert import full_rank_params
     from lightning_lordo.models import CharGPT
     from lightning_lordo.sync import alone
     from lightning_lordo.sync.synchronizer import Synchronizer
@@ -244,7 +244,7 @@ def _transient_worker(rank: int, port: int, out: str) -> None:
 
     from lightning_lordo.comm import communicator
     from lightning_lordo.comm.communicator import CommAccountant, Communicator
-    from lightning_lordo.lightning.convert import full_rank_params
+    from lightning_lordo.convert import full_rank_params
     from lightning_lordo.models import CharGPT
     from lightning_lordo.sync.synchronizer import Synchronizer
 

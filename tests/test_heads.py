@@ -8,7 +8,7 @@ from lightning.pytorch.demos import Transformer
 from torch import nn
 
 from lightning_lordo import LoRDO
-from lightning_lordo.lightning.convert import compile_patterns, full_rank_params, output_heads
+from lightning_lordo.convert import compile_patterns, full_rank_params, output_heads
 from lightning_lordo.optim.report import plan_summary
 
 

@@ -165,7 +165,7 @@ def test_strategy_accepts_a_good_value(good: tuple[Any, ...]) -> None:
     elif name in SYNC_KNOBS:
         assert getattr(strategy.sync_config, name) == value
     elif name == "full_rank_params":
-        assert [p.pattern for p in strategy._full_rank_patterns] == list(value)
+        assert [p.pattern for p in strategy.core.full_rank_patterns] == list(value)
     elif name == "start_method":
         assert strategy._start_method == value
     else:

@@ -13,8 +13,7 @@ import torch
 from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
 
 from lightning_lordo import LoRDO, LoRDOStrategy
-from lightning_lordo.lightning._compat import track_step_calls
-from lightning_lordo.lightning.convert import full_rank_params
+from lightning_lordo.convert import full_rank_params, track_step_calls
 from lightning_lordo.strategy_knobs import strategy_kwargs
 
 pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them

@@ -399,4 +399,6 @@ def test_a_second_fit_counts_its_own_syncs_and_bytes() -> None:
     fit.fit(module, loader())
     strategy = fit.strategy
     assert len(strategy.sync_reports) == strategy.synchronizer.syncs_done == 3
-    assert strategy.ddp_equivalent_bytes == 6 * sum(p.numel() * 4 for p in module.parameters())
+    assert strategy.synchronizer.optimizer_steps == 6  # this fit's steps only
+    assert strategy.ddp_bytes_per_step * 6 == 6 * sum(p.numel() * 4 for p in module.parameters())
+    assert strategy.ddp_equivalent_bytes == 0  # one device: DDP sends nothing

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from strategy_helpers import TinyRegressor, loader, lordo, trainer
 
 from lightning_lordo import CommunicationMonitor
-from lightning_lordo.lightning.callbacks import saving_ratio
+from lightning_lordo.core import saving_ratio
 
 BAR = "lordo/saving_vs_ddp"
 
@@ -98,7 +98,9 @@ def test_one_device_summary_says_ddp_sends_nothing_and_logs_no_nan(tmp_path: Pat
     assert "DDP would have sent" in printed and "nothing (one device)" in printed
     assert "none (one device)" in printed
     assert "nan" not in printed.lower()
-    assert fit.strategy.ddp_equivalent_bytes > 0  # the payload DDP would all-reduce with more devices...
+    assert fit.strategy.ddp_bytes_per_step > 0  # the payload DDP would all-reduce with more devices...
+    summary = fit.strategy.core.summary(1)  # one convention with Fabric's communication_summary()
+    assert summary["ddp_equivalent_bytes"] == 0 and summary["bytes_saving_vs_ddp"] is None
     rows = [r for r in _rows(logger) if r["lordo/bytes_sent_total"]]
     assert len(rows) == 3
     for row in rows:  # ...but on one device DDP sends nothing: 0 bytes, a ratio of 1, never NaN

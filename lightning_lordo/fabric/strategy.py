@@ -39,22 +39,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_lordo._tensors import nbytes
 from lightning_lordo.checks import check_choice
-from lightning_lordo.comm.communicator import CommAccountant, Communicator, joining, side_communicator
+from lightning_lordo.comm.communicator import Communicator, joining, side_communicator
 from lightning_lordo.config import SyncConfig
+from lightning_lordo.convert import (
+    check_initialized,
+)
+from lightning_lordo.core import HoldsCore, InCore, LoRDOCore
 from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
 from lightning_lordo.lightning._compat import BackwardSyncControl
-from lightning_lordo.lightning.convert import (
-    check_initialized,
-    compile_patterns,
-    convert_optimizer,
-    full_rank_params,
-    plan_message,
-    repoint_schedulers,
-    scale_base_lrs,
-)
-from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, NO_EXPERIMENTS, PRESETS, Experimental, resolve_knobs
 from lightning_lordo.sync.report import SyncReport
 from lightning_lordo.sync.synchronizer import Synchronizer
@@ -73,7 +66,7 @@ class _NothingToSkip(BackwardSyncControl):
         return nullcontext()
 
 
-class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
+class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
     """Local steps with a low-rank synchronization every ``sync_every`` optimizer steps, for Lightning Fabric.
 
     It takes the arguments of :class:`~lightning_lordo.LoRDOStrategy`, with the same homes, meanings and checks,
@@ -84,6 +77,8 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
     """
 
     strategy_name = "lordo"
+    module = InCore()  # the model whose optimizer is synchronized
+    optimizer = InCore()  # LoRDO (or, with lowrank=False, the user's optimizer)
 
     def __init__(
         self,
@@ -114,25 +109,14 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
             optimizer_source="the optimizer you pass to fabric.setup (and your LR scheduler keeps driving lr)")
         check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
         self.preset = preset
-        self.sync_config, self.optimizer_knobs = knobs.sync_config, knobs.optimizer_knobs
-        self._full_rank_patterns = compile_patterns(knobs.full_rank_params)
-        self.lowrank = knobs.lowrank
+        self.core = LoRDOCore(knobs, "Fabric(strategy='lordo')")
         super().__init__(accelerator=ddp.get("accelerator"), parallel_devices=ddp.get("parallel_devices"),
                          cluster_environment=ddp.get("cluster_environment"), checkpoint_io=ddp.get("checkpoint_io"),
                          precision=ddp.get("precision"), process_group_backend=ddp.get("process_group_backend"),
                          timeout=self.sync_config.timeout, start_method=start_method)
         self._backward_sync_control = _NothingToSkip()
-        self.accountant = CommAccountant()
-        self.communicator: Optional[Communicator] = None
-        self._overlap_comm: Optional[Communicator] = None  # overlap_steps: the side group's communicator
-        self.synchronizer: Optional[Synchronizer] = None
-        self.sync_reports: list[SyncReport] = []
-        self.module: Optional[nn.Module] = None  # the model whose optimizer is synchronized
-        self.optimizer: Optional[Optimizer] = None  # LoRDO (or, with lowrank=False, the user's optimizer)
         self.scheduler: Optional[Any] = None
-        self.parameter_names: dict[Tensor, str] = {}
         self._last_module: Optional[nn.Module] = None
-        self.ddp_bytes_per_step = 0
         self._prepared = False  # the synchronizer's preparation ran for the coming step (e.g. before clipping)
 
     @classmethod
@@ -151,7 +135,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
             super().setup_environment()  # the process group, with the collectives' timeout
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)
         if self.sync_config.overlap_steps and self.world_size > 1:  # every rank creates the side group together
-            self._overlap_comm = side_communicator(self.accountant, self.sync_config.timeout)
+            self.core.overlap_comm = side_communicator(self.accountant, self.sync_config.timeout)
             # a loop that ends on an exception leaves a round's thread in a collective: let it end before the
             # interpreter tears the process groups down (an abort otherwise hides the user's exception)
             atexit.register(lambda: self.synchronizer is not None and self.synchronizer.let_in_flight_end())
@@ -198,44 +182,23 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
             raise RuntimeError("Fabric(strategy='lordo') does not support precision='16-mixed': its gradient scaler "
                                "skips optimizer steps on the ranks whose own gradients overflow, so the workers' step "
                                "counts would diverge. Use precision='bf16-mixed' (no scaler) or '32-true'.")
-        assert self.communicator is not None
-        self.parameter_names = {p: n for n, p in module.named_parameters()}
-        optimizer = user_optimizer
-        if self.lowrank:
-            if not isinstance(optimizer, LoRDO) and type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-                raise TypeError(
-                    f"Fabric(strategy='lordo') converts torch.optim.Adam or AdamW into LoRDO, but fabric.setup got "
-                    f"{type(optimizer).__name__}. Pass Adam/AdamW (or lightning_lordo.LoRDO), or use "
-                    "strategy='diloco' (full-rank local steps with any optimizer, averaged every K steps).")
-            optimizer = convert_optimizer(user_optimizer, full_rank_params(module, self._full_rank_patterns),
-                                          self.optimizer_knobs, self.sync_config.seed, self.parameter_names)
-            if optimizer is not user_optimizer:
-                configs = [SimpleNamespace(scheduler=scheduler)] if scheduler is not None else []
-                repoint_schedulers(configs, user_optimizer, optimizer)
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        self.ddp_bytes_per_step = nbytes(trainable)
-        self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
-                                         self.communicator, self._overlap_comm)
-        self.synchronizer.switch_callbacks.append(self._scale_scheduler)
-        self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
-        if isinstance(optimizer, LoRDO):
-            rank_zero_info(plan_message(optimizer, self.parameter_names))
+        configs = [SimpleNamespace(scheduler=scheduler)] if scheduler is not None else []
+        optimizer = self.core.attach(module, user_optimizer, configs, "fabric.setup got", self._scale_scheduler)
+        self.scheduler = scheduler
+        message = self.core.plan_message()
+        if message:
+            rank_zero_info(message)
         return optimizer
 
     def _scale_scheduler(self) -> None:
-        if self.scheduler is not None:
-            scale_base_lrs(self.scheduler, self.sync_config.switch_lr_scale)
-
-    def parameter_plan(self) -> list[dict[str, Any]]:
-        """Which parameter takes the low-rank step and which takes AdamW, with names and reasons."""
-        return self.optimizer.describe(self.parameter_names) if isinstance(self.optimizer, LoRDO) else []
+        self.core.scale_schedulers([self.scheduler] if self.scheduler is not None else [],
+                                   self.sync_config.switch_lr_scale)
 
     # ------------------------------------------------------------------ the step
     def _prepare(self) -> None:
         """Once per optimizer step, after the backward pass: the gradient average (synchronous phase), first bases."""
-        assert self.synchronizer is not None
         if not self._prepared:
-            self.synchronizer.before_optimizer_step()
+            self.core.before_step()
             self._prepared = True
 
     @override
@@ -257,12 +220,7 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
             self._prepare()
         output = super().optimizer_step(optimizer, **kwargs)
         self._prepared = False
-        synchronizer = self.synchronizer
-        if not synchronizer.synchronous_now and synchronizer.steps_since_sync + 1 >= self.sync_config.sync_every:
-            self._check_synchronized_set()
-        report = synchronizer.on_optimizer_step()
-        if report is not None:
-            self.sync_reports.append(report)
+        self.core.after_step()
         return output
 
     @override
@@ -277,16 +235,6 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
         if optimizer is self.optimizer:
             self._prepare()
         return super().clip_gradients_value(module, optimizer, clip_val)
-
-    def _check_synchronized_set(self) -> None:
-        """Refuse parameters that became trainable after ``fabric.setup``: they would never be averaged."""
-        assert self.synchronizer is not None and self.module is not None
-        known = {id(p) for p in self.synchronizer.params}
-        new = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in known]
-        if new:
-            raise RuntimeError(
-                f"LoRDO synchronizes the parameters that were trainable at fabric.setup, but {new[:5]} became "
-                "trainable later; they would drift apart on every rank. Unfreeze them before fabric.setup.")
 
     # ------------------------------------------------------------------ the end, and the figures
     def finish(self) -> Optional[SyncReport]:
@@ -313,37 +261,16 @@ class LoRDOFabricStrategy(SynchronizedCheckpoints, DDPStrategy):
                 f"LoRDO finish(): the ranks took different numbers of optimizer steps (this rank {int(steps)}, the "
                 f"mean {mean:g}). Every rank must call optimizer.step() equally often: give every rank the same "
                 "number of batches (fabric.setup_dataloaders adds a DistributedSampler; use drop_last=True).")
-        reports = synchronizer.finish()
-        self.sync_reports += reports
+        reports = self.core.finish()
         return reports[-1] if reports else None
 
-    @property
-    def ddp_equivalent_bytes(self) -> int:
-        """Bytes DDP's gradient all-reduce would have passed for the optimizer steps so far (0 on one process:
-        DDP sends nothing there)."""
-        steps = self.synchronizer.optimizer_steps if self.synchronizer is not None else 0
-        return self.ddp_bytes_per_step * steps if self.world_size > 1 else 0
-
     def communication_summary(self) -> dict[str, Any]:
-        """This rank's traffic so far: ``bytes_sent_total`` (every collective of the plugin, setup included),
-        ``bytes_by_purpose``, ``ddp_equivalent_bytes``, ``bytes_saving_vs_ddp`` (their ratio, ``None`` when
-        nothing was sent), ``syncs``, ``skipped_syncs``, ``optimizer_steps``, ``steps_since_sync``,
-        ``round_in_flight`` (``overlap_steps``: a round launched and not landed yet) and ``world_size``. The same
-        figures as the Trainer's ``CommunicationMonitor`` prints at the end of ``fit`` (the current totals)."""
-        total, ddp = self.accountant.total_bytes, self.ddp_equivalent_bytes
-        synchronizer = self.synchronizer
-        return {
-            "bytes_sent_total": total,
-            "bytes_by_purpose": dict(sorted(self.accountant.totals.items())),
-            "ddp_equivalent_bytes": ddp,
-            "bytes_saving_vs_ddp": ddp / total if total else None,
-            "syncs": synchronizer.syncs_done if synchronizer is not None else 0,
-            "skipped_syncs": synchronizer.skipped_syncs if synchronizer is not None else 0,
-            "optimizer_steps": synchronizer.optimizer_steps if synchronizer is not None else 0,
-            "steps_since_sync": synchronizer.steps_since_sync if synchronizer is not None else 0,
-            "round_in_flight": synchronizer is not None and synchronizer.in_flight is not None,
-            "world_size": self.world_size,
-        }
+        """This rank's figures so far (:meth:`~lightning_lordo.core.LoRDOCore.summary`, the convention of the
+        Trainer's end-of-fit table): ``bytes_sent_total``, ``bytes_by_purpose``, ``ddp_equivalent_bytes``,
+        ``bytes_saving_vs_ddp`` (``None`` on one device), the wire bytes, ``syncs``, ``skipped_syncs``,
+        ``optimizer_steps``, ``steps_since_sync``, ``round_in_flight`` (``overlap_steps``: a round launched and not
+        landed yet), the mean sync time, the memory lines and ``world_size``."""
+        return self.core.summary(self.world_size)
 
     def _require_setup(self, what: str) -> Synchronizer:
         if self.synchronizer is None:

@@ -1,4 +1,4 @@
-"""Every use of a private attribute of Lightning (and of torch's LR schedulers), in one place.
+"""Every use of a private attribute of Lightning, in one place.
 
 The plugin supports ``lightning>=2.5,<2.7`` (pyproject). Each function below names what it touches; where a
 release may lack it, it checks the attribute and says what is lost without it. A Lightning upgrade that moves one of
@@ -7,8 +7,6 @@ these should need changes here only (``tests/test_compat.py`` checks each agains
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -67,20 +65,3 @@ def lightning_optimizer(cls: type[LightningOptimizer], optimizer: Optimizer, str
 def strategy_of(optimizer: LightningOptimizer) -> Any:
     """The strategy a LightningOptimizer is bound to (``_strategy``)."""
     return optimizer._strategy
-
-
-def track_step_calls(optimizer: Optimizer) -> None:
-    """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does (``_opt_called``,
-    ``_wrapped_by_lr_sched``), so that re-pointed schedulers do not warn that ``lr_scheduler.step()`` ran before
-    ``optimizer.step()``."""
-    step = type(optimizer).step
-    ref = weakref.ref(optimizer)
-
-    @functools.wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = ref()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return step(opt, *args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]

@@ -30,7 +30,6 @@ a rich table of the same figures.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -38,9 +37,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from rich.console import Console
 from rich.table import Table
 
-from lightning_lordo.comm.wire import ddp_wire_bytes
 from lightning_lordo.lightning._compat import batches_that_stepped, logged_results, logs_this_batch
-from lightning_lordo.sync.report import SyncReport, breakdown
+from lightning_lordo.sync.report import SyncReport
 
 
 class CommunicationMonitor(Callback):
@@ -159,99 +157,36 @@ def _lordo_strategy(trainer: Trainer) -> Any:
     return trainer.strategy
 
 
-def ddp_bytes(strategy: Any, report: Optional[SyncReport] = None) -> int:
-    """What DDP's gradient all-reduce would have passed per worker, by now or by ``report``'s step: nothing on one
-    device (DDP sends nothing)."""
-    if strategy.world_size <= 1:
-        return 0
-    return strategy.ddp_equivalent_bytes if report is None else strategy.ddp_bytes_per_step * report.step
-
-
-def saving_ratio(ddp: float, sent: float) -> float:
-    """DDP's bytes per byte sent; 1.0 while neither has sent anything (one device), finite always."""
-    return 1.0 if ddp == 0 and sent == 0 else ddp / max(sent, 1)
-
-
 def figures(strategy: Any, report: Optional[SyncReport] = None, totals_only: bool = False) -> dict[str, float]:
-    """The monitor's figures for ``strategy`` after ``report``, with the byte totals at the end of its round (or the
-    current totals without one; only the byte totals with ``totals_only``)."""
-    total = report.total_bytes if report is not None and report.total_bytes is not None \
-        else strategy.accountant.total_bytes
-    ddp = ddp_bytes(strategy, report)
-    out: dict[str, float] = {
-        "bytes_sent_total": total,
-        "ddp_equivalent_bytes": ddp,
-        "bytes_saving_vs_ddp": saving_ratio(ddp, total),
-    }
-    wire = report.total_wire_bytes if report is not None and report.total_wire_bytes is not None \
-        else strategy.accountant.total_wire_bytes
-    ddp_wire = ddp_wire_bytes(ddp, strategy.world_size)  # DDP's gradients by a float32 ring all-reduce
-    out.update({"wire_bytes_total": wire, "ddp_equivalent_wire_bytes": ddp_wire,
-                "wire_saving_vs_ddp": saving_ratio(ddp_wire, wire)})
-    if totals_only:
-        return out
-    out["skipped_syncs"] = strategy.synchronizer.skipped_syncs
-    if report is not None:
-        out.update({
-            "bytes_sent_sync": report.bytes_sent,
-            "wire_bytes_sync": sum(report.wire_by_purpose.values()),
-            **{f"bytes_sync/{k}": v for k, v in breakdown(report.bytes_by_part).items()},
-            **{f"wire_bytes_sync/{k}": v for k, v in breakdown(report.wire_by_part).items()},
-            "sync_seconds": report.seconds,
-            "basis_seconds": report.basis_seconds,
-        })
-        norm = report.pseudo_gradient_norm  # None for a synchronous step, NaN for a discarded round
-        if norm is not None and math.isfinite(norm):
-            out["pseudo_gradient_norm"] = norm
-        if report.subspace_movement is not None:
-            out["subspace_movement"] = report.subspace_movement
-        out.update(report.extra)  # e.g. sync_error_feedback_norm (compressed payloads), reset counts
-    optimizer = strategy.synchronizer.optimizer
-    if hasattr(optimizer, "diagnostics"):
-        out.update(optimizer.diagnostics())
-    out.update(memory_figures(strategy))
-    return {k: v for k, v in out.items() if v is not None}  # a figure this round does not have is left out
-
-
-def memory_figures(strategy: Any) -> dict[str, float]:
-    """SPEC §8's three memory lines (bytes per worker), and AdamW's state for the same parameters."""
-    optimizer = strategy.synchronizer.optimizer
-    sync_memory = strategy.synchronizer.memory_report()
-    out = {"sync_buffer_bytes": sum(sync_memory.values())}
-    if hasattr(optimizer, "memory_report"):
-        memory = optimizer.memory_report()
-        out["optimizer_state_bytes"] = (memory["lowrank_moments"] + memory["bases"] + memory["fullrank_moments"]
-                                        + memory["other"])
-        out["error_feedback_bytes"] = memory["error_feedback"]
-        out["adamw_state_bytes"] = memory["adamw_equivalent"]
-    return out
+    """The monitor's figures for ``strategy`` after ``report`` (:meth:`~lightning_lordo.core.LoRDOCore.figures`)."""
+    return strategy.core.figures(strategy.world_size, report, totals_only)
 
 
 def summary_table(strategy: Any) -> Table:
-    """A rich table of communication and memory for the run so far."""
-    reports: list[SyncReport] = strategy.sync_reports
+    """A rich table of :meth:`~lightning_lordo.core.LoRDOCore.summary`, the figures of the run so far."""
+    s = strategy.core.summary(strategy.world_size)
     table = Table(title="LoRDO: communication and memory per worker")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    table.add_row("synchronizations (skipped)", f"{len(reports)} ({strategy.synchronizer.skipped_syncs})")
-    for purpose, nbytes in sorted(strategy.accountant.totals.items()):
+    table.add_row("synchronizations (skipped)", f"{s['syncs']} ({s['skipped_syncs']})")
+    for purpose, nbytes in s["bytes_by_purpose"].items():
         table.add_row(f"  bytes sent: {purpose}", _human(nbytes))
-    figs = figures(strategy)
-    table.add_row("bytes sent, total", _human(figs["bytes_sent_total"]))
-    if strategy.world_size > 1:
-        table.add_row("DDP would have sent", _human(figs["ddp_equivalent_bytes"]))
-        table.add_row("saving vs DDP", f"{figs['bytes_saving_vs_ddp']:.1f}x")
+    table.add_row("bytes sent, total", _human(s["bytes_sent_total"]))
+    if s["bytes_saving_vs_ddp"] is not None:
+        table.add_row("DDP would have sent", _human(s["ddp_equivalent_bytes"]))
+        table.add_row("saving vs DDP", f"{s['bytes_saving_vs_ddp']:.1f}x")
     else:
         table.add_row("DDP would have sent", "nothing (one device)")
         table.add_row("saving vs DDP", "none (one device)")
-    if reports:
-        table.add_row("mean sync time", f"{sum(r.seconds for r in reports) / len(reports) * 1e3:.1f} ms")
-        table.add_row("  of which bases", f"{sum(r.basis_seconds for r in reports) / len(reports) * 1e3:.1f} ms")
-    if "optimizer_state_bytes" in figs:
-        table.add_row("optimizer state", _human(figs["optimizer_state_bytes"]))
-        table.add_row("  AdamW's for the same parameters", _human(figs["adamw_state_bytes"]))
-        table.add_row("error-feedback buffers", _human(figs["error_feedback_bytes"]))
-    table.add_row("sync buffers (anchor, outer momentum)", _human(figs["sync_buffer_bytes"]))
+    if s["mean_sync_seconds"] is not None:
+        table.add_row("mean sync time", f"{s['mean_sync_seconds'] * 1e3:.1f} ms")
+        table.add_row("  of which bases", f"{s['mean_basis_seconds'] * 1e3:.1f} ms")
+    if "optimizer_state_bytes" in s:
+        table.add_row("optimizer state", _human(s["optimizer_state_bytes"]))
+        table.add_row("  AdamW's for the same parameters", _human(s["adamw_state_bytes"]))
+        table.add_row("error-feedback buffers", _human(s["error_feedback_bytes"]))
+    if "sync_buffer_bytes" in s:
+        table.add_row("sync buffers (anchor, outer momentum)", _human(s["sync_buffer_bytes"]))
     return table
 
 

@@ -19,35 +19,25 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_lordo._tensors import nbytes
 from lightning_lordo.checks import check_choice
-from lightning_lordo.comm.communicator import CommAccountant, Communicator, joining, side_communicator
+from lightning_lordo.comm.communicator import Communicator, joining, side_communicator
 from lightning_lordo.config import SyncConfig
+from lightning_lordo.convert import (
+    check_initialized,
+    several_optimizers_message,
+)
+from lightning_lordo.core import HoldsCore, LoRDOCore
 from lightning_lordo.lightning._compat import install_sigterm_hooks, lightning_optimizer
 from lightning_lordo.lightning.callbacks import add_monitor
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
-from lightning_lordo.lightning.convert import (
-    check_initialized,
-    compile_patterns,
-    convert_optimizer,
-    full_rank_params,
-    plan_message,
-    repoint_schedulers,
-    scale_base_lrs,
-    several_optimizers_message,
-)
 from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimizer
 from lightning_lordo.lightning.saving import SynchronizedState
 from lightning_lordo.lightning.user_warnings import PluginWarnings
-from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, NO_EXPERIMENTS, PRESETS, Experimental, resolve_knobs
-from lightning_lordo.sync.report import SyncReport
-from lightning_lordo.sync.synchronizer import Synchronizer
 
 DEFAULT_TIMEOUT = SyncConfig().timeout.total_seconds()
 #: The arguments of Lightning's ``DDPStrategy`` this strategy passes on (through ``**ddp``).
@@ -55,7 +45,7 @@ DDP_ARGUMENTS = ("accelerator", "parallel_devices", "cluster_environment", "chec
                  "process_group_backend")
 
 
-class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
+class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrategy):
     """Local LoRDO steps with a low-rank synchronization every ``sync_every`` optimizer steps.
 
     Each knob has one home: the distribution knobs are named arguments; LoRDO's knobs for converting your
@@ -70,7 +60,8 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
             ...; see :class:`~lightning_lordo.LoRDO`). Refused when ``configure_optimizers`` returns a LoRDO.
         payload, payload_dtype: ``full`` or ``lowrank`` (PowerSGD-style); ``float32``, ``bfloat16`` or ``int8``
             (``None``: the preset's, else ``full`` in ``float32``).
-        outer_optimizer: ``average`` or ``nesterov`` (DiLoCo's outer SGD); outer_lr, outer_momentum: its step.
+        outer_optimizer: ``average`` or ``nesterov`` (DiLoCo's outer SGD).
+        outer_lr, outer_momentum: the Nesterov outer step's learning rate and momentum (DiLoCo's 0.7 and 0.9).
         overlap_steps: 0 (blocking syncs), or tau < sync_every: a round's collectives overlap tau local steps.
         anchor_device: where the anchor lives: ``auto`` (host memory on an accelerator), ``param`` or ``cpu``.
         bucket_cap_mb: the most pseudo-gradient (MB) a one-process sync holds at once.
@@ -121,10 +112,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
                              "strategy adds (monitor=True).")
         check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
         self.preset = preset
-        self.sync_config = knobs.sync_config
-        self._full_rank_patterns = compile_patterns(knobs.full_rank_params)
-        self.optimizer_knobs = knobs.optimizer_knobs
-        self.lowrank = knobs.lowrank
+        self.core = LoRDOCore(knobs, "strategy='lordo'")
         self.monitor = monitor
         self.monitor_progress_bar = knobs.monitor_progress_bar
         self.checkpoint_shards = knobs.checkpoint_shards
@@ -135,12 +123,6 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
                          checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
                          precision_plugin=ddp.get("precision_plugin"),
                          process_group_backend=ddp.get("process_group_backend"))
-        self.accountant = CommAccountant()
-        self.communicator: Optional[Communicator] = None
-        self.synchronizer: Optional[Synchronizer] = None
-        self.sync_reports: list[SyncReport] = []
-        self.parameter_names: dict[Tensor, str] = {}
-        self.ddp_bytes_per_step = 0  # what DDP's gradient all-reduce passes per worker and optimizer step
         self._swapped_for_eval = False
         self._overlap_group: Any = None  # overlap_steps: the side gloo group of the rounds' thread, kept across fits
         self._restored: Optional[dict[str, Any]] = None
@@ -204,13 +186,13 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
                 "optimizer.step() Lightning makes). Set `self.automatic_optimization = True`, or use "
                 "strategy='ddp' for manual optimization."
             )
-        self.accountant, self.sync_reports = CommAccountant(), []  # each fit counts its own traffic
+        self.core.new_fit()  # each fit counts its own traffic
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)
-        self._overlap_comm = None
+        self.core.overlap_comm = None
         if self.sync_config.overlap_steps and self.world_size > 1:  # its gloo group made once per strategy
             group = self._overlap_group or side_communicator(self.accountant, self.sync_config.timeout).group
             self._overlap_group = group
-            self._overlap_comm = Communicator(self.accountant, self.sync_config.timeout, group=group)
+            self.core.overlap_comm = Communicator(self.accountant, self.sync_config.timeout, group=group)
         self._setup_control()
         check_initialized(self.model)
         state = list(self.model.parameters()) + list(self.model.buffers())
@@ -229,58 +211,35 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
             if "multiple optimizers" not in str(err):
                 raise
             raise RuntimeError(several_optimizers_message(module)) from err
-        assert module is not None and self.communicator is not None
-        self.parameter_names = {p: n for n, p in module.named_parameters()}
+        assert module is not None
         user_optimizer = self.optimizers[0]
-        optimizer = self._convert(user_optimizer, module) if self.lowrank else user_optimizer
+        optimizer = self.core.attach(module, user_optimizer, self.lr_scheduler_configs, "configure_optimizers returned",
+                                     self._scale_schedulers)
         if optimizer is not user_optimizer:
-            repoint_schedulers(self.lr_scheduler_configs, user_optimizer, optimizer)
             self.optimizers = [optimizer]
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        self.ddp_bytes_per_step = nbytes(trainable)
-        self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
-                                         self.communicator, self._overlap_comm)
-        self.synchronizer.switch_callbacks.append(self._scale_schedulers)
         if self._restored is not None:
             self._apply_restored_state()
-        if isinstance(optimizer, LoRDO):
-            rank_zero_info(plan_message(optimizer, self.parameter_names))
-
-    def _convert(self, optimizer: Optimizer, module: nn.Module) -> LoRDO:
-        return convert_optimizer(optimizer, full_rank_params(module, self._full_rank_patterns), self.optimizer_knobs,
-                                 self.sync_config.seed, self.parameter_names)
-
-    def parameter_plan(self) -> list[dict[str, Any]]:
-        """Which parameter takes the low-rank step and which takes AdamW, with names and reasons."""
-        optimizer = self.optimizers[0] if self.optimizers else None
-        if not isinstance(optimizer, LoRDO):
-            return []
-        return optimizer.describe(self.parameter_names)
+        message = self.core.plan_message()
+        if message:
+            rank_zero_info(message)
 
     # ------------------------------------------------------------------ synchronization
     def before_optimizer_step(self) -> None:
         """Called by the LightningOptimizer after the backward pass of each optimizer step."""
-        assert self.synchronizer is not None
         with self._plugin_warnings:
-            self.synchronizer.before_optimizer_step()
+            self.core.before_step()
 
     def _scale_schedulers(self) -> None:
         """At the switch: the LR schedulers' base LRs follow ``switch_lr_scale`` (the synchronizer scaled the
         param groups' learning rates)."""
-        for config in self.lr_scheduler_configs:
-            scale_base_lrs(config.scheduler, self.sync_config.switch_lr_scale)
+        self.core.scale_schedulers([c.scheduler for c in self.lr_scheduler_configs], self.sync_config.switch_lr_scale)
 
     def after_optimizer_step(self) -> None:
         """Called by the LightningOptimizer after each optimizer step; the last one of ``fit`` runs the final sync,
         so the checkpoints Lightning writes at the end of ``fit`` hold the final synchronized model and buffers."""
-        assert self.synchronizer is not None
         with self._plugin_warnings:
             last = self._is_last_step()
-            if self.synchronizer.steps_since_sync + 1 >= self.sync_config.sync_every or last:
-                self._check_synchronized_set()
-            report = self.synchronizer.on_optimizer_step()
-            if report is not None:
-                self.sync_reports.append(report)
+            self.core.after_step(last)
             if last:
                 self._finish_training()
 
@@ -310,18 +269,7 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         if self.world_size > 1 and trainer is not None and self.communicator is not None \
                 and self.communicator.failure is None and not trainer.received_sigterm:
             self._sigterm_check(finished=True)
-        self.sync_reports += self.synchronizer.finish()
-
-    def _check_synchronized_set(self) -> None:
-        """Refuse parameters that became trainable after setup (e.g. unfrozen by a callback): they would train
-        locally on every rank and never be averaged."""
-        assert self.synchronizer is not None and self.lightning_module is not None
-        known = {id(p) for p in self.synchronizer.params}
-        new = [n for n, p in self.lightning_module.named_parameters() if p.requires_grad and id(p) not in known]
-        if new:
-            raise RuntimeError(f"LoRDO synchronizes the parameters that were trainable when fit started, but {new[:5]} "
-                               "became trainable later (unfrozen during fit); they would drift apart on every rank. "
-                               "Unfreeze them before trainer.fit, or save a checkpoint and resume to include them.")
+        self.core.finish()
 
     @override
     def on_train_start(self) -> None:
@@ -350,10 +298,3 @@ class LoRDOStrategy(SynchronizedState, GuardedCollectives, DDPStrategy):
         if self.synchronizer is not None:
             self.synchronizer.anchor.tensors = [t.cpu() for t in self.synchronizer.anchor.tensors]
         super().teardown()
-
-    @property
-    def ddp_equivalent_bytes(self) -> int:
-        """Bytes DDP's gradient all-reduce would pass per worker for the optimizer steps taken so far, with more than
-        one device (the monitor's ``lordo/ddp_equivalent_bytes`` and the summary count 0 on one device)."""
-        steps = self.synchronizer.optimizer_steps if self.synchronizer is not None else 0
-        return self.ddp_bytes_per_step * steps

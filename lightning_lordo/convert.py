@@ -4,9 +4,11 @@ so they keep driving the learning rate."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,7 +16,6 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_lordo.lightning._compat import track_step_calls
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.optim.report import plan_summary
 
@@ -63,8 +64,8 @@ def convert_optimizer(optimizer: Optimizer, full_rank: Mapping[Tensor, str], kno
 
 def plan_message(optimizer: LoRDO, names: Mapping[Tensor, str]) -> str:
     """The start-up log of the parameter plan: how many tensors take each step, the largest of each by name."""
-    return "\n".join(plan_summary(optimizer.describe(names))) + (" strategy.parameter_plan() lists all; "
-                                                                 "full_rank_params=[regex] moves more to AdamW.")
+    return "\n".join(plan_summary(optimizer.describe(names))) + (
+        " strategy.parameter_plan() lists all; optimizer={'full_rank_params': [regex]} moves more to AdamW.")
 
 
 def check_initialized(module: nn.Module) -> None:
@@ -134,7 +135,7 @@ def output_heads(module: nn.Module) -> list[nn.Linear]:
 def compile_patterns(patterns: Sequence[str]) -> list[re.Pattern[str]]:
     if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
         raise ValueError(f"Invalid full_rank_params={patterns!r}: it must be a sequence of regular expressions "
-                         r"(strings), e.g. full_rank_params=[r'lm_head\.weight$'].")
+                         r"(strings), e.g. optimizer={'full_rank_params': [r'lm_head\.weight$']}.")
     try:
         return [re.compile(p) for p in patterns]
     except re.error as err:
@@ -184,6 +185,23 @@ def scale_base_lrs(scheduler: Any, scale: float) -> None:
         scheduler.base_lrs = [lr * scale for lr in scheduler.base_lrs]
     for inner in getattr(scheduler, "_schedulers", ()):
         scale_base_lrs(inner, scale)
+
+
+def track_step_calls(optimizer: Optimizer) -> None:
+    """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does (``_opt_called``,
+    ``_wrapped_by_lr_sched``: torch's private flags, the one private API outside ``lightning/_compat.py``), so that
+    re-pointed schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``."""
+    step = type(optimizer).step
+    ref = weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 def several_optimizers_message(module: Any) -> str:
