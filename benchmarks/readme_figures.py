@@ -1,0 +1,155 @@
+"""The README's generated blocks: each block between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->`` is
+rendered here from its one source, so that the README cannot drift from it; ``KNOBS.md`` is generated whole.
+
+    python benchmarks/readme_figures.py          # rewrite the blocks in README.md, and KNOBS.md
+    python benchmarks/readme_figures.py --check  # exit 1 if either differs (tests/test_readme_figures.py)
+
+Blocks: ``demo`` (``benchmarks/results/demo.json``, written by ``lordo-demo --json``) and ``knobs`` (the knobs a
+user is most likely to touch, from the docstrings of ``LoRDOStrategy``, ``LoRDO``, ``SyncConfig`` and
+``Experimental``, as the whole reference in ``KNOBS.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning_lordo import LoRDO, LoRDOStrategy
+from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
+from lightning_lordo.demo import COLUMNS, result_rows
+from lightning_lordo.strategy_knobs import (
+    EXPERIMENTAL_KNOBS,
+    MAPPING_DOCS,
+    OPTIMIZER_MAPPING_KNOBS,
+    STRATEGY_OPTIMIZER_KNOBS,
+    Experimental,
+    docstring_entries,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+KNOBS = ROOT / "KNOBS.md"
+#: The knobs the README's table shows (the rest are in KNOBS.md).
+README_KNOBS = ("sync_every", "preset", "payload", "payload_dtype", "outer_optimizer", "overlap_steps",
+                "anchor_device", "timeout", "rank", "error_feedback", "full_rank_params", "warmup_steps",
+                "checkpoint_shards")
+
+
+def demo_block(results_file: Path = ROOT / "benchmarks" / "results" / "demo.json") -> str:
+    """The demo's table and its provenance, from the JSON ``lordo-demo --json`` writes."""
+    data = json.loads(results_file.read_text())
+    args, prov = data["args"], data["provenance"]
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in result_rows(data["results"])]
+    dirty = " with uncommitted changes" if prov["uncommitted_changes"] else ""
+    lines += ["", f"Provenance: `{prov['command']}` at {prov['commit'][:7]}{dirty}, torch {prov['torch']}, lightning "
+              f"{prov['lightning']}, Python {prov['python']}, {prov['machine']}. {args['steps']} steps, "
+              f"{args['workers']} workers x {args['batch_size']} sequences, K = {args['sync_every']}, rank "
+              f"{args['rank']}, one seed, LR {args['lr']:g} for both. DDP's bytes are computed, LoRDO's counted; "
+              "its error-feedback buffers are float32 on the CPU (bfloat16 on a GPU)."]
+    return "\n".join(lines)
+
+
+def _named() -> dict[str, Any]:
+    return {n: p.default for n, p in inspect.signature(LoRDOStrategy.__init__).parameters.items()
+            if n not in ("self", "ddp", "optimizer", "experimental")}
+
+
+def knob(name: str) -> tuple[str, str, str]:
+    """``(home, default, meaning)`` of a knob, from the signature, the defaults and the docstrings."""
+    named = _named()
+    if name in named:
+        docs = docstring_entries(LoRDOStrategy.__doc__ or "", "Args:")
+        default = named[name]
+        return "named", "the preset's" if default is None else f"`{default!r}`", docs[name]
+    if name in OPTIMIZER_MAPPING_KNOBS:
+        meaning = MAPPING_DOCS.get(name) or docstring_entries(LoRDO.__doc__ or "", "Args:")[name]
+        return "`optimizer`", f"`{OPTIMIZER_DEFAULTS.get(name, ())!r}`", meaning
+    if name in EXPERIMENTAL_KNOBS:
+        sync = SyncConfig.__dataclass_fields__.get(name)
+        default = sync.default if sync is not None else {"lowrank": True, "checkpoint_shards": True}.get(name)
+        return "`experimental`", f"`{default!r}`", docstring_entries(Experimental.__doc__ or "")[name]
+    raise KeyError(name)
+
+
+def markdown(text: str) -> str:
+    """A docstring's reStructuredText as Markdown: ``x`` as `x`, :class:`~a.B` as `B`, a pipe as a slash."""
+    text = re.sub(r":\w+:`~?([\w.]+)`", lambda m: f"`{m[1].split('.')[-1]}`", text)
+    return text.replace("``", "`").replace("|", "/")
+
+
+def knobs_block() -> str:
+    """The README's table of the knobs most users touch (the first sentence of each description; knobs that share
+    one description share a row)."""
+    rows: list[tuple[list[str], str, list[str], str]] = []
+    for name in README_KNOBS:
+        home, default, meaning = knob(name)
+        if rows and rows[-1][3] == meaning:
+            rows[-1][0].append(f"`{name}`")
+            rows[-1][2].append(default)
+        else:
+            rows.append(([f"`{name}`"], home, [default], meaning))
+    lines = ["| knob | home | default | meaning |", "|---|---|---|---|"]
+    for names, home, defaults, meaning in rows:
+        default = defaults[0] if len(set(defaults)) == 1 else ", ".join(defaults)
+        lines.append(f"| {', '.join(names)} | {home} | {default} | {markdown(meaning.split('. ')[0].rstrip('.'))} |")
+    return "\n".join(lines)
+
+
+def knobs_reference() -> str:
+    """KNOBS.md: every knob, in its home, with its default and its whole description."""
+    homes = {"Named arguments of `LoRDOStrategy` (and `LoRDOFabricStrategy`, but `monitor`)": list(_named()),
+             "`optimizer={...}`: LoRDO's knobs for converting your AdamW (or `LoRDO(...)`'s own arguments)":
+                 [*STRATEGY_OPTIMIZER_KNOBS, "full_rank_params"],
+             "`experimental=Experimental(...)`: research, ablation and rarely changed knobs": list(EXPERIMENTAL_KNOBS)}
+    out = ["# Knobs", "", "Generated by `python benchmarks/readme_figures.py` from the docstrings of `LoRDOStrategy`,",
+           "`LoRDO`, `SyncConfig` and `Experimental`; do not edit by hand. `lr`, `betas`, `eps` and `weight_decay`",
+           "come from your optimizer. An experimental knob left `None` takes the preset's value, else the default."]
+    for title, names in homes.items():
+        out += ["", f"## {title}", "", "| knob | default | meaning |", "|---|---|---|"]
+        for name in names:
+            _, default, meaning = knob(name)
+            out.append(f"| `{name}` | {default} | {markdown(meaning)} |")
+    return "\n".join(out) + "\n"
+
+
+BLOCKS: dict[str, Callable[[], str]] = {"demo": demo_block, "knobs": knobs_block}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block rendered again."""
+    for name, make in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- figures:{name} -->\n).*?(<!-- /figures:{name} -->)", re.S)
+        if pattern.search(text) is None:
+            raise SystemExit(f"README.md has no block <!-- figures:{name} --> ... <!-- /figures:{name} -->")
+        match = pattern.search(text)
+        assert match is not None
+        text = text[:match.start()] + match[1] + make() + "\n" + match[2] + text[match.end():]
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md's blocks differ from the results")
+    args = parser.parse_args()
+    current, knobs = README.read_text(), KNOBS.read_text() if KNOBS.exists() else ""
+    wanted = render(current)
+    if args.check:
+        if wanted != current or knobs != knobs_reference():
+            print("README.md's generated blocks or KNOBS.md are stale: run python benchmarks/readme_figures.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    README.write_text(wanted)
+    KNOBS.write_text(knobs_reference())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
