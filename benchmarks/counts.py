@@ -2,8 +2,8 @@
 
 On an accelerator every read of a device value back to the host (``.item()``, ``bool()``, ``.tolist()``) stalls the
 host until the device has caught up, and every dispatched op is at least one kernel launch. Neither needs a GPU to
-count: :class:`Counts` counts both while the code runs on the CPU, in the accelerators' layout (``LoRDO.in_place =
-False``: stacked same-shape matrices, batched bases). Values computed only from LoRDO's step counters, which live in
+count: :class:`Counts` counts both while the code runs on the CPU, in the accelerators' layout (``layout=
+"stacked"``: stacked same-shape matrices, batched bases). Values computed only from LoRDO's step counters, which live in
 host memory on an accelerator too, are not device reads and are not counted.
 
 Printed (one run, counts do not depend on the machine):
@@ -122,29 +122,26 @@ def preset_knobs(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def count_sync(preset: str, steps: int = 6, sync_every: int = 2) -> dict[str, Any]:
     """Host reads and dispatched ops of the last sync of a short run (the process group, if any, is set up)."""
-    previous, LoRDO.in_place = LoRDO.in_place, False  # the accelerators' layout
-    try:
-        torch.manual_seed(0)
-        model = CharGPT(vocab_size=256, d_model=64, n_layers=12, n_heads=4, seq_len=32)
-        params = list(model.parameters())
-        knobs, sync_knobs = preset_knobs(preset)
-        opt = LoRDO(params, lr=1e-3, rank=8, full_rank=full_rank_params(model), **knobs)
-        comm = Communicator(CommAccountant(), timedelta(seconds=60))
-        config = SyncConfig(**{"sync_every": sync_every, "synchronous": False, **sync_knobs})  # a worker's rounds
-        sync = Synchronizer(params, [], opt, config, comm)
-        x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(comm.rank))
-        for step in range(steps):
-            opt.zero_grad()
-            model(x).float().mean().backward()
-            sync.before_optimizer_step()
-            opt.step()
-            if step < steps - 1:
-                sync.on_optimizer_step()
-        with Counts(step_counters(opt)) as counts:
-            report = sync.on_optimizer_step()
-        assert report is not None, "the counted step did not sync"
-    finally:
-        LoRDO.in_place = previous
+    # the accelerators' layout (layout="stacked"), counted on the CPU
+    torch.manual_seed(0)
+    model = CharGPT(vocab_size=256, d_model=64, n_layers=12, n_heads=4, seq_len=32)
+    params = list(model.parameters())
+    knobs, sync_knobs = preset_knobs(preset)
+    opt = LoRDO(params, lr=1e-3, rank=8, full_rank=full_rank_params(model), layout="stacked", **knobs)
+    comm = Communicator(CommAccountant(), timedelta(seconds=60))
+    config = SyncConfig(**{"sync_every": sync_every, "synchronous": False, **sync_knobs})  # a worker's rounds
+    sync = Synchronizer(params, [], opt, config, comm)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(comm.rank))
+    for step in range(steps):
+        opt.zero_grad()
+        model(x).float().mean().backward()
+        sync.before_optimizer_step()
+        opt.step()
+        if step < steps - 1:
+            sync.on_optimizer_step()
+    with Counts(step_counters(opt)) as counts:
+        report = sync.on_optimizer_step()
+    assert report is not None, "the counted step did not sync"
     return {"preset": preset, "world": comm.world_size, "tensors": len(params), "reads": counts.reads,
             "ops": counts.ops, "ops_per_tensor": round(counts.ops / len(params), 2)}
 
@@ -191,15 +188,13 @@ def count_step(make: Callable[[list[Tensor], torch.nn.Module], torch.optim.Optim
 
 
 def count_steps() -> dict[str, Any]:
-    previous, LoRDO.in_place = LoRDO.in_place, False
-    try:
-        row = {"adamw_foreach": count_step(lambda ps, m: torch.optim.AdamW(ps, foreach=True)),
-               "adamw_fused": count_step(lambda ps, m: torch.optim.AdamW(ps, fused=True))}
-        for name in ("lordo", "lordo_lean"):
-            knobs = preset_knobs(name)[0]
-            row[name] = count_step(lambda ps, m, k=knobs: LoRDO(ps, rank=12, full_rank=full_rank_params(m), **k))
-    finally:
-        LoRDO.in_place = previous
+    # the accelerators' layout (layout="stacked"), counted on the CPU
+    row = {"adamw_foreach": count_step(lambda ps, m: torch.optim.AdamW(ps, foreach=True)),
+           "adamw_fused": count_step(lambda ps, m: torch.optim.AdamW(ps, fused=True))}
+    for name in ("lordo", "lordo_lean"):
+        knobs = preset_knobs(name)[0]
+        row[name] = count_step(lambda ps, m, k=knobs: LoRDO(ps, rank=12, full_rank=full_rank_params(m),
+                                                            layout="stacked", **k))
     row.update({f"{name}_over_foreach": round(row[name] / row["adamw_foreach"], 2) for name in ("lordo", "lordo_lean")})
     return row
 

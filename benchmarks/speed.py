@@ -100,11 +100,17 @@ class _MatmulFloor(LoRDO):
 
 
 class InPlace(LoRDO):
-    in_place = True  # the CPU's layout of the grouped step, on any device
+    """The CPU's layout of the grouped step, on any device."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, layout="in_place", **kwargs)
 
 
 class Stacked(LoRDO):
-    in_place = False  # the accelerators' layout (batched matmuls on stacked tensors), on any device
+    """The accelerators' layout (batched matmuls on stacked tensors), on any device."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, layout="stacked", **kwargs)
 
 
 #: LoRDO with each layout of the grouped step forced (benchmarks/gpu_check.py uses them too).

@@ -81,20 +81,17 @@ def test_stacked_bases_match_the_per_matrix_reference() -> None:
     """New bases and rotated moments in the accelerators' stacked layout against the per-matrix path, on random
     inputs (tall, wide, two shapes, two ranks, each transition)."""
     def run(stacked: bool, transition: str) -> list[torch.Tensor]:
-        previous, LoRDO.in_place = LoRDO.in_place, (False if stacked else None)
-        try:
-            gen = torch.Generator().manual_seed(3)
-            params = [nn.Parameter(torch.randn(s, generator=gen)) for s in [(12, 30), (12, 30), (30, 12), (16, 16)]]
-            opt = LoRDO(params, lr=0.01, rank=4, transition=transition, power_iters=2)
-            for _ in range(3):
-                for p in params:
-                    p.grad = torch.randn(p.shape, generator=gen)
-                opt.step()
-            moved = opt.install_bases({p: torch.randn(p.shape, generator=gen) for p in params})
-            return [t for p in params for t in (opt.state[p]["basis"], opt.state[p]["exp_avg"],
-                                                  opt.state[p]["exp_avg_sq"], moved[p])]
-        finally:
-            LoRDO.in_place = previous
+        gen = torch.Generator().manual_seed(3)
+        params = [nn.Parameter(torch.randn(s, generator=gen)) for s in [(12, 30), (12, 30), (30, 12), (16, 16)]]
+        opt = LoRDO(params, lr=0.01, rank=4, transition=transition, power_iters=2,
+                    layout="stacked" if stacked else None)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        moved = opt.install_bases({p: torch.randn(p.shape, generator=gen) for p in params})
+        return [t for p in params for t in (opt.state[p]["basis"], opt.state[p]["exp_avg"],
+                                              opt.state[p]["exp_avg_sq"], moved[p])]
 
     for transition in ("rotate", "reset", "keep"):
         for a, b in zip(run(True, transition), run(False, transition), strict=True):

@@ -38,8 +38,10 @@ def _mixed_model(seed: int) -> list[nn.Parameter]:
 @pytest.fixture(params=[True, False], ids=["in-place", "stacked"])
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Both layouts of the grouped step on the CPU: in place (the CPU's default) and stacked (the accelerators').
-    Returns how many groups each layout stepped, so a test can check which one ran."""
-    monkeypatch.setattr(LoRDO, "in_place", request.param)
+    Returns how many groups each layout stepped, so a test can check which one ran. Every LoRDO the test builds
+    takes ``layout=`` (the constructor's default, set here)."""
+    defaults = {**LoRDO.__init__.__kwdefaults__, "layout": "in_place" if request.param else "stacked"}
+    monkeypatch.setattr(LoRDO.__init__, "__kwdefaults__", defaults)
     calls = {"in_place": 0, "stacked": 0, "requested": request.param}
     for name in ("in_place", "stacked"):
         original = getattr(functional, f"_lowrank_{name}")
@@ -224,3 +226,10 @@ def test_in_place_layout_keeps_non_finite_weights_when_the_decay_zeroes_them(lay
             opt.step()
         counts[foreach] = [int((~p.isfinite()).sum()) for p in params]
     assert counts[True] == counts[False] == [1, 1]
+
+
+def test_the_layout_is_an_argument_checked_by_name() -> None:
+    w = nn.Parameter(torch.randn(8, 12))
+    with pytest.raises(ValueError, match=r"Invalid layout='fast': allowed values are None \(by device\)"):
+        LoRDO([w], rank=2, layout="fast")
+    assert LoRDO([w], rank=2, layout="stacked")._stacked(w) and not LoRDO([w], rank=2)._stacked(w)  # the CPU's

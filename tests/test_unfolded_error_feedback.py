@@ -39,8 +39,10 @@ FOLDED = {
 
 @pytest.fixture(params=[True, False], ids=["in-place", "stacked"])
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both layouts of the grouped step on the CPU: in place (the CPU's default) and stacked (the accelerators')."""
-    monkeypatch.setattr(LoRDO, "in_place", request.param)
+    """Both layouts of the grouped step on the CPU: in place (the CPU's default) and stacked (the accelerators'), as
+    the ``layout=`` every LoRDO the test builds takes (the constructor's default, set here)."""
+    defaults = {**LoRDO.__init__.__kwdefaults__, "layout": "in_place" if request.param else "stacked"}
+    monkeypatch.setattr(LoRDO.__init__, "__kwdefaults__", defaults)
 
 
 def _model(seed: int) -> list[nn.Parameter]:

@@ -67,16 +67,17 @@ class LoRDO(Optimizer):
         seed: seed of random bases and randomized projections (use the same on every worker).
         full_rank: parameters that take the AdamW step whatever their group's rank, or a mapping from each to why
             (the strategies pass embeddings and output heads here, SPEC §2; :meth:`describe` shows the why).
-        foreach: the grouped implementation (default; its two layouts: :func:`functional.lowrank_grouped`, chosen
-            by device or by the class attribute ``in_place``); ``False`` runs the readable per-matrix reference
-            (:mod:`lightning_lordo.optim.functional`), which tests compare both layouts with.
+        foreach: the grouped implementation (default); ``False`` runs the readable per-matrix reference
+            (:mod:`lightning_lordo.optim.functional`), which tests compare the grouped one with.
+        layout: the grouped implementation's layout (:func:`functional.lowrank_grouped`): ``"in_place"`` (every
+            full-size tensor updated where it is, matrix by matrix: the CPU's cost model), ``"stacked"`` (one
+            batched op per shape: the accelerators', where each launch costs), or ``None``: by device.
         fused: for the AdamW parameters (with ``foreach``): torch's fused AdamW (``True``) or its foreach AdamW
             (``False``); ``None`` takes the fused one on the CPU and foreach elsewhere.
 
     A low-rank matrix without a basis at its first step gets one from its own gradient. Distributed, the
     synchronizer gives it one from the averaged gradient first (:meth:`missing_bases`, :meth:`install_bases`).
     """
-    in_place: Optional[bool] = None  # the grouped step's layout (None: in place on the CPU, stacked elsewhere)
 
     def __init__(
         self,
@@ -90,6 +91,7 @@ class LoRDO(Optimizer):
         full_rank: Iterable[Tensor] = (),
         foreach: bool = True,
         fused: Optional[bool] = None,
+        layout: Optional[str] = None,
         **knobs: Any,
     ) -> None:
         unknown = set(knobs) - set(OPTIMIZER_DEFAULTS)
@@ -111,8 +113,12 @@ class LoRDO(Optimizer):
         for name, flag in (("foreach", foreach), ("fused", fused)):
             if not (isinstance(flag, bool) or (name == "fused" and flag is None)):
                 raise ValueError(f"Invalid {name}={flag!r}: it must be True or False{' or None' * (name == 'fused')}.")
+        if layout not in (None, "in_place", "stacked"):
+            raise ValueError(f"Invalid layout={layout!r}: allowed values are None (by device), 'in_place' and "
+                             "'stacked'. Pick one of them.")
         self.seed = seed
-        self.foreach, self.fused = foreach, fused
+        self.foreach, self.fused, self.layout = foreach, fused, layout
+        self.in_place = None if layout is None else layout == "in_place"  # the grouped step's argument
         self._full_rank = {id(p): reasons.get(id(p), "listed in full_rank") for p in full_rank}  # id -> why
         self._random_bases = False  # set by init_random_bases: later bases are seeded random ones too
         self._warned: set[tuple[tuple[int, ...], int]] = set()
