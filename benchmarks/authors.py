@@ -44,7 +44,7 @@ RESULTS = ROOT / "results" / "authors.jsonl"
 CACHE = ROOT / "cache"
 WARMUP_CKPT = CACHE / "authors-warmup.ckpt"
 STAGES = ("warmup-lr", "warmup", "sweep", "main", "ablations", "claims", "scratch", "seed2", "recheck", "frontier",
-          "budget", "window")
+          "budget", "window", "issue30")
 
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, workers=4, batch_size=8, sync_every=32, rank=16,
              val_batches=32)
@@ -91,6 +91,10 @@ METHODS: dict[str, dict[str, Any]] = {
     "lordo_candidate_compressed": dict(method="lordo", knobs={**CANDIDATE, "payload": "lowrank",
                                                               "payload_dtype": "int8", "fullrank_rank": 16,
                                                               "moments_every": 4}),
+    # issue 30, before and after: the candidate (the defaults since the authors' protocol) as it was recorded,
+    # with the authors' step size and an undecayed buffer, and as it is now (AdamW-sized steps, decay beta1)
+    "lordo_candidate_before": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": 1.0, "update_scale": 1.0}),
+    "lordo_current": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": "auto", "update_scale": "auto"}),
     "diloco": dict(method="diloco"),
     "powersgd4": dict(method="ddp", hook="powersgd", hook_rank=4),
     "powersgd16": dict(method="ddp", hook="powersgd", hook_rank=16),
@@ -301,6 +305,13 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
         return budget_specs(data)
     if stage == "window":
         return window_specs(data)
+    if stage == "issue30":  # seed 0, from the rebuilt warm start: the baselines and the candidate at their best LR
+        # as recorded, and today's defaults at the user's LR (DDP's best) and at half and twice it
+        base, ddp = warmup_lr(), warmup_lr() * best_scale("ddp")
+        return [*((n, continuation(n, data, base * best_scale(n))) for n in ("ddp", "lowrank_ddp")),
+                ("lordo_candidate_before", continuation("lordo_candidate_before", data,
+                                                        base * best_scale("lordo_candidate"))),
+                *(("lordo_current", continuation("lordo_current", data, ddp * s)) for s in (1.0, 0.5, 2.0))]
     if stage == "recheck":
         base = warmup_lr()
         return [(n, continuation(n, data, base * best_scale(n))) for n in RECHECK]
@@ -314,7 +325,7 @@ def run_stage(stage: str, data: str, argv: list[str]) -> None:
     while True:  # the sweep grows while an edge keeps winning; the budget stage adds seeds once its LR is known
         # read back from the file each round: a record kept in memory holds tuples where the stored spec has lists,
         # so `done` would miss it and the round would run again
-        records = [r for r in load(RESULTS) if stage != "recheck" or r.get("stage") == "recheck"]
+        records = [r for r in load(RESULTS) if stage not in ("recheck", "issue30") or r.get("stage") == stage]
         pending = [(n, s) for n, s in specs_for(stage, data) if not done(records, s)]
         if stage == "warmup" and not WARMUP_CKPT.exists():  # the checkpoint is not committed: rebuild it
             pending = [(n, s) for n, s in specs_for(stage, data)]
