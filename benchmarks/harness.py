@@ -287,8 +287,12 @@ def _strategy(spec: RunSpec) -> Any:
         # every recorded LoRDO run is a spec over the optimizer's defaults of its day: the lean ones (the defaults
         # before the authors' protocol), pinned so that a stored spec keeps meaning what it meant
         lean = {k: v for k, v in LEAN_KNOBS.items() if not (k == "full_rank_input" and
-                                                           knobs.get("update") == "subspace_qh")}
+                                                           knobs.get("update") == "subspace_qh")
+                and not (k == "power_iters" and knobs.get("projection") == "svd")}  # exact bases: no power steps
         knobs = {**lean, **knobs}
+        # and every one of them ran before update_scale and ef_decay existed: the authors' step size, an undecayed
+        # buffer (a spec that sets them, e.g. authors.py's lordo_current, runs what it sets)
+        knobs = {"update_scale": 1.0, **({"ef_decay": 1.0} if knobs.get("error_feedback") else {}), **knobs}
     return LoRDOStrategy(sync_every=spec.sync_every, start_method="fork", monitor=False,
                          **strategy_kwargs(**knobs, seed=spec.seed))
 
