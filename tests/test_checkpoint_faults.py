@@ -108,10 +108,11 @@ def test_untouched_checkpoints_still_load_and_resume_with_another_world_size(run
     full = load_full(runs["a"] / "step=3.ckpt")
     assert len(full["lordo"]["ranks"]) == 2 and all("identity" not in r for r in full["lordo"]["ranks"])
     _resume(runs["a"] / "step=3.ckpt", devices=1)  # rank 0's shard, checked against the file
-    checkpoint = _copy(runs["a"] / "step=3.ckpt", tmp_path)  # a shard of an earlier version: read, with a warning
+    checkpoint = _copy(runs["a"] / "step=3.ckpt", tmp_path)  # a shard stripped of its identity: refused
     shard = _folder(checkpoint) / "rank-1.pt"
     torch.save({k: v for k, v in torch.load(shard, weights_only=True).items() if k != "identity"}, shard)
-    with pytest.warns(UserWarning, match=r"Rank 1's LoRDO shard .*rank-1\.pt.* records no identity"):
+    with pytest.raises(ValueError, match=r"Rank 1's LoRDO shard .*rank-1\.pt.* records no identity.*edited or "
+                                         r"replaced\. Restore"):
         load_full(checkpoint)
 
 

@@ -395,9 +395,9 @@ def test_loading_a_warmup_checkpoint_past_the_warmup_switches_to_local_steps(tmp
     assert out["lr"] == pytest.approx(5e-3) and out["betas"] == [0.8, 0.9] and out["lr_after"] == pytest.approx(5e-3)
     assert out["synchronized_step"] == 3 and out["anchor_is_model"] and out["identical"]
     older = torch.load(path, weights_only=True)
-    del older["lordo"]["synchronous"]  # as written before the phase was recorded: it says so instead of switching
+    del older["lordo"]["format"]  # as a development version wrote it: refused, with the fix
     torch.save(older, path)
-    with pytest.warns(RuntimeWarning, match="written before LoRDO recorded its phase"):
+    with pytest.raises(ValueError, match=r"written by a development version of lightning-lordo.*load_from_checkpoint"):
         fabric_for(devices=1, warmup_steps=2, switch_lr_scale=0.5).launch(_load_only, regression_model(1), path)
 
 

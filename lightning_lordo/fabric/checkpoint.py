@@ -23,11 +23,11 @@ only and let the optimizer start fresh.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional
 
 from typing_extensions import override
 
+from lightning_lordo.checkpoint_format import FORMAT, check
 from lightning_lordo.optim.loading import LORDO_KNOBS, group_knob_changes, load_optimizer, warn
 
 #: The checkpoint key of the strategy's own state.
@@ -77,7 +77,7 @@ class SynchronizedCheckpoints:
 
     def _sync_state(self) -> dict[str, Any]:
         synchronizer = self.synchronizer
-        return {"optimizer": type(self.optimizer).__name__, "world_size": self.world_size,
+        return {"format": FORMAT, "optimizer": type(self.optimizer).__name__, "world_size": self.world_size,
                 "optimizer_steps": synchronizer.optimizer_steps, "syncs_done": synchronizer.syncs_done,
                 "skipped_syncs": synchronizer.skipped_syncs, "consecutive_skips": synchronizer.consecutive_skips,
                 "outer": synchronizer.outer.state_dict(), "communication": self.accountant.state_dict(),
@@ -102,6 +102,8 @@ class SynchronizedCheckpoints:
             proxy[optimizer_key] = None  # Fabric puts the saved state dict here; it is checked before it is loaded
         remainder = base.load_checkpoint(path, proxy, strict=strict, weights_only=weights_only)
         saved = remainder.pop(STATE_KEY, None)
+        if saved is not None:
+            saved = check(saved, f"Checkpoint {str(path)!r}")
         for key, value in proxy.items():  # what Fabric restored in place, e.g. your step counter
             if key != optimizer_key:
                 state[key] = value
@@ -111,12 +113,6 @@ class SynchronizedCheckpoints:
             self._restore_counters(saved)
         restored_optimizer = optimizer_key is not None and proxy[optimizer_key] is not None
         saved = saved or {}
-        if saved and "synchronous" not in saved and self.sync_config.warmup_steps and self.global_rank == 0 \
-                and self.synchronizer is not None and not self.synchronizer.synchronous_now:
-            warnings.warn("fabric.load: this checkpoint was written before LoRDO recorded its phase, so if it was "
-                          "saved in the synchronous warm-up, the switch knobs (switch_betas, switch_lr_scale, "
-                          "switch_reset_moments) are not applied now. Save it again with this version, or set them "
-                          "on the optimizer yourself.", RuntimeWarning, stacklevel=3)
         # the switch knobs scale the optimizer's groups: once, onto warm-up values (just restored, or never switched)
         switched = self.synchronizer is not None and self.synchronizer.switched
         switch = saved.get("synchronous", False) and (restored_optimizer or not switched)

@@ -14,6 +14,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
+from lightning_lordo.checkpoint_format import check, stamp
 from lightning_lordo.lightning import resume, shards
 from lightning_lordo.optim import loading
 from lightning_lordo.optim.lordo import LoRDO
@@ -84,7 +85,7 @@ class SynchronizedState:
             self.synchronizer.wait_in_flight()
         comm = self.communicator if healthy and self.world_size > 1 else None
         if not self.checkpoint_shards:
-            checkpoint["lordo"] = self._read_state(lambda: resume.gather_state(self, collective=healthy))
+            checkpoint["lordo"] = stamp(self._read_state(lambda: resume.gather_state(self, collective=healthy)))
             self._adamw_shaped(checkpoint)
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
@@ -96,7 +97,7 @@ class SynchronizedState:
             local = self._read_state(lambda: resume.local_state(self))
             if comm is not None:  # the two agreements below, counted ahead so the totals saved include them
                 shards.count_agreements(local["comm"], self.world_size)
-            checkpoint["lordo"] = resume.shared_state(self, partial=not healthy)
+            checkpoint["lordo"] = stamp(resume.shared_state(self, partial=not healthy))
             self._adamw_shaped(checkpoint)
             checkpoint["lordo"]["shards"] = {"id": save_id, "ranks": self.world_size if healthy else 1,
                                              "dir": shards.directory_name(filepath, save_id)}
@@ -173,6 +174,8 @@ class SynchronizedState:
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         # applied after setup, when the synchronizer exists; validate/test/predict only need the model
         restored = checkpoint.get("lordo") if fitting else None
+        if restored is not None:
+            restored = check(restored, f"Checkpoint {str(checkpoint_path)!r}")
         if restored is not None and "shards" in restored:  # this rank's shard (rank 0's for another world size)
             meta = restored["shards"]
             same_world = restored["world_size"] == self.world_size and not restored.get("partial", False)

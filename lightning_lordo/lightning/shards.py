@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import secrets
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -173,14 +172,13 @@ def read(checkpoint_io: Any, filepath: Any, meta: dict[str, Any], rank: int, *,
 
 
 def _check_identity(state: dict[str, Any], filepath: Any, path: str, lordo: dict[str, Any], rank: int) -> None:
-    """Refuse a shard that is not rank ``rank``'s of this save (its identity differs from what the file says); warn
-    for one written before shards recorded it. Removes ``state["identity"]``."""
+    """Refuse a shard that is not rank ``rank``'s of this save: its identity is missing or differs from what the file
+    says. Removes ``state["identity"]``."""
     saved, expected = state.pop("identity", None), identity(lordo, rank)
     if saved is None:
-        warnings.warn(f"Rank {rank}'s LoRDO shard {path!r} of checkpoint {str(filepath)!r} records no identity (it "
-                      "was written by an earlier lightning-lordo): it cannot be checked against the file. Resuming "
-                      "it as it is; a checkpoint saved from now on can be checked.", UserWarning, stacklevel=4)
-        return
+        raise ValueError(f"Rank {rank}'s LoRDO shard {path!r} of checkpoint {str(filepath)!r} records no identity, "
+                         "which every shard of this checkpoint format has: it was edited or replaced. Restore the "
+                         "checkpoint's folder as it was written, or start a new fit from the file's weights.")
     if saved == expected:
         return
     why = []

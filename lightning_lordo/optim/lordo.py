@@ -69,9 +69,8 @@ class LoRDO(Optimizer):
             (the strategies pass embeddings and output heads here, SPEC §2; :meth:`describe` shows the why).
         foreach: the grouped implementation (default); ``False`` runs the readable per-matrix reference
             (:mod:`lightning_lordo.optim.functional`), which tests compare the grouped one with.
-        layout: the grouped implementation's layout (:func:`functional.lowrank_grouped`): ``"in_place"`` (every
-            full-size tensor updated where it is, matrix by matrix: the CPU's cost model), ``"stacked"`` (one
-            batched op per shape: the accelerators', where each launch costs), or ``None``: by device.
+        layout: the grouped step's (:func:`functional.lowrank_grouped`): ``"in_place"`` (matrix by matrix, the CPU's
+            cost model), ``"stacked"`` (one batched op per shape, the accelerators'), or ``None``: by device.
         fused: for the AdamW parameters (with ``foreach``): torch's fused AdamW (``True``) or its foreach AdamW
             (``False``); ``None`` takes the fused one on the CPU and foreach elsewhere.
 
@@ -114,11 +113,9 @@ class LoRDO(Optimizer):
             if not (isinstance(flag, bool) or (name == "fused" and flag is None)):
                 raise ValueError(f"Invalid {name}={flag!r}: it must be True or False{' or None' * (name == 'fused')}.")
         if layout not in (None, "in_place", "stacked"):
-            raise ValueError(f"Invalid layout={layout!r}: allowed values are None (by device), 'in_place' and "
-                             "'stacked'. Pick one of them.")
+            raise ValueError(f"Invalid layout={layout!r}: allowed values are None (by device), 'in_place', 'stacked'.")
         self.seed = seed
         self.foreach, self.fused, self.layout = foreach, fused, layout
-        self.in_place = None if layout is None else layout == "in_place"  # the grouped step's argument
         self._full_rank = {id(p): reasons.get(id(p), "listed in full_rank") for p in full_rank}  # id -> why
         self._random_bases = False  # set by init_random_bases: later bases are seeded random ones too
         self._warned: set[tuple[tuple[int, ...], int]] = set()
@@ -126,7 +123,6 @@ class LoRDO(Optimizer):
         self._record = False  # request_diagnostics: collect the diagnostics' sums during the next step
         super().__init__(params, defaults)
 
-    # ------------------------------------------------------------------ layout
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # validate before appending, so a rejected group is not left behind in ``param_groups``
         merged = {**self.defaults, **param_group}
@@ -210,7 +206,8 @@ class LoRDO(Optimizer):
             ef = state.get("error_feedback")
             buckets[(tuple(p.shape), p.dtype, p.device, t, ef.dtype if ef is not None else None)].append(p)
         for (_, _, _, t, _), bucket in buckets.items():
-            functional.lowrank_grouped(bucket, [self.state[p] for p in bucket], h, t, stats, in_place=self.in_place)
+            functional.lowrank_grouped(bucket, [self.state[p] for p in bucket], h, t, stats,
+                                       in_place=not self._stacked(bucket[0]))
 
     def _adamw_step(self, params: list[Tensor], h: functional.Hyper) -> None:
         for p in params:
@@ -218,8 +215,7 @@ class LoRDO(Optimizer):
                 dtype = math_dtype(p.dtype)
                 device = p.device if self._fused_for(p) else torch.device("cpu")
                 self.state[p].update(step=torch.zeros((), dtype=torch.float32, device=device),
-                                     exp_avg=torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format),
-                                     exp_avg_sq=torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format))
+                                     **{k: torch.zeros_like(p, dtype=dtype) for k in ("exp_avg", "exp_avg_sq")})
         if not self.foreach:
             for p, t in zip(params, self._step_counts(params)):
                 fullrank.adamw_reference(p, self.state[p], h, t)
@@ -239,9 +235,8 @@ class LoRDO(Optimizer):
             fullrank.adamw_grouped(bucket, [self.state[p] for p in bucket], h, self._step_counts(bucket))
 
     def _stacked(self, p: Tensor) -> bool:
-        """Whether ``p``'s matrices take the stacked layout (the accelerators' default: one batched op per shape where
-        each launch costs); the CPU's default works matrix by matrix, and so do new bases there."""
-        return self.foreach and (self.in_place is False or (self.in_place is None and p.device.type != "cpu"))
+        """Whether ``p``'s matrices take the stacked layout (``layout``, else by device: stacked off the CPU)."""
+        return self.foreach and (self.layout or ("stacked" if p.device.type != "cpu" else "in_place")) == "stacked"
 
     def _fused_for(self, p: Tensor) -> bool:
         """Whether ``p`` (an AdamW parameter) takes torch's fused AdamW: ``fused=True``, or ``None`` on the CPU."""

@@ -1,0 +1,37 @@
+"""A LoRDO checkpoint carries its format: the current one loads, a development version's (no format) and a newer
+one are refused with the fix, and an older released format would be migrated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from strategy_helpers import TinyRegressor, loader, lordo, trainer
+
+from lightning_lordo import checkpoint_format
+from lightning_lordo.checkpoint_format import FORMAT, check
+
+
+def test_the_format_is_checked_and_migrated(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert check({"format": FORMAT, "x": 1}, "here") == {"format": FORMAT, "x": 1}
+    with pytest.raises(ValueError, match=r"here was written by a development version.*before checkpoint format 1"):
+        check({"x": 1}, "here")
+    with pytest.raises(ValueError, match=rf"here has LoRDO checkpoint format {FORMAT + 1}, newer.*Upgrade"):
+        check({"format": FORMAT + 1}, "here")
+    monkeypatch.setattr(checkpoint_format, "FORMAT", 2)
+    monkeypatch.setitem(checkpoint_format.MIGRATIONS, 1, lambda s: {**s, "new": s["old"] * 2})
+    assert checkpoint_format.check({"format": 1, "old": 3}, "here") == {"format": 2, "old": 3, "new": 6}
+
+
+def test_a_trainer_checkpoint_without_its_format_is_refused_at_resume(tmp_path: Path) -> None:
+    fit = trainer(lordo(sync_every=2, start_method="popen", synchronous=False), devices=1, max_steps=4)
+    fit.fit(TinyRegressor(), loader())
+    fit.save_checkpoint(tmp_path / "a.ckpt")
+    saved = torch.load(tmp_path / "a.ckpt", weights_only=True)
+    assert saved["lordo"]["format"] == FORMAT
+    del saved["lordo"]["format"]
+    torch.save(saved, tmp_path / "a.ckpt")
+    with pytest.raises(ValueError, match=r"Checkpoint '.*a\.ckpt' was written by a development version"):
+        trainer(lordo(sync_every=2, start_method="popen", synchronous=False), devices=1, max_steps=6).fit(
+            TinyRegressor(), loader(), ckpt_path=tmp_path / "a.ckpt")
