@@ -48,7 +48,14 @@ from lightning_lordo.convert import (
 from lightning_lordo.core import HoldsCore, InCore, LoRDOCore
 from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
 from lightning_lordo.lightning._compat import BackwardSyncControl
-from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, NO_EXPERIMENTS, PRESETS, Experimental, resolve_knobs
+from lightning_lordo.strategy_knobs import (
+    LAUNCH_SUFFIXES,
+    NAMED_SYNC_KNOBS,
+    NO_EXPERIMENTS,
+    PRESETS,
+    Experimental,
+    resolve_knobs,
+)
 from lightning_lordo.sync.report import SyncReport
 from lightning_lordo.sync.synchronizer import Synchronizer
 
@@ -99,10 +106,7 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
         experimental: Experimental = NO_EXPERIMENTS,
         **ddp: Any,
     ) -> None:
-        named = {"sync_every": sync_every, "payload": payload, "payload_dtype": payload_dtype,
-                 "outer_optimizer": outer_optimizer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                 "overlap_steps": overlap_steps, "anchor_device": anchor_device, "bucket_cap_mb": bucket_cap_mb,
-                 "timeout": timeout}
+        named = {k: v for k, v in locals().items() if k in NAMED_SYNC_KNOBS}  # the distribution knobs, by name
         knobs = resolve_knobs(
             "LoRDOFabricStrategy", preset=preset, named=named, optimizer=optimizer, experimental=experimental,
             misplaced={k: v for k, v in ddp.items() if k not in DDP_ARGUMENTS}, trainer_only=False,

@@ -37,7 +37,14 @@ from lightning_lordo.lightning.collectives import GuardedCollectives
 from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimizer
 from lightning_lordo.lightning.saving import SynchronizedState
 from lightning_lordo.lightning.user_warnings import PluginWarnings
-from lightning_lordo.strategy_knobs import LAUNCH_SUFFIXES, NO_EXPERIMENTS, PRESETS, Experimental, resolve_knobs
+from lightning_lordo.strategy_knobs import (
+    LAUNCH_SUFFIXES,
+    NAMED_SYNC_KNOBS,
+    NO_EXPERIMENTS,
+    PRESETS,
+    Experimental,
+    resolve_knobs,
+)
 
 DEFAULT_TIMEOUT = SyncConfig().timeout.total_seconds()
 #: The arguments of Lightning's ``DDPStrategy`` this strategy passes on (through ``**ddp``).
@@ -96,10 +103,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         experimental: Experimental = NO_EXPERIMENTS,
         **ddp: Any,
     ) -> None:
-        named = {"sync_every": sync_every, "payload": payload, "payload_dtype": payload_dtype,
-                 "outer_optimizer": outer_optimizer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                 "overlap_steps": overlap_steps, "anchor_device": anchor_device, "bucket_cap_mb": bucket_cap_mb,
-                 "timeout": timeout}
+        named = {k: v for k, v in locals().items() if k in NAMED_SYNC_KNOBS}  # the distribution knobs, by name
         knobs = resolve_knobs(
             "LoRDOStrategy", preset=preset, named=named, optimizer=optimizer, experimental=experimental,
             misplaced={k: v for k, v in ddp.items() if k not in DDP_ARGUMENTS}, trainer_only=True,
