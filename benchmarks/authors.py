@@ -95,6 +95,8 @@ METHODS: dict[str, dict[str, Any]] = {
     # with the authors' step size and an undecayed buffer, and as it is now (AdamW-sized steps, decay beta1)
     "lordo_candidate_before": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": 1.0, "update_scale": 1.0}),
     "lordo_current": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": "auto", "update_scale": "auto"}),
+    # which of the two changes moved it: the decayed buffer alone, at the authors' step size and the candidate's LR
+    "lordo_decay_only": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": "auto", "update_scale": 1.0}),
     "diloco": dict(method="diloco"),
     "powersgd4": dict(method="ddp", hook="powersgd", hook_rank=4),
     "powersgd16": dict(method="ddp", hook="powersgd", hook_rank=16),
@@ -311,7 +313,8 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
         return [*((n, continuation(n, data, base * best_scale(n))) for n in ("ddp", "lowrank_ddp")),
                 ("lordo_candidate_before", continuation("lordo_candidate_before", data,
                                                         base * best_scale("lordo_candidate"))),
-                *(("lordo_current", continuation("lordo_current", data, ddp * s)) for s in (1.0, 0.5, 2.0))]
+                *(("lordo_current", continuation("lordo_current", data, ddp * s)) for s in (1.0, 0.5, 2.0)),
+                ("lordo_decay_only", continuation("lordo_decay_only", data, base * best_scale("lordo_candidate")))]
     if stage == "recheck":
         base = warmup_lr()
         return [(n, continuation(n, data, base * best_scale(n))) for n in RECHECK]
