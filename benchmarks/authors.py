@@ -97,6 +97,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "lordo_current": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": "auto", "update_scale": "auto"}),
     # which of the two changes moved it: the decayed buffer alone, at the authors' step size and the candidate's LR
     "lordo_decay_only": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": "auto", "update_scale": 1.0}),
+    # a slower decay (the issue's 0.99, which also ended the regression's wind-up) with AdamW-sized steps
+    "lordo_decay_099": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": 0.99, "update_scale": "auto"}),
     "diloco": dict(method="diloco"),
     "powersgd4": dict(method="ddp", hook="powersgd", hook_rank=4),
     "powersgd16": dict(method="ddp", hook="powersgd", hook_rank=16),
@@ -314,7 +316,8 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
                 ("lordo_candidate_before", continuation("lordo_candidate_before", data,
                                                         base * best_scale("lordo_candidate"))),
                 *(("lordo_current", continuation("lordo_current", data, ddp * s)) for s in (1.0, 0.5, 2.0)),
-                ("lordo_decay_only", continuation("lordo_decay_only", data, base * best_scale("lordo_candidate")))]
+                ("lordo_decay_only", continuation("lordo_decay_only", data, base * best_scale("lordo_candidate"))),
+                ("lordo_decay_099", continuation("lordo_decay_099", data, ddp))]
     if stage == "recheck":
         base = warmup_lr()
         return [(n, continuation(n, data, base * best_scale(n))) for n in RECHECK]
