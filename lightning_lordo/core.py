@@ -84,6 +84,12 @@ class LoRDOCore:
                     f"{self.owner} converts torch.optim.Adam or AdamW into LoRDO, but {source} "
                     f"{type(optimizer).__name__}. Use Adam/AdamW or lightning_lordo.LoRDO, or strategy='diloco' "
                     "(full-rank local steps with any optimizer, averaged every K steps).")
+            if isinstance(optimizer, LoRDO) and self.knobs.optimizer_given:  # they would be silently dropped
+                raise ValueError(
+                    f"The strategy got optimizer knobs ({', '.join(self.knobs.optimizer_given)}, from optimizer= or "
+                    f"its preset), but {source} a LoRDO, whose own knobs are the ones that train. Set them in one "
+                    "place: in LoRDO(...) with preset='lordo' and no optimizer=, or use torch's AdamW and let the "
+                    "strategy convert it.")
             optimizer = convert_optimizer(user_optimizer, full_rank_params(module, self.full_rank_patterns),
                                           self.knobs.optimizer_knobs, self.sync_config.seed, self.parameter_names)
             if optimizer is not user_optimizer:

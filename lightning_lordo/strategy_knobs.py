@@ -147,6 +147,7 @@ class Knobs:
     full_rank_params: Sequence[str]
     checkpoint_shards: bool
     monitor_progress_bar: Optional[bool]
+    optimizer_given: tuple[str, ...] = ()  # the optimizer keys set explicitly or by the preset (even to defaults)
 
 
 def _differs(value: Any, default: Any) -> bool:
@@ -216,6 +217,7 @@ def resolve_knobs(owner: str, *, preset: str, named: Mapping[str, Any], optimize
     for name, flag in (("lowrank", lowrank), ("checkpoint_shards", shards)):
         if not isinstance(flag, bool):
             raise ValueError(f"Invalid {name}={flag!r}: it must be True or False.")
+    given = tuple(k for k in OPTIMIZER_MAPPING_KNOBS if k in flat)
     full_rank = flat.pop("full_rank_params", ())
     if not isinstance(full_rank, (list, tuple)) or not all(isinstance(p, str) for p in full_rank):
         raise ValueError(f"Invalid full_rank_params={full_rank!r}: it must be a list of regular expressions on "
@@ -237,7 +239,7 @@ def resolve_knobs(owner: str, *, preset: str, named: Mapping[str, Any], optimize
         raise ValueError(f"Invalid payload='lowrank' with lowrank=False (preset={preset!r}): the low-rank payload "
                          "sends the low-rank matrices of the LoRDO optimizer. Use payload='full' (payload_dtype may "
                          "be 'bfloat16' or 'int8'), or preset='lordo'.")
-    return Knobs(config, optimizer_knobs, lowrank, full_rank, shards, progress_bar)
+    return Knobs(config, optimizer_knobs, lowrank, full_rank, shards, progress_bar, given)
 
 
 def strategy_kwargs(**knobs: Any) -> dict[str, Any]:

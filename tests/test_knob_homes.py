@@ -86,3 +86,23 @@ def test_the_registered_names_are_the_presets() -> None:
             strategy = StrategyRegistry.get(name + suffix)
             assert isinstance(strategy, LoRDOStrategy) and strategy.preset == name
             assert strategy.sync_config == LoRDOStrategy(preset=name).sync_config
+
+
+def test_optimizer_keys_given_beside_a_users_lordo_are_refused_even_at_their_defaults() -> None:
+    """``optimizer={"rank": 16}`` (the default value) or ``full_rank_params`` would be dropped silently when
+    ``configure_optimizers`` returns a LoRDO: refused, naming them."""
+    import lightning as L
+    from strategy_helpers import TinyRegressor, loader
+
+    from lightning_lordo import LoRDO
+
+    class ReturnsLoRDO(TinyRegressor):
+        def configure_optimizers(self) -> LoRDO:
+            return LoRDO(self.parameters(), rank=4)
+
+    for given in ({"rank": 16}, {"full_rank_params": ["net"]}):
+        fit = L.Trainer(strategy=LoRDOStrategy(start_method="popen", monitor=False, optimizer=given),
+                        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+        with pytest.raises(ValueError, match=rf"optimizer knobs \({next(iter(given))}, from optimizer=.*a LoRDO"):
+            fit.fit(ReturnsLoRDO(), loader())
