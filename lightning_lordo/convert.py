@@ -31,13 +31,7 @@ def convert_optimizer(optimizer: Optimizer, full_rank: Mapping[Tensor, str], kno
                       names: dict[Tensor, str]) -> LoRDO:
     """The user's Adam/AdamW as a LoRDO optimizer with the same groups and hyperparameters (``knobs``: the
     strategy's optimizer knobs, defaults for every group). A LoRDO optimizer is returned as it is."""
-    if isinstance(optimizer, LoRDO):
-        if knobs:  # one home per knob: the strategy's would be silently dropped
-            listed = ", ".join(f"{k}={v!r}" for k, v in knobs.items())
-            raise ValueError(f"The strategy got optimizer knobs ({listed}, from its arguments or its preset), "
-                             "but configure_optimizers returns a LoRDO, whose own knobs are the ones that train. Set "
-                             "them in one place: pass them to LoRDO(...) and use LoRDOStrategy() or strategy='lordo', "
-                             "or return torch's AdamW and let the strategy convert it.")
+    if isinstance(optimizer, LoRDO):  # LoRDOCore.attach refuses optimizer knobs given beside it
         return optimizer
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         raise TypeError(
