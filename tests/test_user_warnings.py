@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from strategy_helpers import TinyRegressor, loader, lordo, trainer
 
 import lightning_lordo
-from lightning_lordo import LoRDO
+from lightning_lordo import LoRDO, LoRDOStrategy
 from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.optim import loading
 
@@ -105,7 +106,8 @@ class OwnLoRDO(TinyRegressor):
 
 def test_a_warning_from_the_users_configure_optimizers_points_there_once(tmp_path: Path) -> None:
     path = tmp_path / "shown.jsonl"
-    _fit_recording(path, trainer(lordo(sync_every=4, rank=16), max_steps=4), OwnLoRDO())  # no knobs: LoRDO's own
+    own = LoRDOStrategy(sync_every=4, start_method="fork", timeout=timedelta(seconds=60))  # no optimizer knobs
+    _fit_recording(path, trainer(own, max_steps=4), OwnLoRDO())
     shown = _shown(path)
     ours = [w for w in shown if w["message"].startswith("LoRDO")]
     assert len(ours) == 1 and "rank=8 is larger than the smaller side (3)" in ours[0]["message"], ours
