@@ -44,7 +44,7 @@ RESULTS = ROOT / "results" / "authors.jsonl"
 CACHE = ROOT / "cache"
 WARMUP_CKPT = CACHE / "authors-warmup.ckpt"
 STAGES = ("warmup-lr", "warmup", "sweep", "main", "ablations", "claims", "scratch", "seed2", "recheck", "frontier",
-          "budget", "window", "issue30")
+          "budget", "window", "issue30", "interval")
 
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, workers=4, batch_size=8, sync_every=32, rank=16,
              val_batches=32)
@@ -318,6 +318,10 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
                 *(("lordo_current", continuation("lordo_current", data, ddp * s)) for s in (1.0, 0.5, 2.0)),
                 ("lordo_decay_only", continuation("lordo_decay_only", data, base * best_scale("lordo_candidate"))),
                 ("lordo_decay_099", continuation("lordo_decay_099", data, ddp))]
+    if stage == "interval":  # seed 0, rebuilt warm start: ef_decay="auto" as it is now (1 - 1/K within [beta1,
+        # 0.99]: 0.969 at K = 32), the spec of issue30's lordo_current, which ran when "auto" meant beta1
+        ddp = warmup_lr() * best_scale("ddp")
+        return [("lordo_current", continuation("lordo_current", data, ddp * s)) for s in (1.0, 0.5, 2.0)]
     if stage == "recheck":
         base = warmup_lr()
         return [(n, continuation(n, data, base * best_scale(n))) for n in RECHECK]
@@ -331,7 +335,8 @@ def run_stage(stage: str, data: str, argv: list[str]) -> None:
     while True:  # the sweep grows while an edge keeps winning; the budget stage adds seeds once its LR is known
         # read back from the file each round: a record kept in memory holds tuples where the stored spec has lists,
         # so `done` would miss it and the round would run again
-        records = [r for r in load(RESULTS) if stage not in ("recheck", "issue30") or r.get("stage") == stage]
+        records = [r for r in load(RESULTS) if stage not in ("recheck", "issue30", "interval")
+                   or r.get("stage") == stage]
         pending = [(n, s) for n, s in specs_for(stage, data) if not done(records, s)]
         if stage == "warmup" and not WARMUP_CKPT.exists():  # the checkpoint is not committed: rebuild it
             pending = [(n, s) for n, s in specs_for(stage, data)]

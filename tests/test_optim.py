@@ -65,6 +65,8 @@ def _randomize_state(opt: LoRDO, gen: torch.Generator, t: int = 3) -> None:
         for key in ("factored_row", "factored_col"):
             if key in st:
                 st[key].copy_(torch.rand(st[key].shape, generator=gen) + 0.1)
+    for group in opt.param_groups:  # the steps between the last two bases; 0: no refresh seen yet
+        group["refresh_interval"] = int(torch.randint(0, 65, (), generator=gen))
 
 
 def _snapshot(opt: LoRDO, p: Tensor) -> dict[str, Tensor]:
@@ -102,7 +104,10 @@ def _ref_step(s: dict[str, Tensor], h: dict) -> dict[str, Tensor]:
     g = _canon(s["G"])
     w = _canon(s["W"])
     t = s["step"].item() + 1
-    gamma = beta1 if h["ef_decay"] == "auto" else h["ef_decay"]  # "auto": the first moment's horizon
+    gamma = h["ef_decay"]
+    if gamma == "auto":  # about one basis interval n, 1 - 1/n, within [beta1, 0.99]; 0.99 before a second basis
+        n = h["refresh_interval"]
+        gamma = min(0.99, max(beta1, 1.0 - 1.0 / n)) if n else 0.99
     scale = math.sqrt(a / r) if h["update_scale"] == "auto" else h["update_scale"]  # an update as large as AdamW's
     acc = g + gamma * s["error_feedback"] if h["error_feedback"] else g  # A = G + gamma E
     ghat = q.T @ acc  # r x b

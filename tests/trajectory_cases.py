@@ -23,6 +23,8 @@ import lightning as L
 import torch
 from torch import nn
 
+from lightning_lordo.optim.hyper import REFRESH_COUNTERS
+
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "trajectories.pt"
 
@@ -70,9 +72,11 @@ STRATEGY_CASES: dict[str, dict[str, Any]] = {
 def as_recorded(state: dict[str, Any]) -> dict[str, Any]:
     """The optimizer's state dict as the fixture recorded it: ``ef_dtype`` became ``"auto"`` by default after the
     recording, which on the CPU (every parameter here) is the recorded ``"float32"``; ``update_scale`` came later
-    (the cases run it at the recorded 1.0), and ``ef_decay`` became ``"auto"`` (without a buffer it means nothing).
-    The math is the same."""
+    (the cases run it at the recorded 1.0), ``ef_decay`` became ``"auto"`` (without a buffer it means nothing), and
+    the groups count the steps between bases (bookkeeping that ``"auto"`` reads). The math is the same."""
     for group in state["param_groups"]:
+        for key in REFRESH_COUNTERS:
+            group.pop(key, None)
         if group.get("ef_dtype") == "auto":
             group["ef_dtype"] = "float32"
         if group.get("update_scale") == 1.0:  # a knob added after the recording, at the recorded step's scale

@@ -98,6 +98,20 @@ def install_stacked(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]
     return movement
 
 
+def install_reference(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]], bases: Mapping[Tensor, Tensor],
+                      fold: Callable[[dict[str, Tensor]], None]) -> dict[Tensor, Tensor]:
+    """:func:`install_stacked` one matrix at a time (:func:`transition_reference`), the readable reference."""
+    movement = {}
+    for (p, group, _), state in zip(entries, states):
+        old, new = state.get("basis"), bases[p]
+        fold(state)  # in the basis it was unfolded in
+        if old is not None:
+            transition_reference(state, group, old, new)
+            movement[p] = subspace_movement(old, new)
+        state["basis"] = new
+    return movement
+
+
 def transition_reference(state: dict[str, Tensor], group: Mapping[str, Any], old: Tensor, new: Tensor) -> None:
     """One matrix's moments moved from basis ``old`` into ``new`` by its group's ``transition`` (the reference of
     :func:`install_stacked`; the caller installs ``new``)."""

@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from lightning_lordo._tensors import canonical, math_dtype
 from lightning_lordo.config import ef_dtype_for
 from lightning_lordo.optim.error_feedback import EF_PROJECTION, fold_error_feedback
+from lightning_lordo.optim.hyper import REFRESH_COUNTERS
 
 
 @torch.no_grad()
@@ -88,7 +89,8 @@ def adamw_state_dict(saved: Mapping[str, Any], params: Sequence[Tensor], knobs: 
         if saved["state"].get(i):
             entry = adamw_entry(saved["state"][i], p)[0]
             state[i] = {k: v.cpu() if to_host else v for k, v in entry.items()}
-    groups = [{k: v for k, v in g.items() if k not in knobs} for g in saved["param_groups"]]
+    dropped = {*knobs, *REFRESH_COUNTERS}
+    groups = [{k: v for k, v in g.items() if k not in dropped} for g in saved["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 

@@ -21,10 +21,8 @@ SPEC §6. ``stats``, when given, collects the sums behind :meth:`LoRDO.diagnosti
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -37,46 +35,9 @@ from lightning_lordo.optim.error_feedback import (
     unfold_now,
     unfolded_projection,
 )
+from lightning_lordo.optim.hyper import Hyper
 
 _TINY = torch.finfo(torch.float32).tiny
-
-
-@dataclass(frozen=True)
-class Hyper:
-    """The knobs of one param group that one step reads."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    omega: float
-    update: str
-    mu: Union[float, str]
-    normalizer: str
-    lifted_floor: float
-    full_rank_input: str
-    error_feedback: bool
-    ef_decay: float  # "auto" resolved: beta1
-    update_scale: Union[float, str]
-
-    @classmethod
-    def of(cls, group: Mapping[str, Any]) -> Hyper:
-        beta1, beta2 = group["betas"]
-        return cls(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                   omega=group["omega"], update=group["update"], mu=group["mu"], normalizer=group["normalizer"],
-                   lifted_floor=group["lifted_floor"], full_rank_input=group["full_rank_input"],
-                   error_feedback=group["error_feedback"],
-                   ef_decay=beta1 if group["ef_decay"] == "auto" else group["ef_decay"],
-                   update_scale=group["update_scale"])
-
-    def scale(self, basis: Tensor) -> float:
-        """The factor of this matrix's update (not of its weight decay): ``sqrt(a / r)`` for ``update_scale="auto"``
-        (``basis``: ``a x r``, or a stack of them), else the number given."""
-        if self.update_scale != "auto":
-            return float(self.update_scale)
-        a, r = basis.shape[-2:]
-        return math.sqrt(a / r)
 
 
 def _add_stat(stats: Optional[dict[str, Tensor]], key: str, value: Tensor) -> None:

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo.config import OPTIMIZER_DEFAULTS
 from lightning_lordo.optim.conversion import adamw_entry
+from lightning_lordo.optim.hyper import REFRESH_COUNTERS
 from lightning_lordo.optim.lordo import LoRDO
 
 #: The knobs LoRDO keeps in its param groups (lr, betas, eps, weight_decay come from the user's optimizer and are
@@ -74,7 +75,7 @@ def load_optimizer(optimizer: Optimizer, saved: dict[str, Any], saved_names: Opt
     for gi, group in enumerate(optimizer.param_groups):
         merged = {k: v for k, v in group.items() if k != "params"}
         if saved_groups is not None:
-            merged.update({k: saved_groups[gi][k] for k in _HYPER if k in saved_groups[gi]})
+            merged.update({k: saved_groups[gi][k] for k in (*_HYPER, *REFRESH_COUNTERS) if k in saved_groups[gi]})
         merged["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(merged)

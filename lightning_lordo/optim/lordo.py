@@ -28,7 +28,8 @@ from lightning_lordo.config import (
 from lightning_lordo.optim import bases as bases_module
 from lightning_lordo.optim import conversion, fullrank, functional, report
 from lightning_lordo.optim.error_feedback import fold_error_feedback
-from lightning_lordo.optim.projection import compute_basis, random_basis, subspace_movement
+from lightning_lordo.optim.hyper import record_refresh, start_counting
+from lightning_lordo.optim.projection import compute_basis, random_basis
 
 
 class LoRDO(Optimizer):
@@ -59,9 +60,10 @@ class LoRDO(Optimizer):
         error_feedback: keep what the projection drops in a full-size buffer and add it back next step.
         ef_dtype: dtype of that buffer, ``"auto"`` (bfloat16 on an accelerator, float32 on the CPU), ``"float32"``
             or ``"bfloat16"``.
-        ef_decay: ``gamma``, the buffer's decay per step: ``"auto"`` (``beta1``: it remembers as long as the first
-            moment) or a number in (0, 1]. Undecayed (1.0), the accumulated input re-applies every dropped gradient
-            at every step (an integral wind-up: on a regression the loss falls, then rises).
+        ef_decay: ``gamma``, the buffer's decay per step: ``"auto"`` (about one basis interval ``n``, the steps
+            between a group's last two bases: ``1 - 1/n`` within ``[beta1, 0.99]``; 0.99 with a fixed basis) or a
+            number in (0, 1]. Undecayed (1.0), the accumulated input re-applies every dropped gradient at every step
+            (an integral wind-up: on a regression the loss falls, then rises).
         update_scale: each low-rank update's factor: ``"auto"``, ``sqrt(a / r)`` (smaller side ``a``, rank ``r``: an
             update about as large as AdamW's, so its LR carries over) or a number (``1.0``: the authors' step).
         seed: seed of random bases and randomized projections (use the same on every worker).
@@ -130,6 +132,7 @@ class LoRDO(Optimizer):
         check_knob_combinations({k: v for k, v in param_group.items() if k in OPTIMIZER_DEFAULTS}, merged)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        start_counting(group)
         for p in group["params"]:
             if p.ndim == 2 and group["rank"] != 0:
                 r, a = resolve_rank(group["rank"], min(p.shape)), min(p.shape)
@@ -183,6 +186,7 @@ class LoRDO(Optimizer):
             h = functional.Hyper.of(group)
             self._adamw_step(adamw, h)
             self._lowrank_step(lowrank, h, stats)
+            group["since_refresh"] += bool(lowrank)
         if stats is not None:
             self._stats, self._record = stats, False
         return loss
@@ -342,16 +346,10 @@ class LoRDO(Optimizer):
         the fraction of the old subspace the new basis lost (0-d tensors; only for parameters that had a basis)."""
         entries = [(p, g, r) for p, g, r in self._lowrank_entries() if p in bases]
         states = [self._init_lowrank_state(p, g, r) for p, g, r in entries]
-        if entries and self._stacked(entries[0][0]):
-            return bases_module.install_stacked(entries, states, bases, fold_error_feedback)
-        movement = {}
-        for (p, group, _), state in zip(entries, states):
-            old, new = state.get("basis"), bases[p]
-            fold_error_feedback(state)  # in the basis it was unfolded in
-            if old is not None:
-                bases_module.transition_reference(state, group, old, new)
-                movement[p] = subspace_movement(old, new)
-            state["basis"] = new
+        stacked = bool(entries) and self._stacked(entries[0][0])
+        install = bases_module.install_stacked if stacked else bases_module.install_reference
+        movement = install(entries, states, bases, fold_error_feedback)
+        record_refresh([g for _, g, _ in entries])
         return movement
 
     def fold_error_feedback(self, params: Iterable[Tensor]) -> None:
@@ -380,9 +378,10 @@ class LoRDO(Optimizer):
         for group in self.param_groups:
             for key in OPTIMIZER_DEFAULTS:  # a checkpoint older than a knob: what it ran with
                 group.setdefault(key, KNOBS_BEFORE_THEY_EXISTED.get(key, self.defaults[key]))
+            start_counting(group)
             for p in group["params"]:
                 for key, value in saved.get(index, {}).items():
-                    if isinstance(value, Tensor) and key != "step":
+                    if isinstance(value, Tensor) and key != "step":  # counters stay on the CPU
                         self.state[p][key] = value.to(device=p.device, copy=True)
                 step = self.state[p].get("step") if p in self.state else None
                 if step is not None and not self.lowrank_rank(p, group) and self._fused_for(p):
