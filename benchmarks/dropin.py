@@ -176,13 +176,17 @@ def specs(families: list[str], lrs: tuple[float, ...] = LRS) -> list[dict[str, A
 VARIANTS = {"lordo, nesterov(1.0, 0.5)": ("lordo", {"outer_optimizer": "nesterov", "outer_lr": 1.0,
                                                    "outer_momentum": 0.5}),
             "diloco, average": ("diloco", {}),
-            "lordo, nesterov(0.7, 0.9)": ("lordo", {"outer_optimizer": "nesterov"})}
+            "lordo, nesterov(0.7, 0.9)": ("lordo", {"outer_optimizer": "nesterov"}),
+            # the default ef_decay="auto" after it began to follow the bases' interval (1 - 1/16 at K = 16): the
+            # main sweep's "lordo" ran when it meant beta1; named, so that its record has its own key
+            "lordo, ef_decay auto (interval)": ("lordo", {"ef_decay": "auto"})}
 USER_LRS = {"transformer": (3e-3, 1e-3), "mlp": (1e-3, 3e-3), "cnn": (1e-2,)}
 
 
-def variant_specs(families: list[str]) -> list[dict[str, Any]]:
+def variant_specs(families: list[str], only: str = "") -> list[dict[str, Any]]:
     return [{"family": f, "method": method, "lr": lr, "seed": s, "knobs": knobs, "variant": name}
-            for name, (method, knobs) in VARIANTS.items() for f in families for lr in USER_LRS[f] for s in SEEDS]
+            for name, (method, knobs) in VARIANTS.items() if not only or name == only
+            for f in families for lr in USER_LRS[f] for s in SEEDS]
 
 
 def variants_report(records: list[dict[str, Any]]) -> None:
@@ -259,6 +263,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lrs", default=",".join(map(str, LRS)), help="a part of the sweep, run in this order")
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--variants", action="store_true", help="run (or, with --report, report) VARIANTS")
+    parser.add_argument("--variant", default="", help="with --variants: run only this one")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:  # a run in its own process (the parent collects its line)
@@ -271,7 +276,8 @@ def main(argv: list[str]) -> int:
         return 0 if report(load()) else 1
     done = {_key(r) for r in load()}
     lrs = tuple(float(lr) for lr in args.lrs.split(","))
-    wanted = variant_specs(args.families.split(",")) if args.variants else specs(args.families.split(","), lrs)
+    families = args.families.split(",")
+    wanted = variant_specs(families, args.variant) if args.variants else specs(families, lrs)
     pending = [s for s in wanted if _key(s) not in done]
     if pending:
         append(OUT, {"header": provenance("python benchmarks/dropin.py " + " ".join(argv)), "steps": STEPS,
