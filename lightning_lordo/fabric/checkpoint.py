@@ -23,12 +23,19 @@ only and let the optimizer start fresh.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from typing_extensions import override
 
 from lightning_lordo.checkpoint_format import FORMAT, check
 from lightning_lordo.optim.loading import LORDO_KNOBS, group_knob_changes, load_optimizer, warn
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.optim import Optimizer
+
+    from lightning_lordo.comm.accounting import CommAccountant
+    from lightning_lordo.sync.synchronizer import Synchronizer
 
 #: The checkpoint key of the strategy's own state.
 STATE_KEY = "lordo"
@@ -39,10 +46,10 @@ class SynchronizedCheckpoints:
     (a mixin before Fabric's ``DDPStrategy``; the strategy provides ``module``, ``optimizer``, ``synchronizer``,
     ``accountant`` and ``world_size``)."""
 
-    module: Any
-    optimizer: Any
-    synchronizer: Any
-    accountant: Any
+    module: Optional[nn.Module]
+    optimizer: Optional[Optimizer]
+    synchronizer: Optional[Synchronizer]
+    accountant: CommAccountant
     world_size: int
     global_rank: int
 

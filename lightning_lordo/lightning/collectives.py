@@ -6,7 +6,8 @@ and its SIGTERM handler are replaced by versions without a collective inside a s
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -15,6 +16,14 @@ from typing_extensions import override
 
 from lightning_lordo.comm.communicator import CollectiveTimeout, Communicator, side_communicator, translate
 from lightning_lordo.lightning._compat import note_sigterm
+
+if TYPE_CHECKING:
+    import lightning as L
+    from lightning.pytorch.strategies.launchers.launcher import _Launcher
+
+    from lightning_lordo.comm.accounting import CommAccountant
+    from lightning_lordo.config import SyncConfig
+    from lightning_lordo.sync.synchronizer import Synchronizer
 
 #: What Lightning's callbacks' collectives carry, by the method that issues them (lightning 2.6).
 _CALLBACK_COLLECTIVES = {("ModelCheckpoint", "check_monitor_top_k"): "whether to save a top-k checkpoint",
@@ -31,15 +40,15 @@ class GuardedCollectives:
 
     _sigterm_pending = False  # a SIGTERM arrived; the next per-batch check tells every rank
     _posted_check: Optional[tuple[Any, torch.Tensor, int]] = None  # the check in flight: wait, flags, steps
-    _control_comm: Any  # the per-batch checks' communicator, on a gloo group of their own
-    accountant: Any
-    _is_last_step: Any
-    communicator: Any
-    synchronizer: Any
-    sync_config: Any
-    lightning_module: Any
-    launcher: Any
-    root_device: Any
+    _control_comm: Optional[Communicator]  # the per-batch checks' communicator, on a gloo group of their own
+    accountant: CommAccountant
+    _is_last_step: Callable[[], bool]
+    communicator: Optional[Communicator]
+    synchronizer: Optional[Synchronizer]
+    sync_config: SyncConfig
+    lightning_module: Optional[L.LightningModule]
+    launcher: Optional[_Launcher]
+    root_device: torch.device
 
     def _lightning_collective(self, what: Any, run: Any) -> Any:
         """Run one of Lightning's collectives (``run``) with its failure named: what was running (``what``, a string

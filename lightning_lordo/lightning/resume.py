@@ -19,7 +19,7 @@ expanded through the basis, error feedback dropped).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -32,6 +32,28 @@ from lightning_lordo.optim.error_feedback import EF_PROJECTION
 from lightning_lordo.optim.loading import LORDO_KNOBS, group_knob_changes
 from lightning_lordo.optim.lordo import LoRDO
 
+if TYPE_CHECKING:
+    from lightning_lordo.comm.accounting import CommAccountant
+    from lightning_lordo.sync.synchronizer import Synchronizer
+
+
+class Saved(Protocol):
+    """The strategy as this module reads and restores it (a ``LoRDOStrategy`` after setup)."""
+
+    synchronizer: Synchronizer
+    sync_config: SyncConfig
+    accountant: CommAccountant
+    parameter_names: dict[Tensor, str]
+    optimizers: list[Optimizer]
+    lowrank: bool
+    world_size: int
+    global_rank: int
+    _restored_optimizer: Optional[dict[str, Any]]
+    _restored_names: Optional[list[str]]
+    _lordo_checkpoint: bool
+    _reset_on_load: bool
+    _overlap_to_redo: Optional[dict[str, Any]]
+
 
 def _sync_knobs(config: SyncConfig) -> dict[str, Any]:
     knobs = dataclasses.asdict(config)
@@ -39,7 +61,7 @@ def _sync_knobs(config: SyncConfig) -> dict[str, Any]:
     return knobs
 
 
-def layout(strategy: Any) -> dict[str, Any]:
+def layout(strategy: Saved) -> dict[str, Any]:
     """The knobs and parameter names a checkpoint records, to compare with those of the run that resumes it."""
     optimizer = strategy.optimizers[0]
     names = strategy.parameter_names
@@ -50,7 +72,7 @@ def layout(strategy: Any) -> dict[str, Any]:
             "sync_names": [names.get(p, "") for p in strategy.synchronizer.params]}
 
 
-def local_state(strategy: Any) -> dict[str, Any]:
+def local_state(strategy: Saved) -> dict[str, Any]:
     """This rank's own state: its communication totals, payload state and buffers (each rank's own between syncs,
     e.g. BatchNorm's), its optimizer state (rank 0's only if it is LoRDO's: Lightning's ``optimizer_states`` entry
     then holds it in AdamW's shape, :func:`adamw_checkpoint_state`) and, mid-round, its replica."""
@@ -66,7 +88,7 @@ def local_state(strategy: Any) -> dict[str, Any]:
     return local
 
 
-def adamw_checkpoint_state(strategy: Any, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+def adamw_checkpoint_state(strategy: Saved, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
     """Lightning's ``optimizer_states`` entry for rank 0's LoRDO state ``saved``: in torch AdamW's shape, so that a
     plain strategy (``"ddp"``, ``"fsdp"``, one device) resumes the checkpoint with the user's AdamW, whether this
     plugin is installed or not (the low-rank moments expanded through their bases; LoRDO's own state is in
@@ -78,13 +100,13 @@ def adamw_checkpoint_state(strategy: Any, saved: dict[str, Any]) -> tuple[dict[s
     return adamw_state_dict(saved, params, LORDO_KNOBS, to_host=True), left_out
 
 
-def shared_state(strategy: Any, partial: bool) -> dict[str, Any]:
+def shared_state(strategy: Saved, partial: bool) -> dict[str, Any]:
     """What every rank has the same of (the synchronizer's state, the layout) and the world size."""
     return {"sync": to_cpu(strategy.synchronizer.state_dict()), "world_size": strategy.world_size,
             "layout": layout(strategy), "partial": partial}
 
 
-def gather_state(strategy: Any, collective: bool = True) -> dict[str, Any]:
+def gather_state(strategy: Saved, collective: bool = True) -> dict[str, Any]:
     """``checkpoint["lordo"]`` of a single-file checkpoint: the shared state and every rank's own state gathered to
     rank 0 (all ranks must call it: a checkpoint save is a collective). ``collective=False`` (after a failed
     collective): rank 0's own state only, marked ``partial``."""
@@ -96,7 +118,7 @@ def gather_state(strategy: Any, collective: bool = True) -> dict[str, Any]:
     return {**shared_state(strategy, partial=not collective), "ranks": ranks}
 
 
-def knob_changes(saved: dict[str, Any], strategy: Any) -> list[str]:
+def knob_changes(saved: dict[str, Any], strategy: Saved) -> list[str]:
     """The knobs that differ from the checkpoint's, as ``name: saved -> now`` (optimizer knobs per group)."""
     changes = []
     for name, value in _sync_knobs(strategy.sync_config).items():
@@ -113,7 +135,7 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], strategy: Any,
+def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], strategy: Saved,
                          replicas_saved: bool = False) -> None:
     """Raise ``ValueError`` (before training starts) for what a resume cannot convert; ``replicas_saved``: the
     checkpoint holds each rank's replica (mid-round: local steps since the sync, or an overlapped round in flight)."""
@@ -144,7 +166,7 @@ def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], stra
                          "checkpoint written at a sync, or keep the model.")
 
 
-def apply_restored(self: Any, restored: dict[str, Any]) -> list[str]:
+def apply_restored(self: Saved, restored: dict[str, Any]) -> list[str]:
     """``checkpoint["lordo"]`` into ``self`` (the strategy, after setup): refuse what cannot be converted, then
     restore the synchronizer, this rank's replica, buffers, payload state and totals; returns the notes for the
     resume's warning (the optimizer's state comes later, in ``load_optimizer``)."""
@@ -224,7 +246,7 @@ _ROUND_SHAPE = ("average_moments", "average_fullrank_moments", "average_error_fe
                 "moments_every", "basis_every")
 
 
-def _refuse_round_changes(saved: Optional[dict[str, Any]], strategy: Any) -> None:
+def _refuse_round_changes(saved: Optional[dict[str, Any]], strategy: Saved) -> None:
     """Raise ``ValueError`` naming the first knob changed since a save with a round in flight that shapes the round."""
     if saved is None:
         return
@@ -245,7 +267,7 @@ def _refuse_round_changes(saved: Optional[dict[str, Any]], strategy: Any) -> Non
                          "from another checkpoint.")
 
 
-def _edited(sync: Any, names: dict[Tensor, str]) -> list[str]:
+def _edited(sync: Synchronizer, names: dict[Tensor, str]) -> list[str]:
     """The parameters whose loaded values differ from the checkpoint's synchronized model (its anchor), which the
     model Lightning loaded is a copy of unless it was edited between the save and the resume."""
     anchor = sync.anchor.tensors  # none: saved in the synchronous phase, where the loaded model is the model

@@ -8,7 +8,7 @@ the training lifecycle and this one what is saved and restored.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -19,16 +19,21 @@ from lightning_lordo.lightning import resume, shards
 from lightning_lordo.optim import loading
 from lightning_lordo.optim.lordo import LoRDO
 
+if TYPE_CHECKING:
+    from lightning_lordo.comm.communicator import Communicator
+    from lightning_lordo.lightning.user_warnings import PluginWarnings
+    from lightning_lordo.sync.synchronizer import Synchronizer
+
 
 class SynchronizedState:
     """Hooks of Lightning's ``Strategy`` for validation and checkpoints; the strategy provides ``synchronizer``,
     ``communicator``, ``parameter_names`` and the restore fields its ``__init__`` sets."""
 
-    synchronizer: Any
-    communicator: Any
+    synchronizer: Optional[Synchronizer]
+    communicator: Optional[Communicator]
     _swapped_for_eval: bool
     checkpoint_shards: bool = True  # per-rank shards next to the file (False: gathered into the file)
-    _plugin_warnings: Any  # a PluginWarnings (user_warnings.py): warnings once, on rank 0, at the user's line
+    _plugin_warnings: PluginWarnings  # warnings once, on rank 0, at the user's line
     _overlap_to_redo: Optional[dict[str, Any]] = None  # the copies of a round in flight at the save
 
     @property
