@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -119,7 +121,70 @@ def knobs_reference() -> str:
     return "\n".join(out) + "\n"
 
 
-BLOCKS: dict[str, Callable[[], str]] = {"demo": demo_block, "knobs": knobs_block}
+RESULTS = ROOT / "benchmarks" / "results"
+#: The drop-in variant that runs today's defaults (``dropin.py``: the main sweep's "lordo" ran before
+#: ``ef_decay="auto"`` followed the bases' interval).
+TODAYS_LORDO = "lordo, ef_decay auto (interval)"
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def dropin_row() -> str:
+    """Drop-in, 500 steps, mean of the seeds at DDP's best LR: today's LoRDO (and DiLoCo) against DDP."""
+    records = [r for r in _jsonl(RESULTS / "dropin.jsonl") if "family" in r]
+
+    def mean(family: str, lr: float, method: str, variant: Any = None) -> Any:
+        values = [r["loss_long"] for r in records if (r["family"], r["lr"], r["method"], r.get("variant"))
+                  == (family, lr, method, variant)]
+        return statistics.mean(values) if values else None
+
+    parts = []
+    for family, label in (("mlp", "MLP"), ("transformer", "Lightning's demo Transformer")):
+        lrs = {r["lr"] for r in records if r["family"] == family and r["method"] == "ddp" and "variant" not in r}
+        lr = min(lrs, key=lambda x: mean(family, x, "ddp"))
+        ddp, lordo = mean(family, lr, "ddp"), mean(family, lr, "lordo", TODAYS_LORDO)
+        diloco = mean(family, lr, "diloco", "diloco, average")
+        text = f"{label}: {lordo / ddp - 1:+.1%}"
+        parts.append(text + (f" (DiLoCo {diloco / ddp - 1:+.1%})" if diloco is not None else ""))
+    return ("| Drop-in: your AdamW LR (DDP's best), 2 processes, 500 steps, 2 seeds | loss against DDP: "
+            + "; ".join(parts) + " | [Drop-in](benchmarks/README.md#drop-in-models-this-project-did-not-write-dropinpy-"
+            "issue-30) |")
+
+
+def authors_row() -> str:
+    """The authors' protocol, seed 0 from the rebuilt warm start: today's defaults (stage ``interval``) against the
+    baselines and the defaults before the drop-in changes (stage ``issue30``), perplexity and bytes."""
+    records = [r for r in _jsonl(RESULTS / "authors.jsonl") if "final_val_loss" in r]
+
+    def runs(stage: str, name: str) -> list[dict[str, Any]]:
+        return [r for r in records if r.get("stage") == stage and r["name"] == name]
+
+    ddp, low, before = (runs("issue30", n)[0] for n in ("ddp", "lowrank_ddp", "lordo_candidate_before"))
+    today = runs("interval", "lordo_current")
+    user = next(r for r in today if r["spec"]["lr"] == ddp["spec"]["lr"])
+    best = min(today, key=lambda r: r["final_val_loss"])
+
+    def ppl(r: dict[str, Any]) -> str:
+        return f"{math.exp(r['final_val_loss'] - low['final_val_loss']) - 1:+.1%}"
+
+    best_note = ("its best of 0.5x, 1x and 2x" if best is user
+                 else f"its best LR is {best['spec']['lr']:g}: {ppl(best)}")
+    return ("| The authors' protocol (0.84 M GPT, 4 workers, K = 32, one seed) | perplexity against low-rank DDP: "
+            f"today's defaults at DDP's best LR {ppl(user)} ({best_note}) at "
+            f"{ddp['bytes_sent'] / user['bytes_sent']:.1f}x fewer bytes than DDP; the authors' step, undecayed "
+            f"buffer {ppl(before)} at its best LR; DDP {ppl(ddp)} | [Authors' protocol](benchmarks/"
+            "README.md#before-and-after-in-the-authors-protocol-authorspy---stage-issue30) |")
+
+
+def measured_block() -> str:
+    """The first rows of the README's "Measured" table (the others link their section, which has the figures'
+    provenance, and are not yet generated)."""
+    return "\n".join(["| question | result | where |", "|---|---|---|", dropin_row(), authors_row()])
+
+
+BLOCKS: dict[str, Callable[[], str]] = {"demo": demo_block, "knobs": knobs_block, "measured": measured_block}
 
 
 def render(text: str) -> str:
