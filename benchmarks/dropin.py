@@ -165,10 +165,12 @@ def run_one(spec: dict[str, Any], data: str) -> dict[str, Any]:
     return {**spec, "loss_short": losses[SHORT], "loss_long": losses[STEPS], "losses": losses}
 
 
-def specs(families: list[str], lrs: tuple[float, ...] = LRS) -> list[dict[str, Any]]:
+def specs(families: list[str], lrs: tuple[float, ...] = LRS,
+          methods: tuple[str, ...] = ("ddp", "lordo", "lowrank_ddp")) -> list[dict[str, Any]]:
     out = [{"family": f, "method": m, "lr": lr, "seed": s} for f in families for lr in lrs for s in SEEDS
-           for m in ("ddp", "lordo")]
-    return out + [{"family": f, "method": "lowrank_ddp", "lr": 1e-3, "seed": s} for f in families for s in SEEDS]
+           for m in ("ddp", "lordo") if m in methods]
+    return out + [{"family": f, "method": "lowrank_ddp", "lr": 1e-3, "seed": s} for f in families for s in SEEDS
+                  if "lowrank_ddp" in methods]
 
 
 #: ``--variants``: the outer step against the gap of the local steps, each at the user's LRs (DDP's best at 50 and at
@@ -183,10 +185,11 @@ VARIANTS = {"lordo, nesterov(1.0, 0.5)": ("lordo", {"outer_optimizer": "nesterov
 USER_LRS = {"transformer": (3e-3, 1e-3), "mlp": (1e-3, 3e-3), "cnn": (1e-2,)}
 
 
-def variant_specs(families: list[str], only: str = "") -> list[dict[str, Any]]:
+def variant_specs(families: list[str], only: str = "", lrs: tuple[float, ...] = ()) -> list[dict[str, Any]]:
+    """The variants at the user's LRs, or at ``lrs`` when given (a variant's own sweep)."""
     return [{"family": f, "method": method, "lr": lr, "seed": s, "knobs": knobs, "variant": name}
             for name, (method, knobs) in VARIANTS.items() if not only or name == only
-            for f in families for lr in USER_LRS[f] for s in SEEDS]
+            for f in families for lr in (lrs or USER_LRS[f]) for s in SEEDS]
 
 
 def variants_report(records: list[dict[str, Any]]) -> None:
@@ -221,10 +224,15 @@ def load() -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------ report
-def report(records: list[dict[str, Any]]) -> bool:
+def report(records: list[dict[str, Any]], as_lordo: str = "") -> bool:
     """Prints per family and horizon: each method's mean loss per LR, its best LR, and LoRDO at DDP's best LR
-    against DDP there; returns whether every target holds (within 2 % at 50 steps, 1 % at 500; best LR within 2x)."""
+    against DDP there; returns whether every target holds (within 2 % at 50 steps, 1 % at 500; best LR within 2x).
+    ``as_lordo`` names a variant whose runs stand for "lordo" (a later default's own sweep)."""
     ok = True
+    if as_lordo:
+        records = [r for r in records if r.get("method") != "lordo" or r.get("variant") == as_lordo]
+        records = [{k: v for k, v in r.items() if k != "variant"} if r.get("variant") == as_lordo else r
+                   for r in records]
     for family in FAMILIES:
         mine = [r for r in records if r["family"] == family and "variant" not in r]  # the main sweep
         if not mine:
@@ -264,6 +272,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--variants", action="store_true", help="run (or, with --report, report) VARIANTS")
     parser.add_argument("--variant", default="", help="with --variants: run only this one")
+    parser.add_argument("--methods", default="ddp,lordo,lowrank_ddp", help="the main sweep's methods to run")
+    parser.add_argument("--variant-lrs", default="", help="with --variants: these LRs instead of the user's")
+    parser.add_argument("--as-lordo", default="", help="with --report: this variant's runs stand for lordo")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:  # a run in its own process (the parent collects its line)
@@ -273,11 +284,13 @@ def main(argv: list[str]) -> int:
         if args.variants:
             variants_report(load())
             return 0
-        return 0 if report(load()) else 1
+        return 0 if report(load(), args.as_lordo) else 1
     done = {_key(r) for r in load()}
     lrs = tuple(float(lr) for lr in args.lrs.split(","))
     families = args.families.split(",")
-    wanted = variant_specs(families, args.variant) if args.variants else specs(families, lrs)
+    variant_lrs = tuple(float(lr) for lr in args.variant_lrs.split(",") if lr)
+    wanted = variant_specs(families, args.variant, variant_lrs) if args.variants else \
+        specs(families, lrs, tuple(args.methods.split(",")))
     pending = [s for s in wanted if _key(s) not in done]
     if pending:
         append(OUT, {"header": provenance("python benchmarks/dropin.py " + " ".join(argv)), "steps": STEPS,
