@@ -175,7 +175,7 @@ def authors_row() -> str:
             f"today's defaults at DDP's best LR {ppl(user)} ({best_note}) at "
             f"{ddp['bytes_sent'] / user['bytes_sent']:.1f}x fewer bytes than DDP; the authors' step, undecayed "
             f"buffer {ppl(before)} at its best LR; DDP {ppl(ddp)} | [Authors' protocol](benchmarks/"
-            "README.md#before-and-after-in-the-authors-protocol-authorspy---stage-issue30) |")
+            "README.md#the-interval-following-decay-in-the-authors-protocol-authorspy---stage-interval) |")
 
 
 def measured_block() -> str:
