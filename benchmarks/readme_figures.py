@@ -4,9 +4,11 @@ rendered here from its one source, so that the README cannot drift from it; ``KN
     python benchmarks/readme_figures.py          # rewrite the blocks in README.md, and KNOBS.md
     python benchmarks/readme_figures.py --check  # exit 1 if either differs (tests/test_readme_figures.py)
 
-Blocks: ``demo`` (``benchmarks/results/demo.json``, written by ``lordo-demo --json``) and ``knobs`` (the knobs a
+Blocks: ``demo`` (``benchmarks/results/demo.json``, written by ``lordo-demo --json``), ``knobs`` (the knobs a
 user is most likely to touch, from the docstrings of ``LoRDOStrategy``, ``LoRDO``, ``SyncConfig`` and
-``Experimental``, as the whole reference in ``KNOBS.md``).
+``Experimental``, as the whole reference in ``KNOBS.md``) and ``measured`` (a row per question, each from its
+committed result file: ``dropin.jsonl``, ``authors.jsonl``, ``compressed.jsonl``, ``netlink.json``,
+``gpu_check.json``).
 """
 
 from __future__ import annotations
@@ -169,19 +171,68 @@ def authors_row() -> str:
     def ppl(r: dict[str, Any]) -> str:
         return f"{math.exp(r['final_val_loss'] - low['final_val_loss']) - 1:+.1%}"
 
-    best_note = ("its best of 0.5x, 1x and 2x" if best is user
+    best_note = ("its best of 0.5x, 1x, 2x" if best is user
                  else f"its best LR is {best['spec']['lr']:g}: {ppl(best)}")
-    return ("| The authors' protocol (0.84 M GPT, 4 workers, K = 32, one seed) | perplexity against low-rank DDP: "
+    return ("| The authors' protocol (0.84 M GPT, 4 workers, K = 32, one seed) | perplexity vs low-rank DDP: "
             f"today's defaults at DDP's best LR {ppl(user)} ({best_note}) at "
             f"{ddp['bytes_sent'] / user['bytes_sent']:.1f}x fewer bytes than DDP; the authors' step, undecayed "
             f"buffer {ppl(before)} at its best LR; DDP {ppl(ddp)} | [Authors' protocol](benchmarks/"
             "README.md#the-interval-following-decay-in-the-authors-protocol-authorspy---stage-interval) |")
 
 
+def compressed_row() -> str:
+    """The ``"lordo_compressed"`` preset as it is (K = 32, full-rank moments every 4th sync) against the ``full``
+    payload at K = 32, DDP's bytes (everything counted) and PowerSGD rank 4, per model (means over seeds)."""
+    import report_compressed  # the benchmarks' own report: its means are the section's
+
+    means = report_compressed.main_means()
+    preset = "lordo_compressed:sync_every=32,fullrank_moments_every=4"
+    runs = [r for r in report_compressed._runs("embedding_moments") if r["name"] == preset]
+    gaps, ratios, psgd = [], [], []
+    for model, methods in sorted(means.items()):
+        mine = [r for r in runs if r["model"] == model]
+        loss = statistics.fmean(r["final_val_loss"] for r in mine)
+        everything = statistics.fmean(r["bytes_everything"] for r in mine)
+        gaps.append(f"{model} {loss / methods['full']['loss'] - 1:+.1%}")
+        ratios.append(methods["ddp"]["bytes"] / everything)
+        psgd.append(f"{model} {loss / methods['powersgd4']['loss'] - 1:+.1%}")
+    return (f"| Everything compressed (4 workers, K = 32, {len(means)} models, 2 seeds) | `\"lordo_compressed\"`'s "
+            f"loss against the full payload: {', '.join(gaps)}, at {min(ratios):.0f}x-{max(ratios):.0f}x fewer "
+            f"bytes than DDP; against PowerSGD rank 4: {', '.join(psgd)} | [Compressed](benchmarks/README.md#"
+            "everything-compressed-compressedpy) |")
+
+
+def netlink_row() -> str:
+    """Time to the target loss at 1 Gbit/s, DDP's over each current LoRDO configuration's (medians of repeats)."""
+    data = json.loads((RESULTS / "netlink.json").read_text())
+    lordo = ("lordo", "lordo_overlap", "lordo_compressed_preset", "lordo_compressed_preset_overlap2",
+             "lordo_compressed_preset_overlap4")  # today's rows; "lordo_compressed" is the preset before
+
+    def median(name: str) -> float:
+        return statistics.median(r["seconds_to_target"] for r in data["runs"]
+                                 if r["name"] == name and r["rate"] == "1gbit")
+    speedups = [median("ddp") / median(name) for name in lordo]
+    return (f"| A real bandwidth-limited link (6.4 M GPT, 2 workers) | at 1 Gbit/s each LoRDO configuration reached "
+            f"the target loss {min(speedups):.1f}x-{max(speedups):.1f}x sooner than DDP | "
+            "[Slow link](benchmarks/README.md#a-real-slow-link-netlinkpy) |")
+
+
+def gpu_row() -> str:
+    """Peak GPU memory and mean step time (syncs included) of ``"lordo"`` against fused AdamW, one device."""
+    data = json.loads((RESULTS / "gpu_check.json").read_text())
+    fits = data["lightning"]["fits"]
+    auto, lordo = fits["auto (fused AdamW)"], fits["lordo"]
+    device, params = data["device"], lordo["params"] / 1e6
+    return (f"| One {device}, {params:.0f} M GPT, {lordo['precision']}, one device | `\"lordo\"`: "
+            f"{lordo['peak_gpu_mib'] / auto['peak_gpu_mib']:.2f}x fused AdamW's peak GPU memory, "
+            f"{lordo['step_ms_mean'] / auto['step_ms_mean']:.2f}x its step time, syncs included | "
+            "[GPU](benchmarks/README.md#on-a-gpu-gpu_checkpy) |")
+
+
 def measured_block() -> str:
-    """The first rows of the README's "Measured" table (the others link their section, which has the figures'
-    provenance, and are not yet generated)."""
-    return "\n".join(["| question | result | where |", "|---|---|---|", dropin_row(), authors_row()])
+    """The README's "Measured" table: each row from its committed result file (its section has the provenance)."""
+    return "\n".join(["| question | result | where |", "|---|---|---|", dropin_row(), authors_row(),
+                      compressed_row(), netlink_row(), gpu_row()])
 
 
 BLOCKS: dict[str, Callable[[], str]] = {"demo": demo_block, "knobs": knobs_block, "measured": measured_block}
