@@ -14,6 +14,9 @@ Parts (times measured on the project's 2-core machine, 4 worker processes):
   3 seeds (18 runs, about 13 minutes).
 * ``order``: the LoRDO runs of ``main`` (3 seeds) with the synchronization reordered to exchange-then-commit,
   which averages the second moment before rotating it instead of after (about 8 minutes).
+* ``today``: LoRDO with today's defaults (AdamW-sized steps, the buffer decayed over one basis interval; the
+  harness pins the earlier knobs unless named) at the user's LR, DDP's best, 3 seeds (3 runs, about 4 minutes); with
+  ``--data`` WikiText-2 the same against the ``wikitext`` part.
 * ``payload-budget``: the payloads of ``payload`` more than 1 % above ``full``/float32 on some seed, trained
   for 1.2x and 1.5x the steps (3 seeds each), to measure the bytes they need to reach that loss, and
   ``full``/float32 at the same steps for reference (about 5.5 minutes per payload).
@@ -115,6 +118,10 @@ def specs_for(part: str, data: str, quick: bool) -> list[RunSpec]:
     if part == "payload":
         return [payload_spec(lrs["lordo"], data, payload, dtype, seed, PAYLOAD_STEPS)
                 for seed in SEEDS for payload, dtype in PAYLOADS]
+    if part == "today":  # the user's LR: DDP's best
+        from overlap import KNOBS  # today's defaults, named once there
+
+        return [RunSpec(method="lordo", lr=lrs["ddp"], data=data, seed=s, knobs=KNOBS["today"]) for s in SEEDS]
     if part == "order":  # the LoRDO runs of ``main`` again: the moments now averaged before the rotation
         return [RunSpec(method="lordo", lr=lrs["lordo"], data=data, seed=s) for s in SEEDS]
     if part == "payload-budget":  # full/float32 too: the same steps show what the extra steps alone buy
@@ -128,7 +135,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", default="main",
                         choices=("lr-sweep", "main", "long", "ablations", "wikitext", "payload", "payload-budget",
-                                 "order"))
+                                 "order", "today"))
     parser.add_argument("--data", required=True, help="text file (e.g. ../shared/data/tinyshakespeare.txt)")
     parser.add_argument("--quick", action="store_true", help="every method, 128 steps, one LR (~2 minutes)")
     args = parser.parse_args(argv)
