@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_lordo._tensors import digest
+from lightning_lordo._tensors import digest, flat_cat
 from lightning_lordo.comm.accounting import CommAccountant
 from lightning_lordo.comm.wire import wire_bytes
 
@@ -133,7 +133,7 @@ class Communicator:
             return []
         out = []
         for bucket in _buckets(tensors):
-            flat = torch.cat([t.reshape(-1) for t in bucket])
+            flat = flat_cat(bucket)
             self._run(partial(dist.all_reduce, flat, group=self.group, async_op=True), purpose, "all_reduce",
                       flat.device)
             nbytes = flat.numel() * flat.element_size()

@@ -67,7 +67,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import finite_flags, math_dtype, total_norm
+from lightning_lordo._tensors import finite_flags, flat_cat, math_dtype, total_norm
 from lightning_lordo._tensors import nbytes as tensor_bytes
 from lightning_lordo.comm.int8 import dequantize_int8, quantize_int8
 from lightning_lordo.comm.reduce_scatter import int8_reduce_scatter_mean
@@ -181,7 +181,7 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
 
     if how == "reduce_scatter":
 
-        means_flat, sent_flat, traffic = int8_reduce_scatter_mean(comm, torch.cat([x.reshape(-1) for x in xs]),
+        means_flat, sent_flat, traffic = int8_reduce_scatter_mean(comm, flat_cat(xs),
                                                                   purpose)
         return QuantizedMean(_split(means_flat, shapes), _split(sent_flat, shapes), traffic)
     if payload_dtype == "int8":
@@ -200,7 +200,7 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
         return QuantizedMean(means, sent, {"all_gather": nbytes} if nbytes else {})
 
     wire_dtype = torch.bfloat16 if payload_dtype == "bfloat16" else torch.float32
-    flat = torch.cat([x.reshape(-1) for x in xs]).to(wire_dtype)
+    flat = flat_cat(xs).to(wire_dtype)
     sent = _split(flat.float(), shapes)
     if world == 1:
         return QuantizedMean(sent, sent, {})
