@@ -24,7 +24,7 @@ from torch import Tensor
 
 import lightning_lordo.comm.communicator as accounting_module
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
-from lightning_lordo.comm.int8 import dequantize_int8, quantize_int8, rows_view
+from lightning_lordo.comm.int8 import dequantize_int8, mean_of_packed, pack_rows, quantize_int8, rows_view
 from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.comm.quantization import QuantizedAverager, round_trip
 
@@ -94,6 +94,35 @@ def test_int8_round_trip_error_is_at_most_half_a_scale_per_row(shape: tuple[int,
     if x.dim() >= 2:  # the zero row: scale 0, exact zeros
         assert scales[1] == 0 and bool((q[1] == 0).all())
     assert torch.equal(round_trip(x, "int8"), dequantize_int8(q, scales, x.shape))
+
+
+def test_a_packed_message_gives_the_tensor_by_tensor_codec_bit_for_bit() -> None:
+    """``pack_rows`` / ``mean_of_packed`` (rows of equal length coded together) against the readable reference: each
+    tensor quantized alone, each worker's message dequantized and summed in worker order, divided by the workers."""
+    shapes = [(9, 33), (40, 3), (4, 5, 6), (17,), (1,), (), (7, 33), (3, 3), (33,)]
+    workers = []
+    for w in range(3):
+        xs = [_varied(shape, seed=10 * w + i) for i, shape in enumerate(shapes)]
+        xs[2][0, 0, 1] = math.nan if w == 1 else xs[2][0, 0, 1]  # a non-finite row on one worker
+        workers.append(xs)
+    packed = [pack_rows(xs) for xs in workers]
+    for xs, (_, sent, _) in zip(workers, packed):
+        assert [s.shape for s in sent] == [x.shape for x in xs]
+        for x, s in zip(xs, sent):
+            reference = dequantize_int8(*quantize_int8(x), x.shape)
+            assert torch.equal(s.isnan(), reference.isnan()) and torch.equal(s.nan_to_num(), reference.nan_to_num())
+    layout = packed[0][2]
+    assert all(p[2] == layout for p in packed) and sum(len(idx) for _, idx, _, _ in layout) == len(shapes)
+    assert len(layout) < len(shapes)  # equal row lengths did share a pass
+    means = mean_of_packed(torch.stack([p[0] for p in packed]), layout, len(shapes))
+    for i, shape in enumerate(shapes):
+        decoded = [dequantize_int8(*quantize_int8(xs[i]), shape) for xs in workers]
+        reference = decoded[0].clone()
+        for d in decoded[1:]:
+            reference.add_(d)
+        reference.div_(len(workers))
+        assert means[i].shape == shape and torch.equal(means[i].isnan(), reference.isnan()), shape
+        assert torch.equal(torch.nan_to_num(means[i]), torch.nan_to_num(reference)), shape
 
 
 def test_bfloat16_round_trip_error_is_at_most_2_to_the_minus_8_relative() -> None:

@@ -1,5 +1,9 @@
 """Symmetric int8 quantization with one float32 scale per row: the pure codec under the int8 payloads
-(:mod:`lightning_lordo.comm.quantization`'s all-gather and :mod:`lightning_lordo.comm.reduce_scatter`)."""
+(:mod:`lightning_lordo.comm.quantization`'s all-gather and :mod:`lightning_lordo.comm.reduce_scatter`).
+
+:func:`pack_rows` and :func:`mean_of_packed` code a list of tensors as one byte message. Scales being per row, the
+rows of every tensor with the same row length are stacked and coded in one pass: a message costs a few dispatched
+ops per row length, not a dozen per tensor, and every value is the one a tensor-by-tensor codec gives."""
 
 from __future__ import annotations
 
@@ -50,3 +54,52 @@ def dequantize_int8(q: Tensor, scales: Tensor, shape: Optional[Sequence[int]] = 
     """float32 ``q * scale`` per row, reshaped to ``shape`` when given (the inverse of :func:`quantize_int8`)."""
     out = q.float() * scales[:, None]
     return out.reshape(tuple(shape)) if shape is not None else out
+
+
+#: How :func:`pack_rows` laid a message out: per row length, the tensors' indices, their row counts and shapes.
+Layout = list[tuple[int, list[int], list[int], list[torch.Size]]]
+
+
+def pack_rows(xs: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], Layout]:
+    """``xs`` coded with one scale per row (:func:`rows_view`), stacked by row length: the byte message (every
+    scale as 4 bytes, then every value), what it carries dequantized (float32, shaped as ``xs``), and its layout."""
+    rows = [rows_view(x) for x in xs]
+    by_length: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_length.setdefault(r.shape[1], []).append(i)
+    layout: Layout = [(n, idx, [rows[i].shape[0] for i in idx], [xs[i].shape for i in idx])
+                      for n, idx in by_length.items()]
+    packed = [quantize_int8(torch.cat([rows[i] for i in idx]) if len(idx) > 1 else rows[idx[0]])
+              for _, idx, _, _ in layout]
+    message = torch.cat([s.view(torch.int8) for _, s in packed] + [q.reshape(-1) for q, _ in packed])
+    sent = _unstack([dequantize_int8(q, s) for q, s in packed], layout, len(xs))
+    return message, sent, layout
+
+
+def mean_of_packed(messages: Tensor, layout: Layout, count: int) -> list[Tensor]:
+    """The float32 mean of the workers' messages (``messages``: one row per worker, from :func:`pack_rows` with
+    ``layout``), summed in worker order, shaped as the ``count`` tensors packed."""
+    n_scales = sum(sum(counts) for _, _, counts, _ in layout)
+    total: Optional[list[Tensor]] = None
+    for row in messages:
+        scales = row[: 4 * n_scales].clone().view(torch.float32)
+        at_scale, at_value, decoded = 0, 4 * n_scales, []
+        for n, _, counts, _ in layout:
+            k = sum(counts)
+            decoded.append(dequantize_int8(row[at_value: at_value + k * n].view(k, n), scales[at_scale: at_scale + k]))
+            at_scale, at_value = at_scale + k, at_value + k * n
+        total = decoded if total is None else [acc.add_(d) for acc, d in zip(total, decoded)]
+    assert total is not None, "no message"
+    if messages.shape[0] > 1:
+        torch._foreach_div_(total, messages.shape[0])
+    return _unstack(total, layout, count)
+
+
+def _unstack(stacks: Sequence[Tensor], layout: Layout, count: int) -> list[Tensor]:
+    """The tensors (shaped as packed) in their original order, as views of the per-length ``stacks``."""
+    out: list[Optional[Tensor]] = [None] * count
+    for stack, (_, idx, counts, shapes) in zip(stacks, layout):
+        parts = stack.split(counts) if len(idx) > 1 else (stack,)
+        for i, part, shape in zip(idx, parts, shapes):
+            out[i] = part.reshape(shape)
+    return out  # type: ignore[return-value]

@@ -69,7 +69,7 @@ from torch import Tensor
 
 from lightning_lordo._tensors import finite_flags, flat_cat, math_dtype, total_norm
 from lightning_lordo._tensors import nbytes as tensor_bytes
-from lightning_lordo.comm.int8 import dequantize_int8, quantize_int8
+from lightning_lordo.comm.int8 import dequantize_int8, mean_of_packed, pack_rows, quantize_int8
 from lightning_lordo.comm.reduce_scatter import int8_reduce_scatter_mean
 from lightning_lordo.config import PAYLOAD_DTYPES
 
@@ -184,19 +184,10 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
         means_flat, sent_flat, traffic = int8_reduce_scatter_mean(comm, flat_cat(xs),
                                                                   purpose)
         return QuantizedMean(_split(means_flat, shapes), _split(sent_flat, shapes), traffic)
-    if payload_dtype == "int8":
-        packed = [quantize_int8(x) for x in xs]
-        sent = [dequantize_int8(q, s, shape) for (q, s), shape in zip(packed, shapes)]
-        # one byte buffer: all scales (float32 reinterpreted as 4 bytes each), then all values
-        message = torch.cat([s.reshape(-1).view(torch.int8) for _, s in packed] + [q.reshape(-1) for q, _ in packed])
+    if payload_dtype == "int8":  # one byte buffer: per row length, the scales, then the values
+        message, sent, layout = pack_rows(xs)
         gathered, nbytes = comm.all_gather(message, purpose)
-        layout = [(q.shape, s.numel()) for q, s in packed]
-        total: Optional[list[Tensor]] = None
-        for k in range(gathered.shape[0]):
-            decoded = _decode_int8(gathered[k], layout, shapes)
-            total = decoded if total is None else [acc.add_(d) for acc, d in zip(total, decoded)]
-        assert total is not None
-        means = [acc.div_(world) for acc in total] if world > 1 else sent
+        means = mean_of_packed(gathered, layout, len(xs)) if world > 1 else sent
         return QuantizedMean(means, sent, {"all_gather": nbytes} if nbytes else {})
 
     wire_dtype = torch.bfloat16 if payload_dtype == "bfloat16" else torch.float32
@@ -213,20 +204,6 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
     for k in range(1, world):
         acc.add_(gathered[k].float())
     return QuantizedMean(_split(acc.div_(world), shapes), sent, {"all_gather": nbytes})
-
-
-def _decode_int8(row: Tensor, layout: list[tuple[torch.Size, int]], shapes: list[torch.Size]) -> list[Tensor]:
-    n_scales = sum(n for _, n in layout)
-    scales_all = row[: 4 * n_scales].clone().view(torch.float32)
-    offset_s, offset_q = 0, 4 * n_scales
-    out = []
-    for (q_shape, n), shape in zip(layout, shapes):
-        numel = math.prod(q_shape)
-        q = row[offset_q : offset_q + numel].reshape(q_shape)
-        out.append(dequantize_int8(q, scales_all[offset_s : offset_s + n], shape))
-        offset_s += n
-        offset_q += numel
-    return out
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
