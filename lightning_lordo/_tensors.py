@@ -44,6 +44,22 @@ def orthonormalize(y: Tensor) -> Tensor:
     return torch.linalg.qr(y, mode="reduced").Q
 
 
+def orthonormalize_each(ys: Sequence[Tensor]) -> list[Tensor]:
+    """:func:`orthonormalize` of every matrix of ``ys``, one batched QR per shape (and dtype and device): the same
+    factors up to float32 rounding, and on an accelerator one batched kernel instead of a small one per matrix."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, y in enumerate(ys):
+        groups[(tuple(y.shape), y.dtype, y.device)].append(i)
+    out: list[Tensor] = list(ys)
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = orthonormalize(ys[idx[0]])
+            continue
+        for i, q in zip(idx, orthonormalize(torch.stack([ys[i] for i in idx])).unbind(0)):
+            out[i] = q
+    return out
+
+
 def mix_seed(base: int, index: int, generation: int = 0, offset: int = 0) -> int:
     """One seed from a base seed, an index (which matrix), a generation (which round) and an offset (which use),
     identical on every worker that passes the same numbers."""

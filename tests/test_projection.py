@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from lightning_lordo._tensors import orthonormalize, orthonormalize_each
 from lightning_lordo.optim.projection import (
     compute_basis,
     power_basis,
@@ -206,3 +207,17 @@ def test_subspace_movement_matches_formula():
     expected = 1.0 - ((new.T @ full[:, :RANK]) ** 2).sum().item() / RANK
     assert 0.05 < expected < 0.95
     assert subspace_movement(old, new.float()).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_orthonormalize_each_is_one_qr_per_matrix() -> None:
+    """The batched QR per shape (the low-rank payload's bases and right factors) against a QR per matrix: the same
+    factor up to float32 rounding (LAPACK's batched path may round differently), signs included."""
+    g = torch.Generator().manual_seed(3)
+    ys = [torch.randn(40, 4, generator=g) for _ in range(3)] + [torch.randn(9, 33, generator=g).mT,
+                                                                  torch.randn(12, 3, generator=g)]
+    ys.append(torch.randn(33, 9, generator=g))  # the shape of a transposed one, stacked with it
+    got = orthonormalize_each(ys)
+    assert len(got) == len(ys)
+    for y, q in zip(ys, got):
+        assert torch.allclose(q, orthonormalize(y), atol=1e-6)
+        assert torch.allclose(q.mT @ q, torch.eye(q.shape[1]), atol=1e-5)

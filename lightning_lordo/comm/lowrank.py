@@ -64,7 +64,7 @@ from lightning_lordo._tensors import (
     is_tall,
     mix_seed,
     nbytes,
-    orthonormalize,
+    orthonormalize_each,
     random_orthonormal,
     total_norm,
 )
@@ -158,7 +158,7 @@ class LowRankPayload:
         traffic = dict(p_msg.traffic)
         # no host read here: a non-finite P (identical on all ranks) is zeroed for the QR and flags the round
         p_finite = finite_flags(p_msg.means).all()
-        bases = [orthonormalize(torch.nan_to_num(p, 0.0, 0.0, 0.0).mT) for p in p_msg.means]
+        bases = orthonormalize_each([torch.nan_to_num(p, 0.0, 0.0, 0.0).mT for p in p_msg.means])
         # message 2: B_m = Q^T D_m, r x b
         b_msg = quantized_mean(comm, [q.mT @ w for q, w in zip(bases, work)], purpose, self.payload_dtype,
                                self.reduction)
@@ -170,7 +170,7 @@ class LowRankPayload:
             update = q @ b
             averaged.append((update.mT if is_tall(d) else update).contiguous())
         errors = [w.sub_(q @ s) for w, q, s in zip(work, bases, b_msg.sent)] if self.error_feedback else []
-        right = [orthonormalize(b.mT) for b in b_msg.means]
+        right = orthonormalize_each([b.mT for b in b_msg.means])
         return LowRankRound(finite, averaged, bases, traffic, errors, right, self._version)
 
     def commit(self, result: LowRankRound) -> None:
