@@ -6,7 +6,8 @@ count: :class:`Counts` counts both while the code runs on the CPU, in the accele
 "stacked"``: stacked same-shape matrices, batched bases). Values computed only from LoRDO's step counters, which live in
 host memory on an accelerator too, are not device reads and are not counted.
 
-Printed (one run, counts do not depend on the machine):
+Printed (one run, counts do not depend on the machine); ``views`` are the ops that only view existing memory (no
+kernel on a device), counted apart:
 
 1. ``sync``: host reads and dispatched ops of one sync, per parameter tensor, at world size 1 and 2 (gloo, fork), for
    the presets' knobs, on a 12-layer GPT (widths scaled down: they do not change the counts).
@@ -43,6 +44,10 @@ from lightning_lordo.strategy_knobs import PRESETS
 from lightning_lordo.sync.synchronizer import Synchronizer
 
 READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.allclose")
+#: Ops that only make a new view of existing memory: the host dispatches them, but no kernel runs on a device.
+VIEWS = ("aten.view.", "aten._unsafe_view.", "aten.transpose.", "aten.t.", "aten.unsqueeze.", "aten.squeeze.",
+         "aten.slice.", "aten.select.", "aten.detach.", "aten.alias.", "aten.split.", "aten.split_with_sizes.",
+         "aten.unbind.", "aten.expand.", "aten.permute.", "aten.as_strided.", "aten.view_as_real.")
 #: The presets whose syncs are counted: their optimizer knobs and synchronization knobs.
 SYNC_PRESETS = ("lordo", "lordo_lean", "lordo_compressed")
 
@@ -142,8 +147,10 @@ def count_sync(preset: str, steps: int = 6, sync_every: int = 2) -> dict[str, An
     with Counts(step_counters(opt)) as counts:
         report = sync.on_optimizer_step()
     assert report is not None, "the counted step did not sync"
+    views = sum(n for name, n in counts.by_op.items() if name.startswith(VIEWS))
     return {"preset": preset, "world": comm.world_size, "tensors": len(params), "reads": counts.reads,
-            "ops": counts.ops, "ops_per_tensor": round(counts.ops / len(params), 2)}
+            "ops": counts.ops, "ops_per_tensor": round(counts.ops / len(params), 2), "view_ops": views,
+            "kernel_ops_per_tensor": round((counts.ops - views) / len(params), 2)}
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -204,9 +211,11 @@ def main() -> None:
 
     sync_rows = [count_sync(name) for name in SYNC_PRESETS] + count_syncs_two_processes()
     print("sync (accelerators' layout, 12-layer GPT, 196 parameter tensors)")
-    print(f"{'preset':<18}{'world':>6}{'host reads':>12}{'ops':>8}{'ops/tensor':>12}")
+    print(f"{'preset':<18}{'world':>6}{'host reads':>12}{'ops':>8}{'ops/tensor':>12}{'views':>8}"
+          f"{'non-view ops/tensor':>21}")
     for r in sync_rows:
-        print(f"{r['preset']:<18}{r['world']:>6}{r['reads']:>12}{r['ops']:>8}{r['ops_per_tensor']:>12}")
+        print(f"{r['preset']:<18}{r['world']:>6}{r['reads']:>12}{r['ops']:>8}{r['ops_per_tensor']:>12}"
+              f"{r['view_ops']:>8}{r['kernel_ops_per_tensor']:>21}")
     step = count_steps()
     print("\nstep (GPT-2-small-shaped set, 12 layers): dispatched ops", json.dumps(step))
     result = {"provenance": provenance("python benchmarks/counts.py"), "sync": sync_rows, "step": step}
