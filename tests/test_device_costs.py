@@ -58,8 +58,8 @@ def test_a_sync_reads_back_at_most_two_values_with_two_workers() -> None:
     # a message is packed in one op per bucket (``flat_cat``), not one view per tensor: 4.85 ops per tensor before
     full_payload = [r for r in rows if r["preset"] in ("lordo", "lordo_lean")]
     assert all(r["ops_per_tensor"] <= 3.5 for r in full_payload), rows
-    # the int8 codec stacks the rows of equal length (comm/int8.py pack_rows): 73.4 ops per tensor before
-    assert next(r for r in rows if r["preset"] == "lordo_compressed")["ops_per_tensor"] <= 20, rows
+    # the int8 codec stacks rows of equal length (comm/int8.py pack_rows), error feedback is foreach: 73.4 before
+    assert next(r for r in rows if r["preset"] == "lordo_compressed")["ops_per_tensor"] <= 12, rows
 
 
 def test_the_counter_sees_reads_of_device_values_but_not_of_step_counters() -> None:

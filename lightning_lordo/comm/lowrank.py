@@ -145,12 +145,9 @@ class LowRankPayload:
         """
         self._check(deltas)
         self._ensure_state(deltas)
-        work = []
-        for i, d in enumerate(deltas):
-            w = canonical(d.detach(), d).float().clone()
-            if self.error_feedback:
-                w.add_(self._errors[i].to(w.device))
-            work.append(w)
+        work = [canonical(d.detach(), d).float() for d in deltas]  # views: only the error feedback writes to it
+        if self.error_feedback and work:  # new tensors D_m + e_m, in one op
+            work = list(torch._foreach_add(work, [e.to(w.device) for e, w in zip(self._errors, work)]))
         rights = [r.to(w.device) for r, w in zip(self._right, work)]
         # message 1: P_m^T = (D_m R)^T, r x a (so that each int8 scale covers one of the r directions)
         p_msg = quantized_mean(comm, [(w @ r).mT for w, r in zip(work, rights)], purpose, self.payload_dtype,
@@ -169,7 +166,10 @@ class LowRankPayload:
         for d, q, b in zip(deltas, bases, b_msg.means):
             update = q @ b
             averaged.append((update.mT if is_tall(d) else update).contiguous())
-        errors = [w.sub_(q @ s) for w, q, s in zip(work, bases, b_msg.sent)] if self.error_feedback else []
+        errors = []
+        if self.error_feedback and work:  # e_m = D_m + e_m - Q B_m, in place
+            torch._foreach_sub_(work, [q @ s for q, s in zip(bases, b_msg.sent)])
+            errors = work
         right = orthonormalize_each([b.mT for b in b_msg.means])
         return LowRankRound(finite, averaged, bases, traffic, errors, right, self._version)
 

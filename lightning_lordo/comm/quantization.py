@@ -271,16 +271,21 @@ class QuantizedAverager:
             CollectiveTimeout: from the communicator.
         """
         exact = self.payload_dtype == "float32" and self._errors is None  # nothing is added or kept: no copy
-        xs = [_as(t, math_dtype(t.dtype)) if exact else t.detach().to(math_dtype(t.dtype)).clone() for t in tensors]
+        xs = [_as(t, math_dtype(t.dtype)) for t in tensors]
         if self._errors is not None:
             if [e.shape for e in self._errors] != [x.shape for x in xs]:
                 raise ValueError("QuantizedAverager.reduce: the tensors' shapes "
                                  f"{[tuple(x.shape) for x in xs]} differ from those of the error feedback "
                                  f"{[tuple(e.shape) for e in self._errors]}; pass the same list every round.")
-            for x, e in zip(xs, self._errors):
-                x.add_(e.to(x.device))
+            xs = list(torch._foreach_add(xs, [e.to(x.device) for e, x in zip(self._errors, xs)])) if xs else xs
+        elif not exact:  # the error feedback below is computed in a copy of the inputs
+            xs = [x.clone() if x is t else x for x, t in zip(xs, tensors)]
         result = quantized_mean(comm, xs, purpose, self.payload_dtype, self.reduction, in_place=in_place and exact)
-        errors = None if self.payload_dtype == "float32" else [x.sub_(s) for x, s in zip(xs, result.sent)]
+        errors = None
+        if self.payload_dtype != "float32":
+            if xs:
+                torch._foreach_sub_(xs, list(result.sent))
+            errors = xs
         return AverageRound(finite_flags(result.means).all(), result.means, result.traffic, errors, self._version)
 
     def commit(self, result: AverageRound) -> None:
