@@ -24,7 +24,7 @@ def rows_view(x: Tensor) -> Tensor:
     a weight, one per token of an embedding)."""
     if x.dim() <= 1:
         return x.reshape(1, -1)
-    return x.reshape(x.shape[0], -1)
+    return x if x.dim() == 2 else x.reshape(x.shape[0], -1)  # no op for a matrix
 
 
 def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -101,5 +101,5 @@ def _unstack(stacks: Sequence[Tensor], layout: Layout, count: int) -> list[Tenso
     for stack, (_, idx, counts, shapes) in zip(stacks, layout):
         parts = stack.split(counts) if len(idx) > 1 else (stack,)
         for i, part, shape in zip(idx, parts, shapes):
-            out[i] = part.reshape(shape)
+            out[i] = part if part.shape == shape else part.reshape(shape)
     return out  # type: ignore[return-value]
