@@ -57,7 +57,7 @@ def test_a_sync_reads_back_at_most_two_values_with_two_workers() -> None:
     assert all(r["world"] == 2 and r["reads"] <= 2 for r in rows), rows
     # a message is packed in one op per bucket (``flat_cat``), not one view per tensor: 4.85 ops per tensor before
     full_payload = [r for r in rows if r["preset"] in ("lordo", "lordo_lean")]
-    assert all(r["ops_per_tensor"] <= 3.5 for r in full_payload), rows
+    assert all(r["ops_per_tensor"] <= 3.0 for r in full_payload), rows
     # the int8 codec stacks rows of equal length (comm/int8.py pack_rows), error feedback is foreach: 73.4 before
     assert next(r for r in rows if r["preset"] == "lordo_compressed")["ops_per_tensor"] <= 12, rows
 

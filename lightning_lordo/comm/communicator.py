@@ -138,8 +138,8 @@ class Communicator:
                       flat.device)
             nbytes = flat.numel() * flat.element_size()
             self.accountant.add(purpose, nbytes, in_round, wire_bytes("all_reduce", nbytes, self.world_size))
-            flat.div_(self.world_size)
-            out.append((bucket, [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in bucket]), bucket)]))
+            parts = flat.div_(self.world_size).split([t.numel() for t in bucket])  # a 1-D part needs no view
+            out.append((bucket, [v if v.shape == t.shape else v.view(t.shape) for v, t in zip(parts, bucket)]))
         return out
 
     def all_reduce_sum(self, flat: Tensor, purpose: str) -> int:
