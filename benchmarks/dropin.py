@@ -233,10 +233,12 @@ def load() -> list[dict[str, Any]]:
 def report(records: list[dict[str, Any]], as_lordo: str = "") -> bool:
     """Prints per family and horizon: each method's mean loss per LR, its best LR, and LoRDO at DDP's best LR
     against DDP there; returns whether every target holds (within 2 % at 50 steps, 1 % at 500; best LR within 2x).
-    ``as_lordo`` names a variant whose runs stand for "lordo" (a later default's own sweep)."""
+    ``as_lordo`` names a variant whose runs stand for "lordo" (a later default's own sweep) where it ran."""
     ok = True
     if as_lordo:
-        records = [r for r in records if r.get("method") != "lordo" or r.get("variant") == as_lordo]
+        replaced = {r["family"] for r in records if r.get("variant") == as_lordo}  # the others ran it in the sweep
+        records = [r for r in records if r.get("method") != "lordo" or r["family"] not in replaced
+                   or r.get("variant") == as_lordo]
         records = [{k: v for k, v in r.items() if k != "variant"} if r.get("variant") == as_lordo else r
                    for r in records]
     for family in FAMILIES:
