@@ -143,14 +143,17 @@ def dropin_row() -> str:
         return statistics.mean(values) if values else None
 
     parts = []
-    for family, label in (("mlp", "MLP"), ("transformer", "Lightning's demo Transformer")):
+    for family, label in (("mlp", "MLP"), ("cnn_noisy", "BatchNorm CNN"), ("transformer", "Lightning's Transformer")):
         lrs = {r["lr"] for r in records if r["family"] == family and r["method"] == "ddp" and "variant" not in r}
         lr = min(lrs, key=lambda x: mean(family, x, "ddp"))
-        ddp, lordo = mean(family, lr, "ddp"), mean(family, lr, "lordo", TODAYS_LORDO)
+        # today's defaults: a variant's rerun where the first sweep ran earlier defaults, else the sweep's own
+        today = TODAYS_LORDO if any(r.get("variant") == TODAYS_LORDO and r["family"] == family for r in records) \
+            else None
+        ddp, lordo = mean(family, lr, "ddp"), mean(family, lr, "lordo", today)
         diloco = mean(family, lr, "diloco", "diloco, average")
         text = f"{label}: {lordo / ddp - 1:+.1%}"
         parts.append(text + (f" (DiLoCo {diloco / ddp - 1:+.1%})" if diloco is not None else ""))
-    return ("| Drop-in: your AdamW LR (DDP's best), 2 processes, 500 steps, 2 seeds | loss against DDP: "
+    return ("| Drop-in: your AdamW LR (DDP's best), 2 processes, 500 steps, 2 seeds | loss vs DDP: "
             + "; ".join(parts) + " | [Drop-in](benchmarks/README.md#drop-in-models-this-project-did-not-write-dropinpy-"
             "issue-30) |")
 
