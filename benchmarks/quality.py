@@ -16,7 +16,8 @@ Parts (times measured on the project's 2-core machine, 4 worker processes):
   which averages the second moment before rotating it instead of after (about 8 minutes).
 * ``today``: LoRDO with today's defaults (AdamW-sized steps, the buffer decayed over one basis interval; the
   harness pins the earlier knobs unless named) at the user's LR (DDP's best), 1e-2 and 3e-2, 3 seeds (9 runs, about
-  4 minutes); with ``--data`` WikiText-2 the same against the ``wikitext`` part.
+  4 minutes); with ``--data`` WikiText-2 the same against the ``wikitext`` part. ``today-knobs``: today's defaults
+  with one knob changed at a time, seed 0, LR 1e-2 (5 runs, about 2 minutes).
 * ``payload-budget``: the payloads of ``payload`` more than 1 % above ``full``/float32 on some seed, trained
   for 1.2x and 1.5x the steps (3 seeds each), to measure the bytes they need to reach that loss, and
   ``full``/float32 at the same steps for reference (about 5.5 minutes per payload).
@@ -125,6 +126,12 @@ def specs_for(part: str, data: str, quick: bool) -> list[RunSpec]:
 
         return [RunSpec(method="lordo", lr=lr, data=data, seed=s, knobs=KNOBS["today"])
                 for lr in (lrs["ddp"], *TODAY_MORE_LRS) for s in SEEDS]
+    if part == "today-knobs":  # which of today's knobs costs on this model: one change at a time, seed 0, LR 1e-2
+        from overlap import KNOBS
+
+        changes = [{"update_scale": 1.0}, {"ef_decay": 0.99}, {"ef_decay": 1.0}, {"omega": 0.7},
+                   {"error_feedback": False, "full_rank_input": "gradient"}]
+        return [RunSpec(method="lordo", lr=1e-2, data=data, knobs={**KNOBS["today"], **change}) for change in changes]
     if part == "order":  # the LoRDO runs of ``main`` again: the moments now averaged before the rotation
         return [RunSpec(method="lordo", lr=lrs["lordo"], data=data, seed=s) for s in SEEDS]
     if part == "payload-budget":  # full/float32 too: the same steps show what the extra steps alone buy
@@ -138,7 +145,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", default="main",
                         choices=("lr-sweep", "main", "long", "ablations", "wikitext", "payload", "payload-budget",
-                                 "order", "today"))
+                                 "order", "today", "today-knobs"))
     parser.add_argument("--data", required=True, help="text file (e.g. ../shared/data/tinyshakespeare.txt)")
     parser.add_argument("--quick", action="store_true", help="every method, 128 steps, one LR (~2 minutes)")
     args = parser.parse_args(argv)
