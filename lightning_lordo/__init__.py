@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_lordo.comm.communicator import CollectiveTimeout
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.fabric import LoRDOFabricStrategy
+from lightning_lordo.lightning import cli_names  # noqa: F401 - the names as classes, for LightningCLI
 from lightning_lordo.lightning.callbacks import CommunicationMonitor
 from lightning_lordo.lightning.export import ConvertLoRDOCheckpoint
 from lightning_lordo.lightning.strategy import LoRDOStrategy

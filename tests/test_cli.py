@@ -13,7 +13,7 @@ from lightning.pytorch.cli import LightningCLI
 from strategy_helpers import TinyRegressor, loader
 
 from lightning_lordo import LoRDOFabricStrategy, LoRDOStrategy
-from lightning_lordo.strategy_knobs import EXPERIMENTAL_KNOBS
+from lightning_lordo.strategy_knobs import EXPERIMENTAL_KNOBS, PRESETS
 
 
 class CLIModel(TinyRegressor):
@@ -83,6 +83,28 @@ def test_a_preset_is_a_knob_the_other_knobs_override() -> None:
     assert (config.payload, config.payload_dtype, config.moments_every, config.fullrank_rank) == (
         "lowrank", "bfloat16", 1, 16)  # payload and fullrank_rank from the preset, the rest overridden
     assert strategy.optimizer_knobs["rank"] == 4 and strategy.optimizer_knobs["error_feedback"] is False
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_registered_name_takes_knobs_on_the_command_line(name: str) -> None:
+    """``--trainer.strategy=NAME --trainer.strategy.KNOB=...``: the name's preset, the knobs over it (jsonargparse
+    needs a class for knobs: ``lightning_lordo.lightning.cli_names``)."""
+    knobs = [] if name == "diloco" else ["--trainer.strategy.optimizer.rank=4"]  # diloco takes no rank
+    strategy = _cli(BASE + [f"--trainer.strategy={name}", "--trainer.strategy.sync_every=8", *knobs]).trainer.strategy
+    expected = LoRDOStrategy(preset=name, sync_every=8, optimizer={"rank": 4} if knobs else None)
+    assert isinstance(strategy, LoRDOStrategy) and strategy.preset == name
+    assert strategy.sync_config == expected.sync_config and strategy.optimizer_knobs == expected.optimizer_knobs
+
+
+def test_a_registered_name_alone_is_the_registry_s_and_a_yaml_name_takes_knobs(tmp_path: Path) -> None:
+    alone = _cli(BASE + ["--trainer.strategy=lordo_lean"]).trainer.strategy
+    assert type(alone) is LoRDOStrategy and alone.preset == "lordo_lean"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"strategy": {"class_path": "lordo_compressed",
+                                                             "init_args": {"sync_every": 8}}}}))
+    strategy = _cli(BASE + [f"--config={path}"]).trainer.strategy
+    assert strategy.preset == "lordo_compressed" and strategy.sync_config.sync_every == 8
+    assert strategy.sync_config.payload == "lowrank"
 
 
 def test_print_config_round_trips_the_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
