@@ -477,3 +477,16 @@ def test_messages_split_into_many_collective_calls_give_the_same_result_and_byte
                 assert torch.equal(x, y)
             for x, y in zip(a["after"]["errors"], b["after"]["errors"], strict=True):
                 assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("payload_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_the_averager_never_writes_to_its_inputs(payload_dtype: str, requires_grad: bool) -> None:
+    """Its error feedback is computed in a copy, also of an input that requires grad (whose detached view shares
+    the input's memory), in the first round (no buffer yet) and in later ones."""
+    averager = QuantizedAverager(payload_dtype=payload_dtype)
+    for t in range(3):
+        xs = [_varied(shape, seed=t).requires_grad_(requires_grad) for shape in DENSE_SHAPES]
+        before = [x.detach().clone() for x in xs]
+        averager.commit(averager.reduce(_comm(), xs, "pseudo_gradients"))
+        assert all(torch.equal(x.detach(), b) for x, b in zip(xs, before)), t

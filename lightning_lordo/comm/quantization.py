@@ -278,8 +278,8 @@ class QuantizedAverager:
                                  f"{[tuple(x.shape) for x in xs]} differ from those of the error feedback "
                                  f"{[tuple(e.shape) for e in self._errors]}; pass the same list every round.")
             xs = list(torch._foreach_add(xs, [e.to(x.device) for e, x in zip(self._errors, xs)])) if xs else xs
-        elif not exact:  # the error feedback below is computed in a copy of the inputs
-            xs = [x.clone() if x is t else x for x, t in zip(xs, tensors)]
+        elif not exact:  # the error feedback below is computed in a copy (``_as`` copied only to change the dtype)
+            xs = [x.clone() if x.dtype == t.dtype else x for x, t in zip(xs, tensors)]
         result = quantized_mean(comm, xs, purpose, self.payload_dtype, self.reduction, in_place=in_place and exact)
         errors = None
         if self.payload_dtype != "float32":
