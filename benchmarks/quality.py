@@ -18,6 +18,7 @@ Parts (times measured on the project's 2-core machine, 4 worker processes):
   harness pins the earlier knobs unless named) at the user's LR (DDP's best), 5e-3, 1e-2, 2e-2 and 3e-2, 3 seeds
   (15 runs, about 7 minutes); with ``--data`` WikiText-2 the same against the ``wikitext`` part.
 * ``today-knobs``: today's defaults with one knob changed at a time, seed 0, LR 1e-2 (5 runs, about 2 minutes).
+* ``lean-today``: the ``"lordo_lean"`` preset as shipped (AdamW-sized steps) at the user's LR and 1e-2, 3 seeds.
 * ``payload-budget``: the payloads of ``payload`` more than 1 % above ``full``/float32 on some seed, trained
   for 1.2x and 1.5x the steps (3 seeds each), to measure the bytes they need to reach that loss, and
   ``full``/float32 at the same steps for reference (about 5.5 minutes per payload).
@@ -126,6 +127,9 @@ def specs_for(part: str, data: str, quick: bool) -> list[RunSpec]:
 
         return [RunSpec(method="lordo", lr=lr, data=data, seed=s, knobs=KNOBS["today"])
                 for lr in (lrs["ddp"], *TODAY_MORE_LRS) for s in SEEDS]
+    if part == "lean-today":  # the "lordo_lean" preset as shipped (the pinned knobs, AdamW-sized steps), 3 seeds
+        return [RunSpec(method="lordo", lr=lr, data=data, seed=s, knobs={"update_scale": "auto"})
+                for lr in (lrs["ddp"], 1e-2) for s in SEEDS]
     if part == "today-knobs":  # which of today's knobs costs on this model: one change at a time, seed 0, LR 1e-2
         from overlap import KNOBS
 
@@ -145,7 +149,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", default="main",
                         choices=("lr-sweep", "main", "long", "ablations", "wikitext", "payload", "payload-budget",
-                                 "order", "today", "today-knobs"))
+                                 "order", "today", "today-knobs", "lean-today"))
     parser.add_argument("--data", required=True, help="text file (e.g. ../shared/data/tinyshakespeare.txt)")
     parser.add_argument("--quick", action="store_true", help="every method, 128 steps, one LR (~2 minutes)")
     args = parser.parse_args(argv)
