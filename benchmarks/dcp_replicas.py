@@ -10,6 +10,7 @@ with ``dcp.load``; the script prints what each rank got. Usage: ``python benchma
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import tempfile
 
@@ -35,7 +36,10 @@ def _run(rank: int, path: str, port: int) -> None:
 def main() -> None:
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
     with tempfile.TemporaryDirectory() as path:
-        mp.spawn(_run, args=(path, 29533), nprocs=2)
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_run, args=(path, port), nprocs=2)
         print("files:", sorted(os.listdir(path)))
 
 

@@ -151,8 +151,7 @@ def run_one(spec: dict[str, Any], data: str) -> dict[str, Any]:
         train, val, vocab = wikitext(data)
         batch = 16
     else:
-        train, val = teacher_task() if spec["family"] == "mlp" else template_images() if spec["family"] == "cnn" \
-            else template_images(noise=3.0, shift=8)
+        train, val = teacher_task() if spec["family"] == "mlp" else template_images(**IMAGES[spec["family"]])
         batch = 64
     module = Module(spec["family"], spec["lr"], vocab)
     knobs = strategy_kwargs(**spec.get("knobs", {}), synchronous=spec["method"] == "lowrank_ddp",
@@ -188,6 +187,8 @@ VARIANTS = {"lordo, nesterov(1.0, 0.5)": ("lordo", {"outer_optimizer": "nesterov
             # the default ef_decay="auto" after it began to follow the bases' interval (1 - 1/16 at K = 16): the
             # main sweep's "lordo" ran when it meant beta1; named, so that its record has its own key
             "lordo, ef_decay auto (interval)": ("lordo", {"ef_decay": "auto"})}
+#: The image tasks of the CNN families: template_images' noise and largest shift.
+IMAGES = {"cnn": {"noise": 0.8, "shift": 4}, "cnn_noisy": {"noise": 3.0, "shift": 8}}
 USER_LRS = {"transformer": (3e-3, 1e-3), "mlp": (1e-3, 3e-3), "cnn": (1e-2,), "cnn_noisy": ()}
 
 

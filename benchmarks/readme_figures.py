@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness import load
+
 from lightning_lordo import LoRDO, LoRDOStrategy
 from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
 from lightning_lordo.demo import COLUMNS, result_rows
@@ -129,13 +131,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 TODAYS_LORDO = "lordo, ef_decay auto (interval)"
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def dropin_row() -> str:
     """Drop-in, 500 steps, mean of the seeds at DDP's best LR: today's LoRDO (and DiLoCo) against DDP."""
-    records = [r for r in _jsonl(RESULTS / "dropin.jsonl") if "family" in r]
+    records = [r for r in load(RESULTS / "dropin.jsonl") if "family" in r]
 
     def mean(family: str, lr: float, method: str, variant: Any = None) -> Any:
         values = [r["loss_long"] for r in records if (r["family"], r["lr"], r["method"], r.get("variant"))
@@ -161,7 +159,7 @@ def dropin_row() -> str:
 def authors_row() -> str:
     """The authors' protocol, seed 0 from the rebuilt warm start: today's defaults (stage ``interval``) against the
     baselines and the defaults before the drop-in changes (stage ``issue30``), perplexity and bytes."""
-    records = [r for r in _jsonl(RESULTS / "authors.jsonl") if "final_val_loss" in r]
+    records = [r for r in load(RESULTS / "authors.jsonl") if "final_val_loss" in r]
 
     def runs(stage: str, name: str) -> list[dict[str, Any]]:
         return [r for r in records if r.get("stage") == stage and r["name"] == name]
