@@ -34,6 +34,43 @@ def flat_cat(tensors: Sequence[Tensor]) -> Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
+class FlatLayout:
+    """Where each of a list of tensors (one dtype and device) sits in one flat 1-D buffer, laid out so that getting
+    them back costs a few dispatched ops per distinct trailing shape (``shape[1:]``) instead of a view per tensor:
+    the tensors of one trailing shape are adjacent, so one view of their segment as ``(-1, *trailing)`` and one split
+    along the first dimension give them back shaped (0-d tensors take a view each). Elementwise work on the buffer
+    (an all-reduce, a division) gives each element the value it would have in any other layout."""
+
+    def __init__(self, shapes: Sequence[torch.Size]) -> None:
+        self.shapes = [torch.Size(s) for s in shapes]
+        groups: dict[object, list[int]] = defaultdict(list)
+        for i, shape in enumerate(self.shapes):
+            groups[tuple(shape[1:]) if len(shape) else ("0-d", i)].append(i)
+        self.groups = list(groups.items())
+        self.order = [i for _, idx in self.groups for i in idx]
+
+    def pack(self, tensors: Sequence[Tensor]) -> Tensor:
+        """The tensors (shaped as ``shapes``) in one new 1-D buffer, in this layout's order."""
+        return flat_cat([tensors[i] for i in self.order])
+
+    def unpack(self, flat: Tensor) -> list[Tensor]:
+        """Views of ``flat`` (made by :meth:`pack`, or any buffer of the same layout) shaped as ``shapes``, in their
+        original order."""
+        sizes = [sum(self.shapes[i].numel() for i in idx) for _, idx in self.groups]
+        segments = flat.split(sizes) if len(sizes) > 1 else (flat,)
+        out: list[Tensor] = [flat] * len(self.shapes)
+        for segment, (key, idx) in zip(segments, self.groups):
+            if len(idx) == 1:
+                shape = self.shapes[idx[0]]
+                out[idx[0]] = segment if segment.shape == shape else segment.view(shape)
+                continue
+            counts = [self.shapes[i][0] for i in idx]
+            rows = segment if len(key) == 0 else segment.view(sum(counts), *key)  # type: ignore[arg-type]
+            for i, part in zip(idx, rows.split(counts)):
+                out[i] = part
+        return out
+
+
 def is_tall(t: Tensor) -> bool:
     return t.shape[0] > t.shape[1]
 

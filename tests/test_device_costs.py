@@ -12,6 +12,7 @@ from strategy_helpers import TinyRegressor, loader, lordo, trainer
 from torch import nn
 
 from lightning_lordo import LoRDO
+from lightning_lordo._tensors import FlatLayout
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.strategy_knobs import PRESETS
 
@@ -55,11 +56,30 @@ def test_a_sync_reads_back_at_most_two_values_with_two_workers() -> None:
     rows = counts.count_syncs_two_processes()
     assert [r["preset"] for r in rows] == list(counts.SYNC_PRESETS)
     assert all(r["world"] == 2 and r["reads"] <= 2 for r in rows), rows
-    # a message is packed in one op per bucket (``flat_cat``), not one view per tensor: 4.85 ops per tensor before
+    # issue 29's target, at most 2 ops per tensor: a message is packed in one op per bucket and unpacked in a few per
+    # trailing shape (``FlatLayout``), not a view per tensor (4.85 ops per tensor before, 2.60 with the views)
     full_payload = [r for r in rows if r["preset"] in ("lordo", "lordo_lean")]
-    assert all(r["ops_per_tensor"] <= 3.0 for r in full_payload), rows
-    # the int8 codec stacks rows of equal length (comm/int8.py pack_rows), error feedback is foreach: 73.4 before
-    assert next(r for r in rows if r["preset"] == "lordo_compressed")["ops_per_tensor"] <= 12, rows
+    assert all(r["ops_per_tensor"] <= 2.0 for r in full_payload), rows
+    # the int8 codec stacks rows of equal length and the low-rank payload stacks same-shape matrices (the
+    # accelerators' layout): 73.4 before, 9.30 matrix by matrix; the target (2) is not met here
+    assert next(r for r in rows if r["preset"] == "lordo_compressed")["ops_per_tensor"] <= 4.0, rows
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_flat_layout_gives_every_tensor_back_in_a_few_ops_per_trailing_shape(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pool = [(), (5,), (3,), (4, 5), (2, 5), (7, 3), (2, 2, 3), (1, 2, 3), (0, 5), (6, 0)]
+    shapes = [pool[int(i)] for i in torch.randint(len(pool), (40,), generator=gen)]
+    tensors = [torch.randn(s, generator=gen) for s in shapes]
+    layout = FlatLayout([t.shape for t in tensors])
+    flat = layout.pack(tensors)
+    assert flat.shape == (sum(t.numel() for t in tensors),)
+    with counts.Counts() as c:
+        out = layout.unpack(flat)
+    for t, o in zip(tensors, out, strict=True):
+        assert o.shape == t.shape and torch.equal(o, t)
+        assert o.numel() == 0 or o.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # views
+    assert c.ops <= 1 + 2 * len(layout.groups) < len(tensors), (c.ops, len(layout.groups))
 
 
 def test_the_counter_sees_reads_of_device_values_but_not_of_step_counters() -> None:

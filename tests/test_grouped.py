@@ -232,4 +232,5 @@ def test_the_layout_is_an_argument_checked_by_name() -> None:
     w = nn.Parameter(torch.randn(8, 12))
     with pytest.raises(ValueError, match=r"Invalid layout='fast': allowed values are None \(by device\)"):
         LoRDO([w], rank=2, layout="fast")
-    assert LoRDO([w], rank=2, layout="stacked")._stacked(w) and not LoRDO([w], rank=2)._stacked(w)  # the CPU's
+    assert LoRDO([w], rank=2, layout="stacked").stacked_layout(w)
+    assert not LoRDO([w], rank=2).stacked_layout(w)  # the CPU's

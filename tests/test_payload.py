@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from strategy_helpers import run_fork_job
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_lordo.comm.communicator as accounting_module
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
@@ -31,6 +32,9 @@ from lightning_lordo.comm.quantization import QuantizedAverager, round_trip
 WORLD = 2
 SHAPES = [(6, 10), (12, 5), (7, 7)]  # wide, tall (transposed to 5 x 12), square
 RANKS = [2, 2, 3]
+# the batched payload stacks matrices of one shape and rank: two stacks (one tall) and two matrices alone
+BATCH_SHAPES = [(6, 10), (12, 5), (6, 10), (7, 7), (12, 5), (6, 10), (12, 5)]
+BATCH_RANKS = [2, 2, 2, 3, 2, 2, 3]
 DENSE_SHAPES = SHAPES + [(10,), (2, 3, 4), ()]  # the averager also takes biases, conv-like and 0-D tensors
 ROUNDS = 30
 DEFAULT_MESSAGE_BYTES = accounting_module._MESSAGE_BYTES
@@ -246,6 +250,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "nan-lr-float32": dict(kind="lowrank", rounds=4, bad=(2, math.nan)),
     "inf-lr-int8": dict(kind="lowrank", dtype="int8", rounds=4, bad=(2, math.inf)),
     "nan-lr-bfloat16": dict(kind="lowrank", dtype="bfloat16", rounds=4, bad=(2, math.nan)),
+    "batched-float32": dict(kind="lowrank", batched=True),
+    "batched-int8": dict(kind="lowrank", dtype="int8", batched=True),
+    "unbatched-float32": dict(kind="lowrank", batched=False),
+    "nan-batched-int8": dict(kind="lowrank", dtype="int8", batched=True, rounds=4, bad=(2, math.nan)),
     "nan-avg-int8": dict(kind="dense", dtype="int8", rounds=4, bad=(2, math.nan)),
     "inf-avg-bfloat16": dict(kind="dense", dtype="bfloat16", rounds=4, bad=(2, -math.inf)),
 }
@@ -253,15 +261,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 def _scenario(rank: int, comm: Communicator, kind: str, dtype: str = "float32", reduction: str = "auto",
               ranks: Optional[list[int]] = None, rounds: int = ROUNDS,
-              bad: Optional[tuple[int, float]] = None, chunk_bytes: Optional[int] = None) -> list[dict[str, Any]]:
+              bad: Optional[tuple[int, float]] = None, chunk_bytes: Optional[int] = None,
+              batched: Optional[bool] = None) -> list[dict[str, Any]]:
     if chunk_bytes is not None:  # many collective calls per message (restored by the next scenario)
         accounting_module._MESSAGE_BYTES = chunk_bytes
     else:
         accounting_module._MESSAGE_BYTES = DEFAULT_MESSAGE_BYTES
-    shapes = SHAPES if kind == "lowrank" else DENSE_SHAPES
+    shapes = _shapes(kind, batched)
     payload: Any
     if kind == "lowrank":
-        payload = LowRankPayload(ranks or RANKS, seed=3, payload_dtype=dtype, reduction=reduction)
+        payload = LowRankPayload(ranks or (RANKS if batched is None else BATCH_RANKS), seed=3, payload_dtype=dtype,
+                                 reduction=reduction, batched=bool(batched))
         payload._ensure_state([torch.zeros(s) for s in shapes])  # test only: record the initial right factors
     else:
         payload = QuantizedAverager(dtype, reduction)
@@ -279,6 +289,11 @@ def _scenario(rank: int, comm: Communicator, kind: str, dtype: str = "float32", 
                            averaged=result.averaged, bases=getattr(result, "bases", None), traffic=result.traffic,
                            counted=counted, error_norm=payload.error_norm()))
     return record
+
+
+def _shapes(kind: str, batched: Optional[bool]) -> list[tuple[int, ...]]:
+    """A scenario's matrices: ``batched`` set (either way) takes the shapes that stack."""
+    return DENSE_SHAPES if kind == "dense" else SHAPES if batched is None else BATCH_SHAPES
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -412,8 +427,9 @@ def _expected_bytes(name: str) -> int:
     knobs = SCENARIOS[name]
     dtype = knobs.get("dtype", "float32")
     if knobs["kind"] == "lowrank":
-        ranks = knobs.get("ranks", RANKS)
-        numbers = sum(r * (a + b) for (a, b), r in zip(SHAPES, ranks))
+        shapes = _shapes("lowrank", knobs.get("batched"))
+        ranks = knobs.get("ranks", RANKS if knobs.get("batched") is None else BATCH_RANKS)
+        numbers = sum(r * (a + b) for (a, b), r in zip(shapes, ranks))
         if dtype == "int8":
             return numbers + sum(2 * r * 4 for r in ranks)  # P^T and B: r rows each, one float32 scale a row
         return numbers * {"float32": 4, "bfloat16": 2}[dtype]
@@ -426,12 +442,15 @@ def _expected_bytes(name: str) -> int:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["exact", "lr-float32", "lr-int8", "lr-bfloat16", "lr-bfloat16-gather",
-                                  "avg-int8", "avg-bfloat16", "avg-bfloat16-gather"])
+                                  "avg-int8", "avg-bfloat16", "avg-bfloat16-gather", "batched-float32",
+                                  "batched-int8"])
 def test_bytes_counted_are_what_each_worker_passes_to_the_collectives(runs: dict[int, dict[str, Any]],
                                                                      name: str) -> None:
     knobs = SCENARIOS[name]
     expected = _expected_bytes(name)
-    if knobs["kind"] == "lowrank":
+    if knobs["kind"] == "lowrank" and "batched" in knobs:
+        assert expected == LowRankPayload.traffic_bytes(BATCH_SHAPES, BATCH_RANKS, knobs.get("dtype", "float32"))
+    elif knobs["kind"] == "lowrank":
         assert expected == LowRankPayload.traffic_bytes(SHAPES, knobs.get("ranks", RANKS), knobs.get("dtype",
                                                                                                      "float32"))
         if name != "exact":  # with r = min(a, b) the payload is larger than the matrices themselves
@@ -445,7 +464,7 @@ def test_bytes_counted_are_what_each_worker_passes_to_the_collectives(runs: dict
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["nan-lr-float32", "inf-lr-int8", "nan-lr-bfloat16", "nan-avg-int8",
-                                  "inf-avg-bfloat16"])
+                                  "inf-avg-bfloat16", "nan-batched-int8"])
 def test_a_non_finite_pseudo_gradient_on_one_worker_flags_the_round_on_all_and_changes_no_state(
         runs: dict[int, dict[str, Any]], name: str) -> None:
     per_rank = _rounds(runs, name)
@@ -490,3 +509,49 @@ def test_the_averager_never_writes_to_its_inputs(payload_dtype: str, requires_gr
         before = [x.detach().clone() for x in xs]
         averager.commit(averager.reduce(_comm(), xs, "pseudo_gradients"))
         assert all(torch.equal(x.detach(), b) for x, b in zip(xs, before)), t
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["batched-float32", "batched-int8"])
+def test_a_batched_payload_returns_what_each_round_dropped(runs: dict[int, dict[str, Any]], name: str) -> None:
+    _check_error_feedback(_rounds(runs, name), BATCH_SHAPES, exact_reduction=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_batched_payload_is_the_matrix_by_matrix_payload_up_to_float32_rounding(
+        runs: dict[int, dict[str, Any]]) -> None:
+    batched, alone = _rounds(runs, "batched-float32"), _rounds(runs, "unbatched-float32")
+    for r in range(WORLD):
+        for a, b in zip(batched[r], alone[r], strict=True):
+            assert a["counted"] == b["counted"] and a["finite"] and b["finite"]
+            pairs = [*zip(a["averaged"], b["averaged"], strict=True), *zip(a["bases"], b["bases"], strict=True),
+                     *(xy for key in ("errors", "right") for xy in zip(a["after"][key], b["after"][key], strict=True))]
+            assert len(pairs) == 4 * len(BATCH_SHAPES)
+            for x, y in pairs:
+                assert x.shape == y.shape and x.dtype == y.dtype
+                torch.testing.assert_close(x, y, atol=1e-5 * max(1.0, float(y.abs().max())), rtol=0)
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_batched_payload_dispatches_ops_per_shape_not_per_matrix() -> None:
+    """Twelve matrices of one shape: the matrix-by-matrix payload dispatches ops per matrix, the batched one a
+    number that does not grow with the matrices (the accelerators' layout)."""
+    counted = {}
+    for batched, n in [(False, 12), (False, 24), (True, 12), (True, 24)]:
+        payload = LowRankPayload([2] * n, seed=1, payload_dtype="int8", batched=batched)
+        ds = [torch.randn(6, 10) for _ in range(n)]
+        payload.commit(payload.reduce(_comm(), ds))  # the state exists from here on
+        with _OpCount() as count:
+            payload.reduce(_comm(), ds)
+        counted[(batched, n)] = count.ops
+    assert counted[(True, 12)] == counted[(True, 24)] < counted[(False, 12)], counted
+    assert counted[(False, 24)] - counted[(False, 12)] >= 12 * 5, counted  # at least 5 ops per matrix

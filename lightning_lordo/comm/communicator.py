@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_lordo._tensors import digest, flat_cat
+from lightning_lordo._tensors import FlatLayout, digest
 from lightning_lordo.comm.accounting import CommAccountant
 from lightning_lordo.comm.wire import wire_bytes
 
@@ -133,13 +133,13 @@ class Communicator:
             return []
         out = []
         for bucket in _buckets(tensors):
-            flat = flat_cat(bucket)
+            layout = FlatLayout([t.shape for t in bucket])
+            flat = layout.pack(bucket)
             self._run(partial(dist.all_reduce, flat, group=self.group, async_op=True), purpose, "all_reduce",
                       flat.device)
             nbytes = flat.numel() * flat.element_size()
             self.accountant.add(purpose, nbytes, in_round, wire_bytes("all_reduce", nbytes, self.world_size))
-            parts = flat.div_(self.world_size).split([t.numel() for t in bucket])  # a 1-D part needs no view
-            out.append((bucket, [v if v.shape == t.shape else v.view(t.shape) for v, t in zip(parts, bucket)]))
+            out.append((bucket, layout.unpack(flat.div_(self.world_size))))
         return out
 
     def all_reduce_sum(self, flat: Tensor, purpose: str) -> int:

@@ -41,13 +41,12 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     if rows.shape[1] == 0:
         return torch.zeros(rows.shape, dtype=torch.int8, device=x.device), torch.zeros(rows.shape[0],
                                                                                       device=x.device)
-    finite = torch.isfinite(rows).all(dim=1)
-    scales = torch.where(finite, rows.abs().amax(dim=1) / INT8_LEVELS, torch.full_like(finite, math.nan,
-                                                                                        dtype=torch.float32))
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # zero rows (and NaN scales): divide by 1
-    scaled = torch.where(finite[:, None], rows / safe[:, None], torch.zeros((), device=rows.device))
-    q = scaled.round_().clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
-    return q, scales
+    amax = rows.abs().amax(dim=1, keepdim=True)
+    finite = amax.isfinite()  # a row holding NaN or Inf has a non-finite largest magnitude
+    scales = torch.where(finite, amax / INT8_LEVELS, math.nan)
+    safe = torch.where(scales > 0, scales, 1.0)  # zero rows (and NaN scales): divide by 1
+    q = torch.where(finite, rows / safe, 0.0).round_().clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    return q, scales.view(-1)
 
 
 def dequantize_int8(q: Tensor, scales: Tensor, shape: Optional[Sequence[int]] = None) -> Tensor:
@@ -63,14 +62,12 @@ Layout = list[tuple[int, list[int], list[int], list[torch.Size]]]
 def pack_rows(xs: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], Layout]:
     """``xs`` coded with one scale per row (:func:`rows_view`), stacked by row length: the byte message (every
     scale as 4 bytes, then every value), what it carries dequantized (float32, shaped as ``xs``), and its layout."""
-    rows = [rows_view(x) for x in xs]
     by_length: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        by_length.setdefault(r.shape[1], []).append(i)
-    layout: Layout = [(n, idx, [rows[i].shape[0] for i in idx], [xs[i].shape for i in idx])
+    for i, x in enumerate(xs):
+        by_length.setdefault(_row_length(x), []).append(i)
+    layout: Layout = [(n, idx, [1 if xs[i].dim() <= 1 else xs[i].shape[0] for i in idx], [xs[i].shape for i in idx])
                       for n, idx in by_length.items()]
-    packed = [quantize_int8(torch.cat([rows[i] for i in idx]) if len(idx) > 1 else rows[idx[0]])
-              for _, idx, _, _ in layout]
+    packed = [quantize_int8(_stack_rows([xs[i] for i in idx])) for _, idx, _, _ in layout]
     message = torch.cat([s.view(torch.int8) for _, s in packed] + [q.reshape(-1) for q, _ in packed])
     sent = _unstack([dequantize_int8(q, s) for q, s in packed], layout, len(xs))
     return message, sent, layout
@@ -79,27 +76,46 @@ def pack_rows(xs: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], Layout]:
 def mean_of_packed(messages: Tensor, layout: Layout, count: int) -> list[Tensor]:
     """The float32 mean of the workers' messages (``messages``: one row per worker, from :func:`pack_rows` with
     ``layout``), summed in worker order, shaped as the ``count`` tensors packed."""
-    n_scales = sum(sum(counts) for _, _, counts, _ in layout)
-    total: Optional[list[Tensor]] = None
-    for row in messages:
-        scales = row[: 4 * n_scales].clone().view(torch.float32)
-        at_scale, at_value, decoded = 0, 4 * n_scales, []
-        for n, _, counts, _ in layout:
-            k = sum(counts)
-            decoded.append(dequantize_int8(row[at_value: at_value + k * n].view(k, n), scales[at_scale: at_scale + k]))
-            at_scale, at_value = at_scale + k, at_value + k * n
-        total = decoded if total is None else [acc.add_(d) for acc, d in zip(total, decoded)]
-    assert total is not None, "no message"
-    if messages.shape[0] > 1:
-        torch._foreach_div_(total, messages.shape[0])
+    world, n_scales = messages.shape[0], sum(sum(counts) for _, _, counts, _ in layout)
+    scales = messages[:, : 4 * n_scales].contiguous().view(torch.float32)  # world x rows
+    at_scale, at_value, total = 0, 4 * n_scales, []
+    for n, _, counts, _ in layout:  # every worker's rows of one length at once
+        k = sum(counts)
+        values = messages[:, at_value: at_value + k * n].view(world, k, n)
+        decoded = values.float() * scales[:, at_scale: at_scale + k, None]
+        acc = decoded[0]
+        for w in range(1, world):  # summed in worker order
+            acc = acc + decoded[w]
+        total.append(acc)
+        at_scale, at_value = at_scale + k, at_value + k * n
+    if world > 1:
+        torch._foreach_div_(total, world)
     return _unstack(total, layout, count)
+
+
+def _row_length(x: Tensor) -> int:
+    """The length of ``x``'s rows in :func:`rows_view`, without making the view."""
+    return x.numel() if x.dim() <= 1 else math.prod(x.shape[1:])
+
+
+def _stack_rows(xs: Sequence[Tensor]) -> Tensor:
+    """The rows (:func:`rows_view`) of ``xs``, all of one row length, one after another in one matrix: one op for
+    1-D tensors (``stack``), none for a single matrix."""
+    if len(xs) == 1:
+        return rows_view(xs[0])
+    if all(x.dim() == 1 for x in xs):
+        return torch.stack(list(xs))
+    return torch.cat([rows_view(x) for x in xs])
 
 
 def _unstack(stacks: Sequence[Tensor], layout: Layout, count: int) -> list[Tensor]:
     """The tensors (shaped as packed) in their original order, as views of the per-length ``stacks``."""
     out: list[Optional[Tensor]] = [None] * count
     for stack, (_, idx, counts, shapes) in zip(stacks, layout):
-        parts = stack.split(counts) if len(idx) > 1 else (stack,)
+        if len(idx) > 1 and all(len(shape) == 1 for shape in shapes):  # 1-D tensors, a row each: no view per row
+            parts = stack.unbind(0)
+        else:
+            parts = stack.split(counts) if len(idx) > 1 else (stack,)
         for i, part, shape in zip(idx, parts, shapes):
             out[i] = part if part.shape == shape else part.reshape(shape)
     return out  # type: ignore[return-value]

@@ -62,6 +62,7 @@ from lightning_lordo._tensors import (
     canonical,
     finite_flags,
     is_tall,
+    matmul,
     mix_seed,
     nbytes,
     orthonormalize_each,
@@ -115,10 +116,12 @@ class LowRankPayload:
         reduction: ``"auto"``, ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"`` (:func:`resolve_reduction`).
         error_feedback: keep the sync-level error feedback ``e`` (SPEC §5). Without it, what a round does not
             transmit is dropped for good (saves an ``a x b`` float32 buffer per matrix).
+        batched: work on the matrices of one shape and rank as one stack (one batched product and QR per shape, as
+            on an accelerator); otherwise matrix by matrix. The same round up to float32 rounding (tested).
     """
 
     def __init__(self, ranks: Sequence[int], seed: int = 0, payload_dtype: str = "float32",
-                 reduction: str = "auto", error_feedback: bool = True) -> None:
+                 reduction: str = "auto", error_feedback: bool = True, batched: bool = False) -> None:
         resolve_reduction(payload_dtype, reduction)
         for i, r in enumerate(ranks):
             if not isinstance(r, int) or isinstance(r, bool) or r < 1:
@@ -128,6 +131,7 @@ class LowRankPayload:
         self.payload_dtype = payload_dtype
         self.reduction = reduction
         self.error_feedback = error_feedback
+        self.batched = batched
         self._right: list[Tensor] = []
         self._errors: list[Tensor] = []
         self._version = 0
@@ -145,33 +149,65 @@ class LowRankPayload:
         """
         self._check(deltas)
         self._ensure_state(deltas)
-        work = [canonical(d.detach(), d).float() for d in deltas]  # views: only the error feedback writes to it
-        if self.error_feedback and work:  # new tensors D_m + e_m, in one op
-            work = list(torch._foreach_add(work, [e.to(w.device) for e, w in zip(self._errors, work)]))
-        rights = [r.to(w.device) for r, w in zip(self._right, work)]
+        units = self._units(deltas)
+        work = self._work(deltas, units)
+        rights = [_take(self._right, idx, w.device) for idx, w in zip(units, work)]
         # message 1: P_m^T = (D_m R)^T, r x a (so that each int8 scale covers one of the r directions)
-        p_msg = quantized_mean(comm, [(w @ r).mT for w, r in zip(work, rights)], purpose, self.payload_dtype,
-                               self.reduction)
+        p_msg = quantized_mean(comm, [_rows(_p_transposed(w, r)) for w, r in zip(work, rights)], purpose,
+                               self.payload_dtype, self.reduction)
         traffic = dict(p_msg.traffic)
         # no host read here: a non-finite P (identical on all ranks) is zeroed for the QR and flags the round
         p_finite = finite_flags(p_msg.means).all()
-        bases = orthonormalize_each([torch.nan_to_num(p, 0.0, 0.0, 0.0).mT for p in p_msg.means])
+        bases = orthonormalize_each([torch.nan_to_num(_unrows(p, w), 0.0, 0.0, 0.0).mT
+                                     for p, w in zip(p_msg.means, work)])
         # message 2: B_m = Q^T D_m, r x b
-        b_msg = quantized_mean(comm, [q.mT @ w for q, w in zip(bases, work)], purpose, self.payload_dtype,
-                               self.reduction)
+        b_msg = quantized_mean(comm, [_rows(matmul(q.mT, w)) for q, w in zip(bases, work)], purpose,
+                               self.payload_dtype, self.reduction)
         for kind, sent in b_msg.traffic.items():
             traffic[kind] = traffic.get(kind, 0) + sent
         finite = p_finite & finite_flags(b_msg.means).all()
+        b_means = [_unrows(b, w) for b, w in zip(b_msg.means, work)]
         averaged = []
-        for d, q, b in zip(deltas, bases, b_msg.means):
-            update = q @ b
-            averaged.append((update.mT if is_tall(d) else update).contiguous())
+        for idx, q, b in zip(units, bases, b_means):
+            update = matmul(q, b)
+            averaged.append((update.mT if is_tall(deltas[idx[0]]) else update).contiguous())
         errors = []
         if self.error_feedback and work:  # e_m = D_m + e_m - Q B_m, in place
-            torch._foreach_sub_(work, [q @ s for q, s in zip(bases, b_msg.sent)])
+            torch._foreach_sub_(work, [matmul(q, _unrows(s, w)) for q, s, w in zip(bases, b_msg.sent, work)])
             errors = work
-        right = orthonormalize_each([b.mT for b in b_msg.means])
-        return LowRankRound(finite, averaged, bases, traffic, errors, right, self._version)
+        right = orthonormalize_each([b.mT for b in b_means])
+        return LowRankRound(finite, *(_per_matrix(x, units, len(deltas)) for x in (averaged, bases)), traffic,
+                            _per_matrix(errors, units, len(deltas)), _per_matrix(right, units, len(deltas)),
+                            self._version)
+
+    def _units(self, deltas: Sequence[Tensor]) -> list[list[int]]:
+        """The matrices worked on together: each alone, or (``batched``) those of one shape, rank, dtype and device
+        stacked, so that each product and QR of a round is one batched op per shape."""
+        if not self.batched:
+            return [[i] for i in range(len(deltas))]
+        groups: dict[tuple, list[int]] = {}
+        for i, (d, r) in enumerate(zip(deltas, self.ranks)):
+            groups.setdefault((tuple(d.shape), r, d.dtype, d.device), []).append(i)
+        return list(groups.values())
+
+    def _work(self, deltas: Sequence[Tensor], units: list[list[int]]) -> list[Tensor]:
+        """Per unit, ``D_m + e_m`` (canonical orientation, float32): new tensors, which only the error feedback
+        writes to; without error feedback a matrix alone is a view of its delta."""
+        work = [canonical(deltas[idx[0]].detach(), deltas[idx[0]]).float() if len(idx) == 1
+                else canonical(torch.stack([deltas[i] for i in idx]), deltas[idx[0]]).float() for idx in units]
+        if not self.error_feedback:
+            return work
+        alone = [n for n, idx in enumerate(units) if len(idx) == 1]
+        if alone:  # new tensors D_m + e_m, in one op
+            summed = torch._foreach_add([work[n] for n in alone], [self._errors[units[n][0]].to(work[n].device)
+                                                                     for n in alone])
+            for n, w in zip(alone, summed):
+                work[n] = w
+        stacked = [(w, idx) for w, idx in zip(work, units) if len(idx) > 1]
+        if stacked:  # the stacks are new: add e_m in place, through one view per matrix
+            torch._foreach_add_([m for w, _ in stacked for m in w.unbind(0)],
+                                [self._errors[i].to(w.device) for w, idx in stacked for i in idx])
+        return work
 
     def commit(self, result: LowRankRound) -> None:
         """Install the round's error feedback and right factors (a no-op for a non-finite round).
@@ -275,3 +311,34 @@ class LowRankPayload:
         if self.error_feedback and not self._errors:
             self._errors = [torch.zeros(sorted(d.shape), device=d.device) for d in deltas]
 
+
+def _take(tensors: Sequence[Tensor], idx: Sequence[int], device: torch.device) -> Tensor:
+    """``tensors[i]`` for a unit of one matrix, else those of ``idx`` stacked; on ``device``."""
+    return tensors[idx[0]].to(device) if len(idx) == 1 else torch.stack([tensors[i] for i in idx]).to(device)
+
+
+def _p_transposed(w: Tensor, r: Tensor) -> Tensor:
+    """``(W R)^T`` of a matrix, or of each matrix of a stack (computed as ``R^T W^T``: contiguous, so that its rows
+    are a view)."""
+    return (w @ r).mT if w.dim() == 2 else torch.bmm(r.mT, w.mT)
+
+
+def _rows(m: Tensor) -> Tensor:
+    """A message as the matrix of its rows (each int8 scale covers one row): a stack's matrices one under another."""
+    return m if m.dim() == 2 else m.reshape(-1, m.shape[-1])
+
+
+def _unrows(m: Tensor, w: Tensor) -> Tensor:
+    """The inverse of :func:`_rows` for the unit ``w``."""
+    return m if w.dim() == 2 else m.view(w.shape[0], -1, m.shape[-1])
+
+
+def _per_matrix(units: Sequence[Tensor], groups: list[list[int]], count: int) -> list[Tensor]:
+    """Per-unit tensors as one tensor per matrix, in the matrices' order (a stack's matrices are views of it)."""
+    if not units:
+        return []
+    out: list[Tensor] = [units[0]] * count
+    for u, idx in zip(units, groups):
+        for i, m in zip(idx, (u,) if len(idx) == 1 else u.unbind(0)):
+            out[i] = m
+    return out

@@ -211,7 +211,7 @@ class LoRDO(Optimizer):
             buckets[(tuple(p.shape), p.dtype, p.device, t, ef.dtype if ef is not None else None)].append(p)
         for (_, _, _, t, _), bucket in buckets.items():
             functional.lowrank_grouped(bucket, [self.state[p] for p in bucket], h, t, stats,
-                                       in_place=not self._stacked(bucket[0]))
+                                       in_place=not self.stacked_layout(bucket[0]))
 
     def _adamw_step(self, params: list[Tensor], h: functional.Hyper) -> None:
         for p in params:
@@ -238,7 +238,7 @@ class LoRDO(Optimizer):
         for bucket in by_device.values():
             fullrank.adamw_grouped(bucket, [self.state[p] for p in bucket], h, self._step_counts(bucket))
 
-    def _stacked(self, p: Tensor) -> bool:
+    def stacked_layout(self, p: Tensor) -> bool:
         """Whether ``p``'s matrices take the stacked layout (``layout``, else by device: stacked off the CPU)."""
         return self.foreach and (self.layout or ("stacked" if p.device.type != "cpu" else "in_place")) == "stacked"
 
@@ -330,7 +330,7 @@ class LoRDO(Optimizer):
             if p not in sources:
                 continue
             warm = warms[p] = self.state.get(p, {}).get("basis")
-            if self._stacked(p) and bases_module.batchable(group, warm):
+            if self.stacked_layout(p) and bases_module.batchable(group, warm):
                 stacked.append((p, group, r))
                 continue
             bases[p] = compute_basis(
@@ -346,7 +346,7 @@ class LoRDO(Optimizer):
         the fraction of the old subspace the new basis lost (0-d tensors; only for parameters that had a basis)."""
         entries = [(p, g, r) for p, g, r in self._lowrank_entries() if p in bases]
         states = [self._init_lowrank_state(p, g, r) for p, g, r in entries]
-        stacked = bool(entries) and self._stacked(entries[0][0])
+        stacked = bool(entries) and self.stacked_layout(entries[0][0])
         install = bases_module.install_stacked if stacked else bases_module.install_reference
         movement = install(entries, states, bases, fold_error_feedback)
         record_refresh([g for _, g, _ in entries])

@@ -48,10 +48,11 @@ class PseudoGradientPayloads:
         params: the trainable parameters, in the synchronizer's order.
         lowrank_ranks: the LoRDO optimizer's low-rank matrices and their ranks (``None``: no LoRDO optimizer).
         config: the synchronization knobs (``payload``, ``payload_dtype``, ``fullrank_rank``, ``seed``).
+        batched: the low-rank messages work on stacks of same-shape matrices (the optimizer's stacked layout).
     """
 
     def __init__(self, params: Sequence[Tensor], lowrank_ranks: Optional[dict[Tensor, int]],
-                 config: SyncConfig) -> None:
+                 config: SyncConfig, batched: bool = False) -> None:
         ranks = lowrank_ranks or {}
         if config.payload == "lowrank" and lowrank_ranks is None:
             raise ValueError("payload='lowrank' needs the LoRDO optimizer (strategy 'lordo' or 'lordo_local'); "
@@ -69,14 +70,16 @@ class PseudoGradientPayloads:
         #: ``(name, positions, message, purpose)`` per group that has parameters, in reduction order
         self.groups: list[tuple[str, list[int], Any, str]] = []
         if lowrank:
-            message: Any = (LowRankPayload([ranks[params[i]] for i in lowrank], seed=config.seed, payload_dtype=dtype)
+            message: Any = (LowRankPayload([ranks[params[i]] for i in lowrank], seed=config.seed, payload_dtype=dtype,
+                                          batched=batched)
                             if config.payload == "lowrank" else QuantizedAverager(dtype))
             self.groups.append(("lowrank", lowrank, message, LOWRANK_PART))
         if sent_in_full:
             self.groups.append(("lowrank_in_full", sent_in_full, QuantizedAverager(dtype), LOWRANK_PART))
         if matrices:
             seed = mix_seed(config.seed, 0, offset=32_452_843)  # not the low-rank payload's right factors
-            message = LowRankPayload([config.fullrank_rank] * len(matrices), seed=seed, payload_dtype=dtype)
+            message = LowRankPayload([config.fullrank_rank] * len(matrices), seed=seed, payload_dtype=dtype,
+                                     batched=batched)
             self.groups.append(("fullrank_matrices", matrices, message, FULLRANK_PART))
         self.groups.append(("fullrank", rest, QuantizedAverager(dtype), FULLRANK_PART))
         self.size = len(params)

@@ -99,11 +99,11 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         # torch's optimizers create a parameter's state at its first step, so clearing it gives fresh state;
         # one that already holds state now (eager, e.g. Adagrad) gets its tensors zeroed instead (faults module)
         self._clear_to_reset = not any(optimizer.state.get(p) for p in self.params)
-        lordo = self.lordo
         self.comm.accountant.start_round(parts=True)  # the setup broadcast is in no sync's breakdown
-        self.payloads = PseudoGradientPayloads(self.params, lordo.lowrank_ranks() if lordo else None, config)
-        if lordo is not None and config.initial_basis == "random":
-            lordo.init_random_bases()
+        self.payloads = PseudoGradientPayloads(self.params, self.lordo.lowrank_ranks() if self.lordo else None, config,
+                                               batched=any(self.lordo.stacked_layout(p) for p in lowrank))
+        if self.lordo is not None and config.initial_basis == "random":
+            self.lordo.init_random_bases()
 
     def take_anchor(self, step: Optional[int] = None) -> None:
         """The parameters as they are now become the synchronized point (every worker holds the same ones), the
