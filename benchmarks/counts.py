@@ -10,11 +10,13 @@ Printed (one run, counts do not depend on the machine); ``views`` are the ops th
 kernel on a device), counted apart:
 
 1. ``sync``: host reads and dispatched ops of one sync, per parameter tensor, at world size 1 and 2 (gloo, fork), for
-   the presets' knobs, on a 12-layer GPT (widths scaled down: they do not change the counts).
+   the presets' knobs, on a 12-layer GPT (GPT-2-small's depth) and, with 2 processes, a 24-layer one (GPT-2-medium's,
+   issue 29's 406 M model); widths scaled down: they do not change the counts. Where the work is batched by shape
+   its ops do not grow with the depth, so the ops per tensor fall as the model deepens.
 2. ``step``: dispatched ops of one optimizer step, LoRDO against torch's foreach and fused AdamW, on a 12-layer
    GPT-2-small-shaped parameter set (the widths do not change the counts; they are scaled down to run in seconds).
 
-Usage: ``python benchmarks/counts.py`` (about 20 s). Writes ``results/counts.json``.
+Usage: ``python benchmarks/counts.py`` (about 40 s). Writes ``results/counts.json``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import os
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -125,11 +127,12 @@ def preset_knobs(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return optimizer, {k: v for k, v in knobs.items() if k not in optimizer}
 
 
-def count_sync(preset: str, steps: int = 6, sync_every: int = 2) -> dict[str, Any]:
-    """Host reads and dispatched ops of the last sync of a short run (the process group, if any, is set up)."""
+def count_sync(preset: str, steps: int = 6, sync_every: int = 2, layers: int = 12) -> dict[str, Any]:
+    """Host reads and dispatched ops of the last sync of a short run (the process group, if any, is set up), on a
+    GPT of ``layers`` layers."""
     # the accelerators' layout (layout="stacked"), counted on the CPU
     torch.manual_seed(0)
-    model = CharGPT(vocab_size=256, d_model=64, n_layers=12, n_heads=4, seq_len=32)
+    model = CharGPT(vocab_size=256, d_model=64, n_layers=layers, n_heads=4, seq_len=32)
     params = list(model.parameters())
     knobs, sync_knobs = preset_knobs(preset)
     opt = LoRDO(params, lr=1e-3, rank=8, full_rank=full_rank_params(model), layout="stacked", **knobs)
@@ -148,24 +151,24 @@ def count_sync(preset: str, steps: int = 6, sync_every: int = 2) -> dict[str, An
         report = sync.on_optimizer_step()
     assert report is not None, "the counted step did not sync"
     views = sum(n for name, n in counts.by_op.items() if name.startswith(VIEWS))
-    return {"preset": preset, "world": comm.world_size, "tensors": len(params), "reads": counts.reads,
+    return {"preset": preset, "world": comm.world_size, "layers": layers, "tensors": len(params), "reads": counts.reads,
             "ops": counts.ops, "ops_per_tensor": round(counts.ops / len(params), 2), "view_ops": views,
             "kernel_ops_per_tensor": round((counts.ops - views) / len(params), 2)}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, layers: Sequence[int]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        rows = [count_sync(name) for name in SYNC_PRESETS]
+        rows = [count_sync(name, layers=n) for n in layers for name in SYNC_PRESETS]
         with open(f"{out}.{rank}", "w") as f:
             json.dump(rows, f)
     finally:
         dist.destroy_process_group()
 
 
-def count_syncs_two_processes() -> list[dict[str, Any]]:
+def count_syncs_two_processes(layers: Sequence[int] = (12,)) -> list[dict[str, Any]]:
     """:func:`count_sync` for every preset with 2 processes (fork, gloo); rank 0's counts (rank 1's are checked to
     be the same)."""
     with socket.socket() as s:
@@ -173,7 +176,7 @@ def count_syncs_two_processes() -> list[dict[str, Any]]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "counts")
-        mp.start_processes(_worker, args=(2, port, out), nprocs=2, start_method="fork")
+        mp.start_processes(_worker, args=(2, port, out, tuple(layers)), nprocs=2, start_method="fork")
         ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
     assert ranks[0] == ranks[1], f"the ranks counted differently: {ranks}"
     return ranks[0]
@@ -209,12 +212,12 @@ def count_steps() -> dict[str, Any]:
 def main() -> None:
     from harness import ROOT, provenance
 
-    sync_rows = [count_sync(name) for name in SYNC_PRESETS] + count_syncs_two_processes()
-    print("sync (accelerators' layout, 12-layer GPT, 196 parameter tensors)")
-    print(f"{'preset':<18}{'world':>6}{'host reads':>12}{'ops':>8}{'ops/tensor':>12}{'views':>8}"
+    sync_rows = [count_sync(name) for name in SYNC_PRESETS] + count_syncs_two_processes(layers=(12, 24))
+    print("sync (accelerators' layout; GPTs of 12 layers, 196 parameter tensors, and 24, 388)")
+    print(f"{'preset':<18}{'world':>6}{'layers':>7}{'host reads':>12}{'ops':>8}{'ops/tensor':>12}{'views':>8}"
           f"{'non-view ops/tensor':>21}")
     for r in sync_rows:
-        print(f"{r['preset']:<18}{r['world']:>6}{r['reads']:>12}{r['ops']:>8}{r['ops_per_tensor']:>12}"
+        print(f"{r['preset']:<18}{r['world']:>6}{r['layers']:>7}{r['reads']:>12}{r['ops']:>8}{r['ops_per_tensor']:>12}"
               f"{r['view_ops']:>8}{r['kernel_ops_per_tensor']:>21}")
     step = count_steps()
     print("\nstep (GPT-2-small-shaped set, 12 layers): dispatched ops", json.dumps(step))
