@@ -331,3 +331,34 @@ def test_a_finite_float64_tensor_past_float32s_range_is_finite() -> None:
     assert finite_flags([big]).tolist() == [True]
     big[0] = float("inf")
     assert finite_flags([big]).tolist() == [False]
+
+
+def test_a_stacked_step_works_in_bounded_stacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerators' layout stacks same-shape matrices, a copy of them: a group above ``STACK_BYTES`` is worked
+    on in several stacks, with the same trajectory and a transient bounded by the stack, not by the group."""
+    import memory
+
+    from lightning_lordo import _tensors
+
+    torch.manual_seed(0)
+    start = [torch.randn(24, 40) for _ in range(6)] + [torch.randn(40, 24) for _ in range(6)]  # wide and tall
+
+    def run(stack_bytes: int) -> tuple[list[torch.Tensor], int]:
+        monkeypatch.setattr(_tensors, "STACK_BYTES", stack_bytes)
+        params = [nn.Parameter(w.clone()) for w in start]
+        opt = LoRDO(params, rank=4, lr=1e-2, layout="stacked")
+        peak = 0
+        for step in range(4):
+            gen = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            with memory.LiveBytes() as live:
+                opt.step()
+            peak = max(peak, live.peak) if step else 0  # the first step creates the state
+        return [p.detach() for p in params], peak
+
+    whole, whole_peak = run(2**30)
+    stacked_by_two, bounded_peak = run(2 * 24 * 40 * 4)
+    for a, b in zip(whole, stacked_by_two, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert bounded_peak < whole_peak / 2, (bounded_peak, whole_peak)

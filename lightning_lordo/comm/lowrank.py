@@ -67,6 +67,7 @@ from lightning_lordo._tensors import (
     nbytes,
     orthonormalize_each,
     random_orthonormal,
+    stack_slices,
     total_norm,
 )
 from lightning_lordo.comm.quantization import check_latest_round, quantized_mean, resolve_reduction
@@ -169,8 +170,12 @@ class LowRankPayload:
         b_means = [_unrows(b, w) for b, w in zip(b_msg.means, work)]
         averaged = []
         for idx, q, b in zip(units, bases, b_means):
+            tall = is_tall(deltas[idx[0]])
+            if len(idx) > 1 and tall:  # (Q B)^T as B^T Q^T: the original orientation with no transposed copy
+                averaged.append(torch.bmm(b.mT, q.mT))
+                continue
             update = matmul(q, b)
-            averaged.append((update.mT if is_tall(deltas[idx[0]]) else update).contiguous())
+            averaged.append((update.mT if tall else update).contiguous())
         errors = []
         if self.error_feedback and work:  # e_m = D_m + e_m - Q B_m, in place
             torch._foreach_sub_(work, [matmul(q, _unrows(s, w)) for q, s, w in zip(bases, b_msg.sent, work)])
@@ -182,13 +187,14 @@ class LowRankPayload:
 
     def _units(self, deltas: Sequence[Tensor]) -> list[list[int]]:
         """The matrices worked on together: each alone, or (``batched``) those of one shape, rank, dtype and device
-        stacked, so that each product and QR of a round is one batched op per shape."""
+        stacked (in stacks of at most :data:`~lightning_lordo._tensors.STACK_BYTES`), so that each product and QR
+        of a round is one batched op per shape."""
         if not self.batched:
             return [[i] for i in range(len(deltas))]
         groups: dict[tuple, list[int]] = {}
         for i, (d, r) in enumerate(zip(deltas, self.ranks)):
             groups.setdefault((tuple(d.shape), r, d.dtype, d.device), []).append(i)
-        return list(groups.values())
+        return [idx[part] for idx in groups.values() for part in stack_slices(len(idx), deltas[idx[0]].numel())]
 
     def _work(self, deltas: Sequence[Tensor], units: list[list[int]]) -> list[Tensor]:
         """Per unit, ``D_m + e_m`` (canonical orientation, float32): new tensors, which only the error feedback

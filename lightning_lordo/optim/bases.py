@@ -17,11 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import is_tall
+from lightning_lordo._tensors import is_tall, stack_slices
 from lightning_lordo.optim.projection import power_basis, rotate_moments, subspace_movement, svd_basis
 
-#: The most bytes of one stack of same-shape matrices (a copy of them: larger groups are computed in several stacks).
-STACK_BYTES = 64 * 2**20
 #: ``(parameter, its group, its rank)``, as :meth:`LoRDO._lowrank_entries` lists them.
 Entry = tuple[Tensor, dict[str, Any], int]
 _RESET_KEYS = ("exp_avg", "exp_avg_sq", "factored_row", "factored_col")
@@ -43,9 +41,8 @@ def compute_stacked(entries: Sequence[Entry], sources: Mapping[Tensor, Tensor], 
         stacks[key].append(p)
     bases: dict[Tensor, Tensor] = {}
     for (_, r, projection, iters, _), same in stacks.items():
-        per_stack = max(1, STACK_BYTES // (same[0].numel() * 4))  # the stack is a copy: bound it
-        for start in range(0, len(same), per_stack):
-            bases.update(_stacked_bases(same[start:start + per_stack], sources, warm, r, projection, iters))
+        for part in stack_slices(len(same), same[0].numel()):  # the stack is a copy: bound it
+            bases.update(_stacked_bases(same[part], sources, warm, r, projection, iters))
     return bases
 
 

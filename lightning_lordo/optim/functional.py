@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import canonical, is_tall
+from lightning_lordo._tensors import canonical, is_tall, stack_slices
 from lightning_lordo.optim.error_feedback import (
     accumulate,
     enter_unfolded,
@@ -124,13 +124,15 @@ def lowrank_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]
     cost the time; float32 weights, a fixed ``mu``, any normalizer but ``factored``): :func:`_lowrank_in_place`, no
     full-size tensor stacked and no full-size update materialized. Otherwise (the default on accelerators, where
     each launch costs) the stacked layout: one batched matmul per projection, foreach math, a fixed number of ops
-    per group."""
+    per stack (a group in stacks of at most :data:`~lightning_lordo._tensors.STACK_BYTES`, which bounds the step's
+    transient memory)."""
     if in_place is None:
         in_place = params[0].device.type == "cpu"
     if in_place and _can_write_in_place(params[0], h):
         _lowrank_in_place(params, states, h, t, stats)
-    else:
-        _lowrank_stacked(params, states, h, t, stats)
+        return
+    for part in stack_slices(len(params), params[0].numel()):  # each stack is a copy: bounded
+        _lowrank_stacked(params[part], states[part], h, t, stats)
 
 
 def _can_write_in_place(p: Tensor, h: Hyper) -> bool:
