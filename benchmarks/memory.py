@@ -9,7 +9,10 @@ a sync (which creates the synchronization buffers), then every storage is counte
 * ``sync``: the anchor (only where it stays on the parameters' device: ``anchor_device="param"``; ``"auto"`` puts it
   in pinned host memory on an accelerator), the outer momentum and the payloads' state;
 * ``transient``: the largest number of bytes that a sync allocates and holds at once (:class:`LiveBytes`, which
-  follows every storage the sync's ops create until it is freed).
+  follows every storage the sync's ops create until it is freed); ``step_transient``: the same for an optimizer step.
+
+LoRDO runs in the accelerators' layout (``layout="stacked"``: same-shape matrices stacked, in stacks of at most
+``STACK_BYTES``), as it would on a GPU.
 
 Ratios are to fused AdamW's resident bytes (params + grads + 2 moments). The model is GPT-2-medium-shaped (24
 layers, d 1024, vocabulary 50257, untied head: 406 M parameters, float32), one process (one device). Takes about
@@ -106,13 +109,14 @@ def measure(name: str, small: bool, device: str = "cpu") -> dict[str, Any]:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     sync = None
-    if name == "adamw (fused)":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(params, fused=True)
+    if name.startswith("adamw"):
+        opt: torch.optim.Optimizer = torch.optim.AdamW(params, fused=name == "adamw (fused)",
+                                                       foreach=name == "adamw (foreach)")
         opt.step()
     else:
         preset, opt_knobs, sync_knobs = CONFIGS[name]
         knobs, config = preset_knobs(preset)
-        opt = LoRDO(params, rank=16, full_rank=full_rank_params(net), **{**knobs, **opt_knobs})
+        opt = LoRDO(params, rank=16, full_rank=full_rank_params(net), layout="stacked", **{**knobs, **opt_knobs})
         comm = Communicator(CommAccountant(), timedelta(minutes=5))
         rounds = SyncConfig(**{"sync_every": 1, "synchronous": False, **config, **sync_knobs})  # a worker's rounds
         sync = Synchronizer(params, [], opt, rounds, comm)
@@ -133,6 +137,11 @@ def measure(name: str, small: bool, device: str = "cpu") -> dict[str, Any]:
         buffers = (sync.anchor.tensors if on_device else []) + sync.outer.momentum_buffers() + \
             [t for _, _, m, _ in sync.payloads.groups for t in tensors_in(m.state_dict())]
         row["sync"] = storage_bytes(buffers, counted)
+    for p in params:
+        p.grad.normal_(0, 1e-3)
+    with LiveBytes() as live:
+        opt.step()  # a step with the state (and, for LoRDO, bases) in place
+    row["step_transient"] = live.peak
     row["resident"] = sum(row[k] for k in ("params", "grads", "optimizer", "error_feedback", "sync"))
     if device.startswith("cuda"):  # the storages against the allocator (the step counters live on the host)
         row["cuda_allocated"] = torch.cuda.memory_allocated(device)
@@ -158,17 +167,19 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model lives, e.g. cuda (then the counts are "
                         "checked against torch.cuda.memory_allocated, and the error feedback's dtype is the device's)")
     args = parser.parse_args()
-    rows = [measure(name, args.small, args.device) for name in ("adamw (fused)", *CONFIGS)]
+    rows = [measure(name, args.small, args.device) for name in ("adamw (fused)", "adamw (foreach)", *CONFIGS)]
     adamw = rows[0]["resident"]
     model_bytes = rows[0]["params"]
     gb = 1e9
     print(f"{'configuration':<34}{'resident GB':>12}{'/ AdamW':>9}{'optimizer':>11}{'EF':>8}{'sync':>8}"
-          f"{'sync transient (models)':>25}")
+          f"{'sync transient (models)':>25}{'step transient (models)':>25}")
     for r in rows:
         r["over_adamw"] = round(r["resident"] / adamw, 3)
         r["transient_models"] = round(r["transient"] / model_bytes, 2)
+        r["step_transient_models"] = round(r["step_transient"] / model_bytes, 3)
         print(f"{r['config']:<34}{r['resident'] / gb:>12.2f}{r['over_adamw']:>8.2f}x{r['optimizer'] / gb:>11.2f}"
               f"{r['error_feedback'] / gb:>8.2f}{r['sync'] / gb:>8.2f}{r['transient_models']:>25}"
+              f"{r['step_transient_models']:>25}"
               + (f"  (cuda allocated {r['cuda_allocated'] / gb:.2f} GB)" if "cuda_allocated" in r else ""))
     suffix = ("-small" if args.small else "") + ("" if args.device == "cpu" else f"-{args.device.split(':')[0]}")
     path = ROOT / "results" / f"memory{suffix}.json"
