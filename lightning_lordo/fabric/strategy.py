@@ -33,6 +33,7 @@ from types import SimpleNamespace
 from typing import Any, Literal, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
@@ -142,7 +143,17 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
             self.core.overlap_comm = side_communicator(self.accountant, self.sync_config.timeout)
             # a loop that ends on an exception leaves a round's thread in a collective: let it end before the
             # interpreter tears the process groups down (an abort otherwise hides the user's exception)
-            atexit.register(lambda: self.synchronizer is not None and self.synchronizer.let_in_flight_end())
+            atexit.register(self._end_round_at_exit)
+
+    def _end_round_at_exit(self) -> None:
+        """At the exit of a loop that failed: the round in flight's thread ends, then the side group is destroyed
+        here, in order, not by the interpreter's teardown while its threads may still hold it."""
+        if self.synchronizer is not None:
+            self.synchronizer.let_in_flight_end()
+        comm = self.core.overlap_comm
+        if comm is not None and comm.group is not None and dist.is_initialized():
+            dist.destroy_process_group(comm.group)
+            comm.group = None
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
