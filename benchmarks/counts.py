@@ -11,12 +11,13 @@ kernel on a device), counted apart:
 
 1. ``sync``: host reads and dispatched ops of one sync, per parameter tensor, at world size 1 and 2 (gloo, fork), for
    the presets' knobs, on a 12-layer GPT (GPT-2-small's depth) and, with 2 processes, a 24-layer one (GPT-2-medium's,
-   issue 29's 406 M model); widths scaled down: they do not change the counts. Where the work is batched by shape
-   its ops do not grow with the depth, so the ops per tensor fall as the model deepens.
-2. ``step``: dispatched ops of one optimizer step, LoRDO against torch's foreach and fused AdamW, on a 12-layer
-   GPT-2-small-shaped parameter set (the widths do not change the counts; they are scaled down to run in seconds).
+   issue 29's 406 M model), both 64 wide, and GPT-2-small itself (width 768). Where the work is batched by shape its
+   ops do not grow with the depth, so the ops per tensor fall as the model deepens; the width matters only where a
+   shape's matrices pass 64 MB and go in several stacks (``STACK_BYTES``), hence the full-width model.
+2. ``step``: dispatched ops of one optimizer step, LoRDO against torch's foreach and fused AdamW, on GPT-2-small's
+   parameter set (full widths: the step's stacks are bounded at 64 MB).
 
-Usage: ``python benchmarks/counts.py`` (about 40 s). Writes ``results/counts.json``.
+Usage: ``python benchmarks/counts.py`` (a few minutes, about 8 GB). Writes ``results/counts.json``.
 """
 
 from __future__ import annotations
@@ -127,19 +128,25 @@ def preset_knobs(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return optimizer, {k: v for k, v in knobs.items() if k not in optimizer}
 
 
-def count_sync(preset: str, steps: int = 6, sync_every: int = 2, layers: int = 12) -> dict[str, Any]:
+#: The GPTs whose syncs are counted: ``(layers, width, vocabulary, heads)``; scaled-down widths, and GPT-2-small's.
+SCALED_12, SCALED_24, GPT2_SMALL = (12, 64, 256, 4), (24, 64, 256, 4), (12, 768, 50257, 12)
+
+
+def count_sync(preset: str, steps: int = 6, sync_every: int = 2, shape: tuple[int, int, int, int] = SCALED_12
+               ) -> dict[str, Any]:
     """Host reads and dispatched ops of the last sync of a short run (the process group, if any, is set up), on a
-    GPT of ``layers`` layers."""
+    GPT of ``shape`` (layers, width, vocabulary, heads)."""
     # the accelerators' layout (layout="stacked"), counted on the CPU
     torch.manual_seed(0)
-    model = CharGPT(vocab_size=256, d_model=64, n_layers=layers, n_heads=4, seq_len=32)
+    layers, width, vocab, heads = shape
+    model = CharGPT(vocab_size=vocab, d_model=width, n_layers=layers, n_heads=heads, seq_len=32)
     params = list(model.parameters())
     knobs, sync_knobs = preset_knobs(preset)
     opt = LoRDO(params, lr=1e-3, rank=8, full_rank=full_rank_params(model), layout="stacked", **knobs)
     comm = Communicator(CommAccountant(), timedelta(seconds=60))
     config = SyncConfig(**{"sync_every": sync_every, "synchronous": False, **sync_knobs})  # a worker's rounds
     sync = Synchronizer(params, [], opt, config, comm)
-    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(comm.rank))
+    x = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(comm.rank))
     for step in range(steps):
         opt.zero_grad()
         model(x).float().mean().backward()
@@ -151,24 +158,25 @@ def count_sync(preset: str, steps: int = 6, sync_every: int = 2, layers: int = 1
         report = sync.on_optimizer_step()
     assert report is not None, "the counted step did not sync"
     views = sum(n for name, n in counts.by_op.items() if name.startswith(VIEWS))
-    return {"preset": preset, "world": comm.world_size, "layers": layers, "tensors": len(params), "reads": counts.reads,
+    return {"preset": preset, "world": comm.world_size, "layers": layers, "width": width, "tensors": len(params),
+            "reads": counts.reads,
             "ops": counts.ops, "ops_per_tensor": round(counts.ops / len(params), 2), "view_ops": views,
             "kernel_ops_per_tensor": round((counts.ops - views) / len(params), 2)}
 
 
-def _worker(rank: int, world: int, port: int, out: str, layers: Sequence[int]) -> None:
+def _worker(rank: int, world: int, port: int, out: str, shapes: Sequence[tuple[int, int, int, int]]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        rows = [count_sync(name, layers=n) for n in layers for name in SYNC_PRESETS]
+        rows = [count_sync(name, shape=shape) for shape in shapes for name in SYNC_PRESETS]
         with open(f"{out}.{rank}", "w") as f:
             json.dump(rows, f)
     finally:
         dist.destroy_process_group()
 
 
-def count_syncs_two_processes(layers: Sequence[int] = (12,)) -> list[dict[str, Any]]:
+def count_syncs_two_processes(shapes: Sequence[tuple[int, int, int, int]] = (SCALED_12,)) -> list[dict[str, Any]]:
     """:func:`count_sync` for every preset with 2 processes (fork, gloo); rank 0's counts (rank 1's are checked to
     be the same)."""
     with socket.socket() as s:
@@ -176,20 +184,20 @@ def count_syncs_two_processes(layers: Sequence[int] = (12,)) -> list[dict[str, A
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "counts")
-        mp.start_processes(_worker, args=(2, port, out, tuple(layers)), nprocs=2, start_method="fork")
+        mp.start_processes(_worker, args=(2, port, out, tuple(shapes)), nprocs=2, start_method="fork")
         ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
     assert ranks[0] == ranks[1], f"the ranks counted differently: {ranks}"
     return ranks[0]
 
 
 def count_step(make: Callable[[list[Tensor], torch.nn.Module], torch.optim.Optimizer]) -> int:
-    """Dispatched ops of one optimizer step on a GPT-2-small-shaped set (12 layers, tied head; widths scaled)."""
+    """Dispatched ops of one optimizer step on GPT-2-small's parameter set (12 layers, width 768, tied head)."""
     torch.manual_seed(0)
-    model = CharGPT(vocab_size=512, d_model=96, n_layers=12, n_heads=4, seq_len=64, tie_weights=True)
+    model = CharGPT(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, seq_len=1024, tie_weights=True)
     params = list(model.parameters())
     opt = make(params, model)
     for p in params:
-        p.grad = torch.randn_like(p)
+        p.grad = torch.randn_like(p) * 1e-3
     opt.step()
     opt.step()
     with Counts(step_counters(opt)) as counts:
@@ -212,15 +220,16 @@ def count_steps() -> dict[str, Any]:
 def main() -> None:
     from harness import ROOT, provenance
 
-    sync_rows = [count_sync(name) for name in SYNC_PRESETS] + count_syncs_two_processes(layers=(12, 24))
-    print("sync (accelerators' layout; GPTs of 12 layers, 196 parameter tensors, and 24, 388)")
-    print(f"{'preset':<18}{'world':>6}{'layers':>7}{'host reads':>12}{'ops':>8}{'ops/tensor':>12}{'views':>8}"
-          f"{'non-view ops/tensor':>21}")
+    sync_rows = [count_sync(name) for name in SYNC_PRESETS] + count_syncs_two_processes(
+        (SCALED_12, SCALED_24, GPT2_SMALL))
+    print("sync (accelerators' layout; GPTs of 12 layers, 196 parameter tensors, and 24, 388; width 64, or 768)")
+    print(f"{'preset':<18}{'world':>6}{'layers':>7}{'width':>6}{'host reads':>12}{'ops':>8}{'ops/tensor':>12}"
+          f"{'views':>8}{'non-view ops/tensor':>21}")
     for r in sync_rows:
-        print(f"{r['preset']:<18}{r['world']:>6}{r['layers']:>7}{r['reads']:>12}{r['ops']:>8}{r['ops_per_tensor']:>12}"
-              f"{r['view_ops']:>8}{r['kernel_ops_per_tensor']:>21}")
+        print(f"{r['preset']:<18}{r['world']:>6}{r['layers']:>7}{r['width']:>6}{r['reads']:>12}{r['ops']:>8}"
+              f"{r['ops_per_tensor']:>12}{r['view_ops']:>8}{r['kernel_ops_per_tensor']:>21}")
     step = count_steps()
-    print("\nstep (GPT-2-small-shaped set, 12 layers): dispatched ops", json.dumps(step))
+    print("\nstep (GPT-2-small's parameter set, full widths): dispatched ops", json.dumps(step))
     result = {"provenance": provenance("python benchmarks/counts.py"), "sync": sync_rows, "step": step}
     path = ROOT / "results" / "counts.json"
     path.write_text(json.dumps(result, indent=1) + "\n")

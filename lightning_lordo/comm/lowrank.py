@@ -67,7 +67,6 @@ from lightning_lordo._tensors import (
     nbytes,
     orthonormalize_each,
     random_orthonormal,
-    stack_slices,
     total_norm,
 )
 from lightning_lordo.comm.quantization import check_latest_round, quantized_mean, resolve_reduction
@@ -187,14 +186,14 @@ class LowRankPayload:
 
     def _units(self, deltas: Sequence[Tensor]) -> list[list[int]]:
         """The matrices worked on together: each alone, or (``batched``) those of one shape, rank, dtype and device
-        stacked (in stacks of at most :data:`~lightning_lordo._tensors.STACK_BYTES`), so that each product and QR
-        of a round is one batched op per shape."""
+        stacked, so that each product and QR of a round is one batched op per shape. A stack is no bound on memory
+        here: it is the round's ``D_m + e_m``, which becomes the error feedback, as the matrices' own tensors do."""
         if not self.batched:
             return [[i] for i in range(len(deltas))]
         groups: dict[tuple, list[int]] = {}
         for i, (d, r) in enumerate(zip(deltas, self.ranks)):
             groups.setdefault((tuple(d.shape), r, d.dtype, d.device), []).append(i)
-        return [idx[part] for idx in groups.values() for part in stack_slices(len(idx), deltas[idx[0]].numel())]
+        return list(groups.values())
 
     def _work(self, deltas: Sequence[Tensor], units: list[list[int]]) -> list[Tensor]:
         """Per unit, ``D_m + e_m`` (canonical orientation, float32): new tensors, which only the error feedback
