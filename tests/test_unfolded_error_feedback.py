@@ -230,3 +230,26 @@ def test_a_bucket_where_one_matrix_got_a_new_basis_is_folded_and_stays_exact(lay
         _close(a.detach(), b.detach(), rtol=2e-6)
         if b.ndim == 2:
             _close(_ef(g_opt, a), r_opt.state[b]["error_feedback"], rtol=1e-5)
+
+
+def test_folding_many_buffers_in_stacks_gives_what_folding_each_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerators' fold at a basis change (``fold_each``: one batched ``Q c`` per stack of same-shape buffers)
+    against the per-matrix fold, on random inputs: two shapes, stacks bounded to two buffers, a lone buffer and a
+    buffer already folded (left as it is)."""
+    from lightning_lordo import _tensors
+    from lightning_lordo.optim.error_feedback import fold_each, fold_error_feedback
+
+    monkeypatch.setattr(_tensors, "STACK_BYTES", 2 * 6 * 10 * 4)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(6, 10)] * 5 + [(4, 7)]
+    states = [{"error_feedback": torch.randn(s, generator=gen), "basis": torch.linalg.qr(
+        torch.randn(s[0], 3, generator=gen)).Q, EF_PROJECTION: torch.randn(3, s[1], generator=gen)} for s in shapes]
+    del states[2][EF_PROJECTION]  # folded already
+    reference = copy.deepcopy(states)
+    for s in reference:
+        fold_error_feedback(s)
+    fold_each(states)
+    for got, want in zip(states, reference, strict=True):
+        assert EF_PROJECTION not in got
+        torch.testing.assert_close(got["error_feedback"], want["error_feedback"], atol=1e-6, rtol=0)
+    assert torch.equal(states[2]["error_feedback"], reference[2]["error_feedback"])

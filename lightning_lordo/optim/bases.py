@@ -11,13 +11,14 @@ Nothing here reads a value back to the host but the CPU step counters (one stack
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_lordo._tensors import is_tall, stack_slices
+from lightning_lordo.optim.error_feedback import fold_each, fold_error_feedback
 from lightning_lordo.optim.projection import power_basis, rotate_moments, subspace_movement, svd_basis
 
 #: ``(parameter, its group, its rank)``, as :meth:`LoRDO._lowrank_entries` lists them.
@@ -55,15 +56,16 @@ def _stacked_bases(params: Sequence[Tensor], sources: Mapping[Tensor, Tensor], w
     return dict(zip(params, q.unbind(0)))
 
 
-def install_stacked(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]], bases: Mapping[Tensor, Tensor],
-                    fold: Callable[[dict[str, Tensor]], None]) -> dict[Tensor, Tensor]:
+def install_stacked(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]], bases: Mapping[Tensor, Tensor]
+                    ) -> dict[Tensor, Tensor]:
     """Install ``bases`` into ``states`` (one per entry) and move the moments into them (``transition``), stacked by
-    shape, rank, knobs and step count; ``fold`` folds an unfolded error-feedback buffer first (in its old basis).
-    Returns ``{param: movement}`` (0-d tensors, not read) for the matrices that had a basis."""
+    shape, rank, knobs and step count; unfolded error-feedback buffers are folded first, in their old bases, stacked
+    too (:func:`~lightning_lordo.optim.error_feedback.fold_each`). Returns ``{param: movement}`` (0-d tensors, not
+    read) for the matrices that had a basis."""
     steps = torch.stack([s["step"] for s in states]).tolist() if states else []  # CPU counters: one read
+    fold_each(states)
     stacks: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, ((p, group, _), state) in enumerate(zip(entries, states)):
-        fold(state)
         if state.get("basis") is None:
             state["basis"] = bases[p]
             continue
@@ -95,13 +97,13 @@ def install_stacked(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]
     return movement
 
 
-def install_reference(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]], bases: Mapping[Tensor, Tensor],
-                      fold: Callable[[dict[str, Tensor]], None]) -> dict[Tensor, Tensor]:
+def install_reference(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]], bases: Mapping[Tensor, Tensor]
+                      ) -> dict[Tensor, Tensor]:
     """:func:`install_stacked` one matrix at a time (:func:`transition_reference`), the readable reference."""
     movement = {}
     for (p, group, _), state in zip(entries, states):
         old, new = state.get("basis"), bases[p]
-        fold(state)  # in the basis it was unfolded in
+        fold_error_feedback(state)  # in the basis it was unfolded in
         if old is not None:
             transition_reference(state, group, old, new)
             movement[p] = subspace_movement(old, new)

@@ -20,10 +20,13 @@ they are (a resume continues bit for bit); a version of the plugin older than th
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from lightning_lordo._tensors import stack_slices
 
 #: The state key of an unfolded buffer's projection ``c``, and how often (in steps) the step folds it at the latest.
 EF_PROJECTION = "ef_projection"
@@ -35,6 +38,26 @@ def fold_error_feedback(state: dict[str, Tensor]) -> None:
     c = state.pop(EF_PROJECTION, None)
     if c is not None:
         state["error_feedback"].addmm_(state["basis"], c, alpha=-1)
+
+
+def fold_each(states: Sequence[dict[str, Tensor]]) -> None:
+    """:func:`fold_error_feedback` of every state, the buffers of one shape in stacks of at most ``STACK_BYTES``:
+    one batched product ``Q c`` and one foreach subtraction per stack (the accelerators' layout; the same values up to
+    float32 rounding)."""
+    groups: dict[tuple[object, ...], list[dict[str, Tensor]]] = defaultdict(list)
+    for s in states:
+        if EF_PROJECTION in s:
+            e = s["error_feedback"]
+            groups[(tuple(e.shape), e.dtype, e.device, tuple(s["basis"].shape))].append(s)
+    for same in groups.values():
+        for part in stack_slices(len(same), same[0]["error_feedback"].numel()):
+            stack = same[part]
+            if len(stack) == 1:
+                fold_error_feedback(stack[0])
+                continue
+            product = torch.bmm(torch.stack([s["basis"] for s in stack]), torch.stack([s.pop(EF_PROJECTION)
+                                                                                      for s in stack]))
+            torch._foreach_sub_([s["error_feedback"] for s in stack], product.unbind(0))
 
 
 def unfold_now(states: Sequence[dict[str, Tensor]], allowed: bool, t: float) -> bool:

@@ -348,7 +348,7 @@ class LoRDO(Optimizer):
         states = [self._init_lowrank_state(p, g, r) for p, g, r in entries]
         stacked = bool(entries) and self.stacked_layout(entries[0][0])
         install = bases_module.install_stacked if stacked else bases_module.install_reference
-        movement = install(entries, states, bases, fold_error_feedback)
+        movement = install(entries, states, bases)
         record_refresh([g for _, g, _ in entries])
         return movement
 
