@@ -42,7 +42,8 @@ class FlatLayout:
     them back costs a few dispatched ops per distinct trailing shape (``shape[1:]``) instead of a view per tensor:
     the tensors of one trailing shape are adjacent, so one view of their segment as ``(-1, *trailing)`` and one split
     along the first dimension give them back shaped (0-d tensors take a view each). Elementwise work on the buffer
-    (an all-reduce, a division) gives each element the value it would have in any other layout."""
+    gives each element the value it would have in any other layout; an all-reduce too with 2 workers, while with
+    more a ring's summation order depends on an element's position (float32 rounding)."""
 
     def __init__(self, shapes: Sequence[torch.Size]) -> None:
         self.shapes = [torch.Size(s) for s in shapes]

@@ -555,3 +555,15 @@ def test_a_batched_payload_dispatches_ops_per_shape_not_per_matrix() -> None:
         counted[(batched, n)] = count.ops
     assert counted[(True, 12)] == counted[(True, 24)] < counted[(False, 12)], counted
     assert counted[(False, 24)] - counted[(False, 12)] >= 12 * 5, counted  # at least 5 ops per matrix
+
+
+@pytest.mark.parametrize("shapes", [[(3,)], [(0, 5)], [(4, 6), (6,), ()]])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_packed_message_of_any_length_decodes(shapes: list[tuple[int, ...]], world: int) -> None:
+    """Messages whose scale block is not 4-byte aligned in the batch (one worker, an odd length) or that hold no
+    value at all decode to what each worker sent."""
+    xs = [torch.randn(s, generator=torch.Generator().manual_seed(1)) for s in shapes]
+    message, sent, layout = pack_rows(xs)
+    out = mean_of_packed(torch.stack([message] * world), layout, len(xs))
+    for o, s in zip(out, sent, strict=True):
+        assert o.shape == s.shape and torch.allclose(o, s, atol=1e-6)

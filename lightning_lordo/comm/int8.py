@@ -77,15 +77,14 @@ def mean_of_packed(messages: Tensor, layout: Layout, count: int) -> list[Tensor]
     """The float32 mean of the workers' messages (``messages``: one row per worker, from :func:`pack_rows` with
     ``layout``), summed in worker order, shaped as the ``count`` tensors packed."""
     world, n_scales = messages.shape[0], sum(sum(counts) for _, _, counts, _ in layout)
-    scales = messages[:, : 4 * n_scales].contiguous().view(torch.float32)  # world x rows
+    scales = messages[:, : 4 * n_scales].reshape(-1).view(torch.float32).view(world, n_scales)  # a copy
     at_scale, at_value, total = 0, 4 * n_scales, []
-    for n, _, counts, _ in layout:  # every worker's rows of one length at once
+    for n, _, counts, _ in layout:  # the rows of one length, worker by worker: one decoded copy at a time
         k = sum(counts)
         values = messages[:, at_value: at_value + k * n].view(world, k, n)
-        decoded = values.float() * scales[:, at_scale: at_scale + k, None]
-        acc = decoded[0]
+        acc = values[0].float() * scales[0, at_scale: at_scale + k, None]
         for w in range(1, world):  # summed in worker order
-            acc = acc + decoded[w]
+            acc.add_(values[w].float() * scales[w, at_scale: at_scale + k, None])
         total.append(acc)
         at_scale, at_value = at_scale + k, at_value + k * n
     if world > 1:

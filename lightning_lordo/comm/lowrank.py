@@ -117,7 +117,9 @@ class LowRankPayload:
         error_feedback: keep the sync-level error feedback ``e`` (SPEC §5). Without it, what a round does not
             transmit is dropped for good (saves an ``a x b`` float32 buffer per matrix).
         batched: work on the matrices of one shape and rank as one stack (one batched product and QR per shape, as
-            on an accelerator); otherwise matrix by matrix. The same round up to float32 rounding (tested).
+            on an accelerator); otherwise matrix by matrix. The same round up to float32 rounding with a float32
+            payload (tested); a quantized one may round such differences to another level (its error feedback
+            still returns what a round drops).
     """
 
     def __init__(self, ranks: Sequence[int], seed: int = 0, payload_dtype: str = "float32",
@@ -186,8 +188,9 @@ class LowRankPayload:
 
     def _units(self, deltas: Sequence[Tensor]) -> list[list[int]]:
         """The matrices worked on together: each alone, or (``batched``) those of one shape, rank, dtype and device
-        stacked, so that each product and QR of a round is one batched op per shape. A stack is no bound on memory
-        here: it is the round's ``D_m + e_m``, which becomes the error feedback, as the matrices' own tensors do."""
+        stacked, so that each product and QR of a round is one batched op per shape. With error feedback a stack is
+        no bound on memory here: it is the round's ``D_m + e_m``, which becomes the error feedback, as the matrices'
+        own tensors do (without, it is a copy of the deltas that the matrix-by-matrix path only views)."""
         if not self.batched:
             return [[i] for i in range(len(deltas))]
         groups: dict[tuple, list[int]] = {}
@@ -197,7 +200,7 @@ class LowRankPayload:
 
     def _work(self, deltas: Sequence[Tensor], units: list[list[int]]) -> list[Tensor]:
         """Per unit, ``D_m + e_m`` (canonical orientation, float32): new tensors, which only the error feedback
-        writes to; without error feedback a matrix alone is a view of its delta."""
+        writes to; without error feedback a float32 matrix alone is a view of its delta."""
         work = [canonical(deltas[idx[0]].detach(), deltas[idx[0]]).float() if len(idx) == 1
                 else canonical(torch.stack([deltas[i] for i in idx]), deltas[idx[0]]).float() for idx in units]
         if not self.error_feedback:

@@ -148,12 +148,18 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
     def _end_round_at_exit(self) -> None:
         """At the exit of a loop that failed: the round in flight's thread ends, then the side group is destroyed
         here, in order, not by the interpreter's teardown while its threads may still hold it."""
-        if self.synchronizer is not None:
-            self.synchronizer.let_in_flight_end()
+        sync = self.synchronizer
+        if sync is not None:
+            sync.let_in_flight_end()
+            launched = sync.in_flight
+            if launched is not None and launched.thread is not None and launched.thread.is_alive():
+                return  # still in a collective (past its timeout): destroying its group would abort the process
         comm = self.core.overlap_comm
         if comm is not None and comm.group is not None and dist.is_initialized():
-            dist.destroy_process_group(comm.group)
-            comm.group = None
+            try:
+                dist.destroy_process_group(comm.group)
+            except ValueError:  # destroyed already (the process groups were made anew since)
+                pass
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:

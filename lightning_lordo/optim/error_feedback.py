@@ -11,8 +11,8 @@ gamma R`` in place and projects it, and since ``A = R - gamma Q c_prev``::
 so ``E`` is never formed. Whatever reads or replaces the buffer from outside the step folds it first
 (:func:`fold_error_feedback`: new bases, averaged buffers, a change of its dtype or its removal on a resume; a reset
 zeroes it and drops ``c``; the values do not change). An overlapped landing adds its local progress to ``R`` as it
-is, which is linear and keeps ``E = R - Q c``. The step folds a whole bucket, and computes ``E`` itself, where
-``Q^T E`` may be large or ``c`` was not kept for every matrix of the bucket: the first step, the first in a new basis,
+is, which is linear and keeps ``E = R - Q c``. The step folds a whole bucket (a stack), and computes ``E`` itself, where
+``Q^T E`` may be large or ``c`` was not kept for every matrix of it: the first step, the first in a new basis,
 every :data:`FOLD_EVERY`-th step and a step that collects diagnostics. So ``c`` sums at most :data:`FOLD_EVERY`
 projected gradients, which bounds the cancellation in ``c - gamma c_prev``. Checkpoints hold ``R`` and ``c`` as
 they are (a resume continues bit for bit); a version of the plugin older than this one would read ``R`` as ``E``.
