@@ -27,7 +27,7 @@ Only the plugin's collectives are counted; ``fabric.all_reduce``/``fabric.barrie
 from __future__ import annotations
 
 import atexit
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any, Literal, Optional, Union
@@ -156,10 +156,8 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
                 return  # still in a collective (past its timeout): destroying its group would abort the process
         comm = self.core.overlap_comm
         if comm is not None and comm.group is not None and dist.is_initialized():
-            try:
+            with suppress(ValueError):  # destroyed already (the process groups were made anew since)
                 dist.destroy_process_group(comm.group)
-            except ValueError:  # destroyed already (the process groups were made anew since)
-                pass
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
