@@ -4,6 +4,7 @@ basis refresh alone: nothing compressed, averaged or broadcast."""
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from torch import nn
 
 from lightning_lordo import LoRDO
 from lightning_lordo._tensors import FlatLayout
+from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.strategy_knobs import PRESETS
 
@@ -363,3 +366,19 @@ def test_a_stacked_step_works_in_bounded_stacks(monkeypatch: pytest.MonkeyPatch)
     for a, b in zip(whole, stacked_by_two, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert bounded_peak < whole_peak / 2, (bounded_peak, whole_peak)
+
+
+def test_a_batched_payload_dispatches_ops_per_shape_not_per_matrix() -> None:
+    """Twelve matrices of one shape: the matrix-by-matrix payload dispatches ops per matrix, the batched one a
+    number that does not grow with the matrices (the accelerators' layout)."""
+    counted = {}
+    for batched, n in [(False, 12), (False, 24), (True, 12), (True, 24)]:
+        payload = LowRankPayload([2] * n, seed=1, payload_dtype="int8", batched=batched)
+        ds = [torch.randn(6, 10) for _ in range(n)]
+        comm = Communicator(CommAccountant(), timedelta(seconds=20))
+        payload.commit(payload.reduce(comm, ds))  # the state exists from here on
+        with counts.Counts() as count:
+            payload.reduce(comm, ds)
+        counted[(batched, n)] = count.ops
+    assert counted[(True, 12)] == counted[(True, 24)] < counted[(False, 12)], counted
+    assert counted[(False, 24)] - counted[(False, 12)] >= 12 * 5, counted  # at least 5 ops per matrix
