@@ -31,6 +31,8 @@ WORLDS = (2, 3, 4)
 SHAPES = [(40, 33), (7,), (3, 5, 2), (), (9, 31)]  # 1637 numbers
 NUMEL = sum(math.prod(s) for s in SHAPES)
 LR_SHAPES, LR_RANKS = [(6, 40), (30, 7), (12, 12)], [2, 3, 4]
+# the batched payload (the accelerators' layout) stacks same shapes and ranks: a wide and a tall stack, a lone matrix
+BATCH_SHAPES, BATCH_RANKS = [(6, 40), (30, 7), (6, 40), (12, 12), (30, 7)], [2, 3, 2, 4, 3]
 EF_ROUNDS = 20
 DEFAULT_MESSAGE_BYTES = communicator_module._MESSAGE_BYTES
 
@@ -182,6 +184,8 @@ def _scenarios(rank: int, comm: Communicator) -> dict[str, Any]:
     out["inf"] = _averager_rounds(comm, rank, QuantizedAverager("int8", "reduce_scatter"), 4, SHAPES, (1, -math.inf))
     payload = LowRankPayload(LR_RANKS, seed=5, payload_dtype="int8", reduction="reduce_scatter")
     out["lowrank"] = _averager_rounds(comm, rank, payload, 10, LR_SHAPES)
+    payload = LowRankPayload(BATCH_RANKS, seed=5, payload_dtype="int8", reduction="reduce_scatter", batched=True)
+    out["lowrank_batched"] = _averager_rounds(comm, rank, payload, 10, BATCH_SHAPES)
     communicator_module._MESSAGE_BYTES = 16  # many collective calls per message
     try:
         out["chunked"] = _averager_rounds(comm, rank, QuantizedAverager("int8", "reduce_scatter"), 3, SHAPES)
@@ -315,13 +319,16 @@ def test_error_feedback_identity_over_twenty_rounds_against_float64(job: Any) ->
 
 
 @pytest.mark.timeout(300)
-def test_lowrank_payload_over_the_reduce_scatter_keeps_its_identity_and_identical_bases(job: Any) -> None:
+@pytest.mark.parametrize(("key", "shapes"), [("lowrank", LR_SHAPES), ("lowrank_batched", BATCH_SHAPES)])
+def test_lowrank_payload_over_the_reduce_scatter_keeps_its_identity_and_identical_bases(
+        job: Any, key: str, shapes: list[tuple[int, int]]) -> None:
     world, runs = job
-    sum_true = [torch.zeros(s, dtype=torch.float64) for s in LR_SHAPES]
-    sum_applied = [torch.zeros(s, dtype=torch.float64) for s in LR_SHAPES]
+    sum_true = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    sum_applied = [torch.zeros(s, dtype=torch.float64) for s in shapes]
     for t in range(10):
-        recs = [runs[r]["lowrank"][t] for r in range(world)]
-        for i, truth in enumerate(_true_mean(world, t, LR_SHAPES)):
+        recs = [runs[r][key][t] for r in range(world)]
+        assert len(recs[0]["averaged"]) == len(shapes)
+        for i, truth in enumerate(_true_mean(world, t, shapes)):
             assert all(torch.equal(recs[0]["bases"][i], rec["bases"][i]) for rec in recs)
             assert all(torch.equal(recs[0]["averaged"][i], rec["averaged"][i]) for rec in recs)
             sum_true[i] += truth
