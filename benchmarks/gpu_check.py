@@ -274,6 +274,8 @@ def check_speed(device: torch.device, layers: int, repeats: int = 10) -> dict[st
 STEP_SETS = {"GPT-2-124M": ("gpt2", 12, 768, 3072, 50257, 1024), "GPT-2-355M": ("gpt2", 24, 1024, 4096, 50257, 1024),
              "Llama-1B": ("llama", 16, 2048, 8192, 128256, 512)}
 STEP_KINDS = ("adamw_fused", "adamw_foreach", "lordo", "lordo_lean")
+#: ``LoRDO(layout="compiled")`` on the first set only: each stack shape compiles (seconds), the device's time is short.
+COMPILED_SET = "GPT-2-124M"
 
 
 def _shapes(family: str, layers: int, d: int, ffn: int, vocab: int, extra: int) -> list[tuple[int, ...]]:
@@ -303,7 +305,8 @@ def check_step(device: torch.device, cpu: bool) -> dict[str, Any]:
         shapes = _shapes(family, layers, d, ffn, vocab, extra)
         row: dict[str, Any] = {"set": name + (" / 8, 2 layers" if cpu else ""),
                                "params_m": sum(math.prod(s) for s in shapes) / 1e6, "finite": True}
-        for kind in STEP_KINDS:
+        kinds = STEP_KINDS + (("lordo_compiled",) if name == COMPILED_SET else ())
+        for kind in kinds:
             generator = torch.Generator(device).manual_seed(0)
             params = [nn.Parameter(torch.randn(s, device=device, generator=generator) * 0.02) for s in shapes]
             for p in params:
@@ -311,8 +314,9 @@ def check_step(device: torch.device, cpu: bool) -> dict[str, Any]:
             if kind.startswith("adamw"):
                 opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-3, **{kind.split("_")[1]: True})
             else:  # the embeddings (and the Llama's head) take AdamW, as the plugin's full_rank_params gives
-                opt = LoRDO(params, lr=1e-3, full_rank=params[:2], **(LEAN_KNOBS if kind == "lordo_lean" else {}))
-            for _ in range(2):  # state created
+                opt = LoRDO(params, lr=1e-3, full_rank=params[:2], **(LEAN_KNOBS if kind == "lordo_lean" else {}),
+                            **({"layout": "compiled"} if kind == "lordo_compiled" else {}))
+            for _ in range(2):  # state created (and, compiled, the stacks' kernels)
                 opt.step()
             with _Ops() as counter:
                 opt.step()
@@ -322,7 +326,7 @@ def check_step(device: torch.device, cpu: bool) -> dict[str, Any]:
             del opt, params
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        row.update({f"{k}_over_fused": row[f"{k}_ms"] / row["adamw_fused_ms"] for k in STEP_KINDS[1:]})
+        row.update({f"{k}_over_fused": row[f"{k}_ms"] / row["adamw_fused_ms"] for k in kinds[1:]})
         rows.append(row)
     return {"rank": OPTIMIZER_DEFAULTS["rank"], "rows": rows, "ok": all(r["finite"] for r in rows)}
 
@@ -347,7 +351,9 @@ def print_tables(results: dict[str, Any], cpu: bool) -> None:
     _table(f"step: optimizer step, fp32 sets (median ms; LoRDO rank {results['step'].get('rank')}), ops per step",
            [("set", "set", "{}"), ("params M", "params_m", "{:.1f}"), ("fused", "adamw_fused_ms", ms),
             ("foreach", "adamw_foreach_ms", ms), ("lordo", "lordo_ms", ms), ("lean", "lordo_lean_ms", ms),
-            ("lordo/fused", "lordo_over_fused", "{:.2f}x"), ("lean/fused", "lordo_lean_over_fused", "{:.2f}x"),
+            ("compiled", "lordo_compiled_ms", ms), ("lordo/fused", "lordo_over_fused", "{:.2f}x"),
+            ("lean/fused", "lordo_lean_over_fused", "{:.2f}x"), ("compiled/fused", "lordo_compiled_over_fused",
+                                                                 "{:.2f}x"),
             ("ops fused", "adamw_fused_ops", "{}"), ("foreach", "adamw_foreach_ops", "{}"),
             ("lordo", "lordo_ops", "{}"), ("lean", "lordo_lean_ops", "{}")], results["step"].get("rows", []))
     fits = list(results["lightning"].get("fits", {}).values())

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_lordo._tensors import canonical, is_tall, stack_slices
+from lightning_lordo.optim.compiled import apply_tail
 from lightning_lordo.optim.error_feedback import (
     accumulate,
     enter_unfolded,
@@ -117,7 +118,8 @@ def _rms(t: Tensor) -> Tensor:
 
 # ------------------------------------------------------------------------------------------------ grouped
 def lowrank_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, t: float,
-                    stats: Optional[dict[str, Tensor]] = None, in_place: Optional[bool] = None) -> None:
+                    stats: Optional[dict[str, Tensor]] = None, in_place: Optional[bool] = None,
+                    compiled: bool = False) -> None:
     """:func:`lowrank_reference` for matrices of one shape, dtype and device at step count ``t``.
 
     Two layouts of the same math. ``in_place`` (the default on the CPU, where memory passes and not kernel launches
@@ -125,14 +127,14 @@ def lowrank_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]
     full-size tensor stacked and no full-size update materialized. Otherwise (the default on accelerators, where
     each launch costs) the stacked layout: one batched matmul per projection, foreach math, a fixed number of ops
     per stack (a group in stacks of at most :data:`~lightning_lordo._tensors.STACK_BYTES`, which bounds the step's
-    transient memory)."""
+    transient memory); ``compiled``: its last full-size pass compiled (:mod:`~lightning_lordo.optim.compiled`)."""
     if in_place is None:
         in_place = params[0].device.type == "cpu"
     if in_place and _can_write_in_place(params[0], h):
         _lowrank_in_place(params, states, h, t, stats)
         return
     for part in stack_slices(len(params), params[0].numel()):  # each stack is a copy: bounded
-        _lowrank_stacked(params[part], states[part], h, t, stats)
+        _lowrank_stacked(params[part], states[part], h, t, stats, compiled)
 
 
 def _can_write_in_place(p: Tensor, h: Hyper) -> bool:
@@ -227,7 +229,7 @@ def _fold_into_low(low: Tensor, previous: Optional[Tensor], denom: Tensor, h: Hy
 
 
 def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, t: float,
-                     stats: Optional[dict[str, Tensor]]) -> None:
+                     stats: Optional[dict[str, Tensor]], compiled: bool = False) -> None:
     """The stacked layout of :func:`lowrank_grouped`.
 
     Full-size tensors stay in the parameters' own orientation: for tall matrices (worked on transposed, SPEC §2)
@@ -289,8 +291,10 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
     if stats is not None:
         _add_stat(stats, "low_sq", update.square().sum())
         _add_stat(stats, "full_sq", (full_input / denom).square().sum() * ((1.0 - h.omega) / h.mu) ** 2)
-    update.addcdiv_(full_input, denom, value=(1.0 - h.omega) / h.mu)
-    _apply_grouped(params, update, h, h.scale(q))
+    coef, scale = (1.0 - h.omega) / h.mu, h.scale(q)
+    if not (compiled and apply_tail(params, update, full_input, denom, coef, 1 - h.lr * h.weight_decay, h.lr * scale)):
+        update.addcdiv_(full_input, denom, value=coef)
+        _apply_grouped(params, update, h, scale)
 
 
 def _moments_grouped(states: Sequence[dict[str, Tensor]], rows: Sequence[Tensor], h: Hyper, bias1: float,

@@ -72,7 +72,8 @@ class LoRDO(Optimizer):
         foreach: the grouped implementation (default); ``False`` runs the readable per-matrix reference
             (:mod:`lightning_lordo.optim.functional`), which tests compare the grouped one with.
         layout: the grouped step's (:func:`functional.lowrank_grouped`): ``"in_place"`` (matrix by matrix, the CPU's
-            cost model), ``"stacked"`` (one batched op per shape, the accelerators'), or ``None``: by device.
+            cost model), ``"stacked"`` (one batched op per shape, the accelerators'), ``"compiled"`` (stacked, its
+            last full-size pass compiled: :mod:`~lightning_lordo.optim.compiled`) or ``None``: by device.
         fused: for the AdamW parameters (with ``foreach``): torch's fused AdamW (``True``) or its foreach AdamW
             (``False``); ``None`` takes the fused one on the CPU and foreach elsewhere.
 
@@ -114,8 +115,9 @@ class LoRDO(Optimizer):
         for name, flag in (("foreach", foreach), ("fused", fused)):
             if not (isinstance(flag, bool) or (name == "fused" and flag is None)):
                 raise ValueError(f"Invalid {name}={flag!r}: it must be True or False{' or None' * (name == 'fused')}.")
-        if layout not in (None, "in_place", "stacked"):
-            raise ValueError(f"Invalid layout={layout!r}: allowed values are None (by device), 'in_place', 'stacked'.")
+        if layout not in (None, "in_place", "stacked", "compiled"):
+            raise ValueError(f"Invalid layout={layout!r}: allowed values are None (by device), 'in_place', "
+                             "'stacked', 'compiled'.")
         self.seed = seed
         self.foreach, self.fused, self.layout = foreach, fused, layout
         self._full_rank = {id(p): reasons.get(id(p), "listed in full_rank") for p in full_rank}  # id -> why
@@ -126,8 +128,7 @@ class LoRDO(Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        # validate before appending, so a rejected group is not left behind in ``param_groups``
-        merged = {**self.defaults, **param_group}
+        merged = {**self.defaults, **param_group}  # validated before appending: a rejected group is not left behind
         check_optimizer_knobs(merged, in_group=True)
         check_knob_combinations({k: v for k, v in param_group.items() if k in OPTIMIZER_DEFAULTS}, merged)
         super().add_param_group(param_group)
@@ -211,7 +212,7 @@ class LoRDO(Optimizer):
             buckets[(tuple(p.shape), p.dtype, p.device, t, ef.dtype if ef is not None else None)].append(p)
         for (_, _, _, t, _), bucket in buckets.items():
             functional.lowrank_grouped(bucket, [self.state[p] for p in bucket], h, t, stats,
-                                       in_place=not self.stacked_layout(bucket[0]))
+                                       not self.stacked_layout(bucket[0]), self.layout == "compiled")
 
     def _adamw_step(self, params: list[Tensor], h: functional.Hyper) -> None:
         for p in params:
@@ -240,7 +241,7 @@ class LoRDO(Optimizer):
 
     def stacked_layout(self, p: Tensor) -> bool:
         """Whether ``p``'s matrices take the stacked layout (``layout``, else by device: stacked off the CPU)."""
-        return self.foreach and (self.layout or ("stacked" if p.device.type != "cpu" else "in_place")) == "stacked"
+        return self.foreach and (self.layout or ("stacked" if p.device.type != "cpu" else "in_place")) != "in_place"
 
     def _fused_for(self, p: Tensor) -> bool:
         """Whether ``p`` (an AdamW parameter) takes torch's fused AdamW: ``fused=True``, or ``None`` on the CPU."""

@@ -1,0 +1,64 @@
+"""``LoRDO(layout="compiled")``: the stacked layout (:func:`~lightning_lordo.optim.functional.lowrank_grouped`) with
+its last full-size elementwise work compiled by ``torch.compile``.
+
+The eager stacked step ends with three passes over full-size tensors: ``update += c In / (S + eps)``
+(``addcdiv_``), the weight decay ``W *= 1 - lr lambda`` and ``W -= lr s update``. Compiled, one fused kernel per
+matrix reads ``W``, the back-projected low-rank term, the full-rank input and the normalizer, and writes ``W``. The
+three scalars travel as one small tensor on the weights' device, so a learning-rate schedule does not recompile; a
+new stack (its matrices' shape and number) does. Past :data:`MAX_GRAPHS` stacks the others take the eager passes
+(``torch.compile``'s own cache limit would run the function eagerly matrix by matrix, slower than foreach ops).
+
+If compilation fails (no compiler, a backend that does not support an op), the step warns once and runs eagerly from
+then on. Compilation happens before the compiled kernels run, so a failed one leaves the weights as they were.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+#: The most stacks (shape, number of matrices, dtype, device) compiled; torch.compile's default cache holds 8.
+MAX_GRAPHS = 8
+_compiled: dict[str, Optional[Callable[..., None]]] = {"tail": None}
+_failed: list[str] = []  # the first failure's message: set once, the eager path runs from then on
+_stacks: set[tuple[object, ...]] = set()  # the stacks compiled so far
+
+
+def _tail(params: list[Tensor], low: Tensor, full_input: Tensor, denom: Tensor, scalars: Tensor) -> None:
+    """``W <- W (1 - lr lambda) - lr s (low + c In / denom)`` for each matrix (``scalars``: ``c``, ``1 - lr lambda``
+    and ``lr s``)."""
+    for i, p in enumerate(params):
+        p.mul_(scalars[1]).sub_((low[i] + scalars[0] * full_input[i] / denom[i]) * scalars[2])
+
+
+def apply_tail(params: Sequence[Tensor], low: Tensor, full_input: Tensor, denom: Tensor, coef: float,
+               decay: float, step: float) -> bool:
+    """The compiled :func:`_tail` on the stacked ``low`` (the back-projected low-rank term), ``full_input`` and
+    ``denom`` (broadcastable to them); ``False`` (nothing done) once compilation has failed: the caller runs the
+    eager passes."""
+    stack = (tuple(low.shape), low.dtype, params[0].dtype, low.device)
+    if _failed or (stack not in _stacks and len(_stacks) >= MAX_GRAPHS):
+        return False
+    _stacks.add(stack)
+    if _compiled["tail"] is None:
+        _compiled["tail"] = torch.compile(_tail)
+    scalars = torch.tensor([coef, decay, step], dtype=torch.float32).to(params[0].device)
+    try:
+        _compiled["tail"](list(params), low, full_input, denom, scalars)  # type: ignore[misc]
+    except Exception as err:  # noqa: BLE001 - any compiler failure: the eager path takes over, with a warning
+        _failed.append(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+        warnings.warn(f"LoRDO(layout='compiled'): torch.compile failed ({_failed[0]}); the step runs eagerly (the "
+                      "stacked layout's values) from now on.", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def reset() -> None:
+    """Forget the compiled function and any failure (tests; a new backend)."""
+    _compiled["tail"] = None
+    _failed.clear()
+    _stacks.clear()
