@@ -4,9 +4,10 @@ its last full-size elementwise work compiled by ``torch.compile``.
 The eager stacked step ends with three passes over full-size tensors: ``update += c In / (S + eps)``
 (``addcdiv_``), the weight decay ``W *= 1 - lr lambda`` and ``W -= lr s update``. Compiled, one fused kernel per
 matrix reads ``W``, the back-projected low-rank term, the full-rank input and the normalizer, and writes ``W``. The
-three scalars travel as one small tensor on the weights' device, so a learning-rate schedule does not recompile; a
-new stack (its matrices' shape and number) does. Past :data:`MAX_GRAPHS` stacks the others take the eager passes
-(``torch.compile``'s own cache limit would run the function eagerly matrix by matrix, slower than foreach ops).
+three scalars travel as 0-d tensors filled on the weights' device (no host-to-device copy, which would wait for
+the device), so a learning-rate schedule does not recompile; a new stack (its matrices' shape and number) does.
+Past :data:`MAX_GRAPHS` stacks the others take the eager passes (``torch.compile``'s own cache limit would run the
+function eagerly matrix by matrix, slower than foreach ops).
 
 If compilation fails (no compiler, a backend that does not support an op), the step warns once and runs eagerly from
 then on. Compilation happens before the compiled kernels run, so a failed one leaves the weights as they were.
@@ -28,11 +29,11 @@ _failed: list[str] = []  # the first failure's message: set once, the eager path
 _stacks: set[tuple[object, ...]] = set()  # the stacks compiled so far
 
 
-def _tail(params: list[Tensor], low: Tensor, full_input: Tensor, denom: Tensor, scalars: Tensor) -> None:
-    """``W <- W (1 - lr lambda) - lr s (low + c In / denom)`` for each matrix (``scalars``: ``c``, ``1 - lr lambda``
-    and ``lr s``)."""
+def _tail(params: list[Tensor], low: Tensor, full_input: Tensor, denom: Tensor, coef: Tensor, decay: Tensor,
+          step: Tensor) -> None:
+    """``W <- W decay - step (low + coef In / denom)`` for each matrix (``decay = 1 - lr lambda``, ``step = lr s``)."""
     for i, p in enumerate(params):
-        p.mul_(scalars[1]).sub_((low[i] + scalars[0] * full_input[i] / denom[i]) * scalars[2])
+        p.mul_(decay).sub_((low[i] + coef * full_input[i] / denom[i]) * step)
 
 
 def apply_tail(params: Sequence[Tensor], low: Tensor, full_input: Tensor, denom: Tensor, coef: float,
@@ -46,9 +47,9 @@ def apply_tail(params: Sequence[Tensor], low: Tensor, full_input: Tensor, denom:
     _stacks.add(stack)
     if _compiled["tail"] is None:
         _compiled["tail"] = torch.compile(_tail)
-    scalars = torch.tensor([coef, decay, step], dtype=torch.float32).to(params[0].device)
+    scalars = [torch.full((), value, dtype=torch.float32, device=low.device) for value in (coef, decay, step)]
     try:
-        _compiled["tail"](list(params), low, full_input, denom, scalars)  # type: ignore[misc]
+        _compiled["tail"](list(params), low, full_input, denom, *scalars)  # type: ignore[misc]
     except Exception as err:  # noqa: BLE001 - any compiler failure: the eager path takes over, with a warning
         _failed.append(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
         warnings.warn(f"LoRDO(layout='compiled'): torch.compile failed ({_failed[0]}); the step runs eagerly (the "
