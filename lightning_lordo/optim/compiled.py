@@ -9,8 +9,9 @@ the device), so a learning-rate schedule does not recompile; a new stack (its ma
 Past :data:`MAX_GRAPHS` stacks the others take the eager passes (``torch.compile``'s own cache limit would run the
 function eagerly matrix by matrix, slower than foreach ops).
 
-If compilation fails (no compiler, a backend that does not support an op), the step warns once and runs eagerly from
-then on. Compilation happens before the compiled kernels run, so a failed one leaves the weights as they were.
+If compilation fails (no compiler, a backend that does not support an op: :data:`COMPILE_ERRORS`), the step warns
+once and runs eagerly from then on. Compilation happens before the compiled kernels run, so a failed one leaves the
+weights as they were; any other error (out of memory, say) propagates, as the eager step's would.
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-#: The most stacks (shape, number of matrices, dtype, device) compiled; torch.compile's default cache holds 8.
-MAX_GRAPHS = 8
+#: The most stacks compiled (a stack: what makes torch.compile compile again, :func:`_stack_key`): its own limit.
+MAX_GRAPHS = int(getattr(torch._dynamo.config, "recompile_limit", getattr(torch._dynamo.config, "cache_size_limit", 8)))
+#: What a failed compilation raises (before any compiled kernel ran): only these fall back to the eager passes.
+COMPILE_ERRORS: tuple[type[BaseException], ...] = (torch._dynamo.exc.TorchDynamoException,) + tuple(
+    getattr(torch._inductor.exc, name) for name in ("CppCompileError", "CUDACompileError")
+    if hasattr(torch._inductor.exc, name))
 _compiled: dict[str, Optional[Callable[..., None]]] = {"tail": None}
 _failed: list[str] = []  # the first failure's message: set once, the eager path runs from then on
 _stacks: set[tuple[object, ...]] = set()  # the stacks compiled so far
@@ -41,21 +46,29 @@ def apply_tail(params: Sequence[Tensor], low: Tensor, full_input: Tensor, denom:
     """The compiled :func:`_tail` on the stacked ``low`` (the back-projected low-rank term), ``full_input`` and
     ``denom`` (broadcastable to them); ``False`` (nothing done) once compilation has failed: the caller runs the
     eager passes."""
-    stack = (tuple(low.shape), low.dtype, params[0].dtype, low.device)
+    stack = _stack_key(params, low, full_input, denom)
     if _failed or (stack not in _stacks and len(_stacks) >= MAX_GRAPHS):
         return False
     _stacks.add(stack)
     if _compiled["tail"] is None:
         _compiled["tail"] = torch.compile(_tail)
-    scalars = [torch.full((), value, dtype=torch.float32, device=low.device) for value in (coef, decay, step)]
+    dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32  # the eager path's scalar precision
+    scalars = [torch.full((), value, dtype=dtype, device=low.device) for value in (coef, decay, step)]
     try:
         _compiled["tail"](list(params), low, full_input, denom, *scalars)  # type: ignore[misc]
-    except Exception as err:  # noqa: BLE001 - any compiler failure: the eager path takes over, with a warning
+    except COMPILE_ERRORS as err:  # raised before a kernel ran: the eager path takes over, with a warning
         _failed.append(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
         warnings.warn(f"LoRDO(layout='compiled'): torch.compile failed ({_failed[0]}); the step runs eagerly (the "
                       "stacked layout's values) from now on.", RuntimeWarning, stacklevel=2)
         return False
     return True
+
+
+def _stack_key(params: Sequence[Tensor], *stacked: Tensor) -> tuple[object, ...]:
+    """What a compiled graph is specialized on: the number, dtype and device of the weights, and each stacked input's
+    shape, strides and dtype (the normalizer's broadcast shape too)."""
+    return (len(params), params[0].dtype, params[0].device,
+            *((tuple(t.shape), t.stride(), t.dtype) for t in stacked))
 
 
 def reset() -> None:
