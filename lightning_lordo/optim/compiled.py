@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
+import torch._dynamo
+import torch._inductor.exc
 from torch import Tensor
 
 #: The most stacks compiled (a stack: what makes torch.compile compile again, :func:`_stack_key`): its own limit.
