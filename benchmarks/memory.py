@@ -51,6 +51,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "lordo, anchor on the device": ("lordo", {"ef_dtype": "bfloat16"}, {"anchor_device": "param"}),
     "lordo_lean": ("lordo_lean", {}, {}),
     "lordo_lean, anchor on the device": ("lordo_lean", {}, {"anchor_device": "param"}),
+    "lordo, factored full-rank state": ("lordo", {"ef_dtype": "bfloat16", "fullrank_state": "factored"}, {}),
+    "lordo_lean, factored full-rank state": ("lordo_lean", {"fullrank_state": "factored"}, {}),
 }
 
 
@@ -151,9 +153,11 @@ def measure(name: str, small: bool, device: str = "cpu") -> dict[str, Any]:
 
 
 def check(device: torch.device, small: bool) -> dict[str, Any]:
-    """``gpu_check.py``'s memory section: fused AdamW, ``"lordo"`` and ``"lordo_lean"`` on ``device``; on a GPU the
+    """``gpu_check.py``'s memory section: fused AdamW, ``"lordo"``, ``"lordo_lean"`` and the memory configuration
+    (``"lordo_lean"`` with ``fullrank_state="factored"``) on ``device``; on a GPU the
     counted storages must account for what the allocator holds (within 5 % and 64 MB)."""
-    rows = [measure(name, small, str(device)) for name in ("adamw (fused)", "lordo", "lordo_lean")]
+    rows = [measure(name, small, str(device)) for name in ("adamw (fused)", "lordo", "lordo_lean",
+                                                           "lordo_lean, factored full-rank state")]
     for r in rows:
         r["over_adamw"] = round(r["resident"] / rows[0]["resident"], 3)
     counted = all(abs(r["cuda_allocated"] - r["resident"]) <= 0.05 * r["resident"] + 2**26
@@ -171,13 +175,13 @@ def main() -> None:
     adamw = rows[0]["resident"]
     model_bytes = rows[0]["params"]
     gb = 1e9
-    print(f"{'configuration':<34}{'resident GB':>12}{'/ AdamW':>9}{'optimizer':>11}{'EF':>8}{'sync':>8}"
+    print(f"{'configuration':<38}{'resident GB':>12}{'/ AdamW':>9}{'optimizer':>11}{'EF':>8}{'sync':>8}"
           f"{'sync transient (models)':>25}{'step transient (models)':>25}")
     for r in rows:
         r["over_adamw"] = round(r["resident"] / adamw, 3)
         r["transient_models"] = round(r["transient"] / model_bytes, 2)
         r["step_transient_models"] = round(r["step_transient"] / model_bytes, 3)
-        print(f"{r['config']:<34}{r['resident'] / gb:>12.2f}{r['over_adamw']:>8.2f}x{r['optimizer'] / gb:>11.2f}"
+        print(f"{r['config']:<38}{r['resident'] / gb:>12.2f}{r['over_adamw']:>8.2f}x{r['optimizer'] / gb:>11.2f}"
               f"{r['error_feedback'] / gb:>8.2f}{r['sync'] / gb:>8.2f}{r['transient_models']:>25}"
               f"{r['step_transient_models']:>25}"
               + (f"  (cuda allocated {r['cuda_allocated'] / gb:.2f} GB)" if "cuda_allocated" in r else ""))

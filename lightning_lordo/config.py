@@ -37,6 +37,7 @@ FULL_RANK_INPUTS = ("gradient", "accumulated")
 PROJECTIONS = ("power", "randomized", "svd")
 TRANSITIONS = ("rotate", "reset", "keep")
 EF_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+FULLRANK_STATES = ("adamw", "factored")
 OUTER_OPTIMIZERS = ("average", "nesterov")
 BASIS_SCOPES = ("global", "local")
 INITIAL_BASES = ("gradient", "random")
@@ -70,6 +71,7 @@ OPTIMIZER_DEFAULTS: dict[str, Any] = {
     "ef_dtype": "auto",
     "ef_decay": "auto",
     "update_scale": "auto",
+    "fullrank_state": "adamw",
 }
 KNOBS_BEFORE_THEY_EXISTED: dict[str, Any] = {"update_scale": 1.0}  # what a checkpoint older than the knob ran
 #: The optimizer knobs of the ``"lordo_lean"`` and ``"lordo_compressed"`` presets (the defaults before the authors'
@@ -135,8 +137,9 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
     for flag in ("error_feedback", "variance_clamp"):
         if flag in knobs and not isinstance(knobs[flag], bool):
             raise fail(flag, knobs[flag], "it must be True or False", "Pass a bool.")
-    if "ef_dtype" in knobs:
-        check_choice("ef_dtype", knobs["ef_dtype"], tuple(EF_DTYPES))
+    for name, allowed in (("ef_dtype", tuple(EF_DTYPES)), ("fullrank_state", FULLRANK_STATES)):
+        if name in knobs:
+            check_choice(name, knobs[name], allowed)
     if "ef_decay" in knobs and knobs["ef_decay"] != "auto":
         decay = knobs["ef_decay"]
         if not is_number(decay) or not 0.0 < decay <= 1.0:
@@ -333,14 +336,13 @@ class SyncConfig:
 
     def _check_phase_knobs(self) -> None:
         """Refuse knobs the phases chosen would ignore (compared with their defaults)."""
-        defaults = SyncConfig.__dataclass_fields__
-        changed = [name for name in _SWITCH_KNOBS if getattr(self, name) != defaults[name].default]
+        changed = [name for name in _SWITCH_KNOBS if getattr(self, name) != SYNC_DEFAULTS[name].default]
         if changed and self.warmup_steps == 0:
             raise fail(changed[0], getattr(self, changed[0]), "it must be left at its default without a warm-up "
                         "(the switch happens at the end of warmup_steps)", "Pass warmup_steps=N, or drop it.")
         if self.synchronous:
             local = [name for name in (*_LOCAL_ROUND_KNOBS, "warmup_steps", *_SWITCH_KNOBS)
-                     if getattr(self, name) != defaults[name].default]
+                     if getattr(self, name) != SYNC_DEFAULTS[name].default]
             if local:
                 raise fail(local[0], getattr(self, local[0]), "it must be left at its default with synchronous=True "
                             "(every step is synchronous low-rank DDP: no local rounds, no switch)",
@@ -352,12 +354,11 @@ class SyncConfig:
         steps, no anchor) unless a knob of :data:`ROUND_KNOBS_ALONE` is set; then, as with ``synchronous=False``, a
         sync is the outer step and the basis refresh from the pseudo-gradient. ``"lordo_compressed"`` trains exactly
         as ``"lordo_lean"``, whose optimizer knobs it shares."""
-        defaults = SyncConfig.__dataclass_fields__
-        rounds_asked = [n for n in ROUND_KNOBS_ALONE if getattr(self, n) != defaults[n].default]
+        rounds_asked = [n for n in ROUND_KNOBS_ALONE if getattr(self, n) != SYNC_DEFAULTS[n].default]
         synchronous = not rounds_asked if self.synchronous is None else self.synchronous
         # alone, a local basis is the global one, and the outer step is averaging unless a round knob says otherwise
-        rounds = {} if not synchronous else {n: defaults[n].default for n in ("basis_scope", "outer_lr",
-                                                                              "outer_momentum")}
+        rounds = {} if not synchronous else {n: SYNC_DEFAULTS[n].default for n in ("basis_scope", "outer_lr",
+                                                                                   "outer_momentum")}
         return dataclasses.replace(self, payload="full", payload_dtype="float32", fullrank_rank=0, moments_every=1,
                                    average_fullrank_moments=False, average_error_feedback=False,
                                    broadcast_bases=False, synchronous=synchronous, **rounds)
@@ -372,6 +373,7 @@ class SyncConfig:
         return "float32" if self.payload_dtype == "float32" else "bfloat16"
 
 
+SYNC_DEFAULTS = SyncConfig.__dataclass_fields__  #: the synchronization knobs' fields, with their defaults
 #: Knobs that ask one process for local rounds (an anchor and bases from the pseudo-gradient) when ``synchronous`` is
 #: left unset: the outer step, basis windows, overlap, a warm-up, and where the anchor lives.
 ROUND_KNOBS_ALONE = ("outer_optimizer", "basis_every", "overlap_steps", "warmup_steps", "anchor_device")

@@ -63,6 +63,24 @@ def test_regression_converges_with_a_fixed_or_refreshed_basis(preset: str, refre
     _check(losses, f"{preset}, refresh every {refresh or 'never'}")
 
 
+@pytest.mark.parametrize("state", ["adamw", "factored"])
+def test_regression_converges_on_the_full_rank_step(state: str) -> None:
+    """The matrix on the full-rank step (as an embedding or a head), with AdamW's moments or the factored ones."""
+    x, y = _problem()
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    opt = LoRDO(lin.parameters(), lr=1e-2, weight_decay=0.0, full_rank=[lin.weight], fullrank_state=state)
+    losses = []
+    for _ in range(3000):
+        loss = nn.functional.mse_loss(lin(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert "factored_row" in opt.state[lin.weight] if state == "factored" else "exp_avg_sq" in opt.state[lin.weight]
+    _check(losses, f"full-rank step, fullrank_state={state!r}")
+
+
 def test_undecayed_error_feedback_still_winds_up() -> None:
     """The reason for a decay at all: ``ef_decay=1.0`` with the accumulated input (what the defaults were) and a
     fixed basis ends above twice its lowest loss. Kept reachable for the authors' recipe, documented."""

@@ -182,7 +182,9 @@ class AveragedState(L.Callback):
         lowrank = set(optimizer.lowrank_params()) if isinstance(optimizer, LoRDO) else set()
         for p in module.parameters():
             state = optimizer.state[p]
-            for key in ("exp_avg", "exp_avg_sq"):
+            moments = [k for k in ("exp_avg", "exp_avg_sq", "factored_row", "factored_col") if k in state]
+            assert len(moments) == (3 if "factored_row" in state else 2)
+            for key in moments:
                 same = torch.equal(*gather(state[key]))
                 assert same == (p in lowrank or self.fullrank), f"{key} of {tuple(p.shape)}"
             if "error_feedback" in state:
@@ -197,7 +199,8 @@ class AveragedState(L.Callback):
         lowrank = set(optimizer.lowrank_params()) if isinstance(optimizer, LoRDO) else set()
         moments = sum(2 * optimizer.state[p]["exp_avg"].numel() * 4 for p in lowrank)
         if self.fullrank:
-            moments += sum(2 * p.numel() * 4 for p in module.parameters() if p not in lowrank)
+            moments += sum(t.numel() * t.element_size() for p in module.parameters() if p not in lowrank
+                           for k, t in optimizer.state[p].items() if k != "step")  # AdamW's, or factored
         assert strategy.accountant.totals.get("moments", 0) == syncs * moments
         feedback = sum(optimizer.state[p]["error_feedback"].numel() * 4 for p in lowrank) if self.feedback else 0
         assert strategy.accountant.totals.get("error_feedback", 0) == syncs * feedback
@@ -206,9 +209,11 @@ class AveragedState(L.Callback):
 @pytest.mark.parametrize(("preset", "knobs"), [
     ("lordo", {"average_fullrank_moments": True}),
     ("lordo", {"average_fullrank_moments": True, "error_feedback": True, "average_error_feedback": True}),
+    ("lordo", {"average_fullrank_moments": True, "fullrank_state": "factored"}),
     ("lordo", {"error_feedback": True}),
     ("diloco", {"average_fullrank_moments": True}),
-], ids=["fullrank moments", "fullrank moments + error feedback", "error feedback kept local", "diloco moments"])
+], ids=["fullrank moments", "fullrank moments + error feedback", "factored fullrank moments", "error feedback kept local",
+        "diloco moments"])
 def test_a_sync_averages_the_optimizer_state_asked_for(preset: str, knobs: dict[str, Any]) -> None:
     checker = AveragedState(4, fullrank=knobs.get("average_fullrank_moments", False),
                             feedback=knobs.get("average_error_feedback", False))

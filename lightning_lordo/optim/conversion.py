@@ -13,7 +13,9 @@ from torch.optim import Optimizer
 from lightning_lordo._tensors import canonical, math_dtype
 from lightning_lordo.config import ef_dtype_for
 from lightning_lordo.optim.error_feedback import EF_PROJECTION, fold_error_feedback
-from lightning_lordo.optim.hyper import REFRESH_COUNTERS
+from lightning_lordo.optim.fullrank import conform as conform_fullrank
+from lightning_lordo.optim.fullrank import expand_factored, is_factored
+from lightning_lordo.optim.hyper import REFRESH_COUNTERS, Hyper
 
 
 @torch.no_grad()
@@ -22,7 +24,8 @@ def conform_state(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = 
     and say what changed: a low-rank matrix whose rank changed, or that was full-rank, starts its moments over
     (its basis comes from its next gradient); one that is full-rank now gets AdamW moments expanded through
     its basis (the first moment exactly, ``Q u``; the second lifted, ``(Q o Q) v``, floored at its mean);
-    error-feedback buffers and factored statistics are created (zeros), cast or dropped as the knobs say."""
+    error-feedback buffers and factored statistics are created (zeros), cast or dropped as the knobs say; a
+    full-rank matrix's moments are factored or expanded as ``fullrank_state`` says."""
     changes: list[str] = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -40,6 +43,11 @@ def conform_state(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = 
             elif lowrank_state:
                 optimizer.state[p] = expand_lowrank_state(state, p)
                 changes.append(f"{label}: full-rank now, moments expanded through its basis")
+            h = Hyper.of(group)
+            change = None if r else conform_fullrank(p, optimizer.state[p], h, optimizer._fused_for(p)
+                                                     and not is_factored(p, h))
+            if change:
+                changes.append(f"{label}: {change}")
     return changes
 
 
@@ -68,9 +76,12 @@ def _conform_lowrank(optimizer: Optimizer, p: Tensor, group: dict[str, Any], sta
 
 def adamw_entry(state: Mapping[str, Any], p: Tensor) -> tuple[dict[str, Any], bool]:
     """torch Adam/AdamW's state for ``p`` from a LoRDO (or torch) state entry, and whether it was expanded from a
-    low-rank one; what torch's AdamW has no use for (error feedback, factored statistics) is dropped."""
+    low-rank one (or from factored moments); what torch's AdamW has no use for (error feedback, factored statistics)
+    is dropped."""
     if "basis" in state:
         return expand_lowrank_state(state, p), True
+    if "factored_row" in state:  # fullrank_state="factored"
+        return {"step": state["step"], **expand_factored(state, p)}, False
     return {k: v for k, v in state.items() if k in ("step", "exp_avg", "exp_avg_sq")}, False
 
 

@@ -4,17 +4,63 @@ would not save memory).
 torch's own functional AdamW (:func:`adamw_torch`, foreach or fused) where it applies; :func:`adamw_reference` (one
 parameter, readable) and :func:`adamw_grouped` (foreach) for what torch's AdamW does not cover: the quasi-hyperbolic
 mix of ``update="subspace_qh"`` (QHAdam) and low-precision parameters with float32 moments.
+
+``fullrank_state="factored"`` keeps a quarter of AdamW's bytes for the matrices among them (embeddings, output
+heads): the first moment in bfloat16, the second factored as Adafactor's (a mean per row and per column of the
+squared gradient; Shazeer & Stern, 2018), at AdamW's learning rate and bias corrections.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as torch_adamw
 
+from lightning_lordo._tensors import STACK_BYTES, math_dtype
 from lightning_lordo.optim.functional import Hyper, apply_update
+
+_TINY = torch.finfo(torch.float32).tiny  # floors a mean of squares that divides (after only zero gradients)
+
+
+def step(params: Sequence[Tensor], state: Mapping[Tensor, dict[str, Tensor]], h: Hyper, foreach: bool,
+         fused_for: Callable[[Tensor], bool], step_counts: Callable[[list[Tensor]], list[float]]) -> None:
+    """One step of the full-rank ``params`` (one param group's, with gradients), their state created or made to fit
+    ``fullrank_state`` first. ``foreach``: the grouped implementations, else the references; ``fused_for(p)``: whether
+    ``p`` takes torch's fused AdamW; ``step_counts(ps)``: counts this step for ``ps`` and returns their counts."""
+    for p in params:
+        fused = fused_for(p) and not is_factored(p, h)  # torch's fused AdamW keeps its step count on the device
+        if state[p]:
+            conform(p, state[p], h, fused)
+        else:
+            state[p].update(new_state(p, h, fused))
+    factored = [p for p in params if is_factored(p, h)]
+    if factored and foreach:
+        factored_step(factored, [state[p] for p in factored], h, step_counts(factored))
+    elif factored:
+        for p, t in zip(factored, step_counts(factored)):
+            factored_reference(p, state[p], h, t)
+    params = [p for p in params if not is_factored(p, h)]
+    if not foreach:
+        for p, t in zip(params, step_counts(params)):
+            adamw_reference(p, state[p], h, t)
+        return
+    # torch's own AdamW where it applies (moments in the parameter's dtype, no QH mix); ours elsewhere
+    native = [p for p in params if h.update != "subspace_qh" and math_dtype(p.dtype) == p.dtype]
+    by_kind: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = defaultdict(list)
+    for p in native:
+        by_kind[(p.device, p.dtype, fused_for(p))].append(p)
+    for (_, _, fused), bucket in by_kind.items():
+        adamw_torch(bucket, [state[p] for p in bucket], h, fused=fused)
+    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for p in params:
+        if not any(p is q for q in native):
+            by_device[p.device].append(p)
+    for bucket in by_device.values():
+        adamw_grouped(bucket, [state[p] for p in bucket], h, step_counts(bucket))
 
 
 def adamw_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float) -> None:
@@ -57,3 +103,114 @@ def adamw_torch(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h
                 [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=not fused, fused=fused,
                 amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,
                 maximize=False)
+
+
+# ------------------------------------------------------------------------ fullrank_state="factored"
+def is_factored(p: Tensor, h: Hyper) -> bool:
+    """Whether the full-rank ``p`` keeps the factored state (``fullrank_state="factored"``; tensors of 2 or more
+    dimensions: a vector's AdamW moments are as small as its factors)."""
+    return h.fullrank_state == "factored" and p.ndim >= 2
+
+
+def new_state(p: Tensor, h: Hyper, fused: bool) -> dict[str, Tensor]:
+    """A full-rank parameter's fresh state (zeros, step 0). AdamW's: both moments in the math dtype, the step
+    counter on the device for torch's fused AdamW (``fused``), else on the CPU. Factored: the first moment in
+    bfloat16 and Adafactor's second-moment factors, the mean over each row (``a``) and each column (``b``) of the
+    squared gradient (its rows are ``p.shape[0]``, as :func:`_rows`) in float32: ``2 + 4 / a + 4 / b`` bytes
+    per element against AdamW's 8."""
+    step = torch.zeros((), dtype=torch.float32, device=p.device if fused else torch.device("cpu"))
+    if is_factored(p, h):
+        (a, b), dtype = _rows(p).shape, math_dtype(p.dtype)
+        return {"step": step, "exp_avg": torch.zeros_like(p, dtype=torch.bfloat16),
+                "factored_row": torch.zeros(a, dtype=dtype, device=p.device),
+                "factored_col": torch.zeros(b, dtype=dtype, device=p.device)}
+    dtype = math_dtype(p.dtype)
+    return {"step": step, **{k: torch.zeros_like(p, dtype=dtype) for k in ("exp_avg", "exp_avg_sq")}}
+
+
+@torch.no_grad()
+def conform(p: Tensor, state: dict[str, Tensor], h: Hyper, fused: bool) -> Optional[str]:
+    """Make a full-rank parameter's state fit ``fullrank_state``, and say what changed (``None``: nothing).
+    AdamW's second moment becomes its row and column means (Adafactor's factors, whose outer product over their
+    mean has the same total), and back: the outer product of the factors over the rows' mean; the first moment is
+    cast. The step count is kept."""
+    if "basis" in state or "exp_avg" not in state:
+        return None
+    factored = is_factored(p, h)
+    if factored and "exp_avg_sq" in state:
+        v = _rows(state.pop("exp_avg_sq")).float()
+        state.update(exp_avg=state["exp_avg"].to(torch.bfloat16), factored_row=v.mean(dim=1),
+                     factored_col=v.mean(dim=0), step=state["step"].cpu())
+        return "AdamW moments factored (fullrank_state='factored')"
+    if not factored and "factored_row" in state:
+        state.update(expand_factored(state, p))
+        del state["factored_row"], state["factored_col"]
+        state["step"] = state["step"].to(p.device if fused else torch.device("cpu"))
+        return "factored moments expanded to AdamW's (fullrank_state='adamw')"
+    return None
+
+
+def expand_factored(state: Mapping[str, Tensor], p: Tensor) -> dict[str, Tensor]:
+    """AdamW's moments from the factored ones: the first moment in the math dtype, the second the outer product of
+    the factors over the rows' mean (Adafactor's estimate)."""
+    dtype = math_dtype(p.dtype)
+    row, col = state["factored_row"].float(), state["factored_col"].float()
+    second = torch.outer(row, col).div_(row.mean().clamp(min=_TINY)).reshape(p.shape)
+    return {"exp_avg": state["exp_avg"].to(dtype), "exp_avg_sq": second.to(dtype)}
+
+
+def factored_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float) -> None:
+    """One step of the factored full-rank state, readable: AdamW (or QHAdam with ``update="subspace_qh"``) whose
+    second moment is Adafactor's ``v_hat = row col^T / mean(row)`` of the squared gradient's row and column means,
+    and whose first moment is stored in bfloat16 (the math in float32, the update from the unrounded moment)."""
+    grad = p.grad.to(math_dtype(p.dtype))
+    first = state["exp_avg"].to(grad.dtype).lerp_(grad, 1 - h.beta1)
+    state["exp_avg"].copy_(first)
+    squared = _rows(grad).square()
+    state["factored_row"].mul_(h.beta2).add_(squared.mean(dim=1), alpha=1 - h.beta2)
+    state["factored_col"].mul_(h.beta2).add_(squared.mean(dim=0), alpha=1 - h.beta2)
+    row, col = state["factored_row"], state["factored_col"]
+    v_hat = torch.outer(row, col) / row.mean().clamp(min=_TINY) / (1 - h.beta2**t)
+    momentum = first / (1 - h.beta1**t)
+    if h.update == "subspace_qh":
+        momentum = momentum.mul_(h.omega).add_(grad, alpha=1 - h.omega)
+    apply_update(p, momentum / (v_hat.sqrt().add_(h.eps)).reshape(p.shape), h)
+
+
+def factored_step(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper,
+                  steps: Sequence[float]) -> None:
+    """:func:`factored_reference` for each parameter, with bounded transients: the factors from norms along each
+    axis (no squared copy of the gradient), then the rest in slices of rows of at most ``STACK_BYTES`` as float32
+    (an embedding's update never exists whole), the denominator as the outer product of two square-rooted
+    factors."""
+    for p, state, t in zip(params, states, steps):
+        grad = _rows(p.grad)
+        a, b = grad.shape
+        dtype = math_dtype(p.dtype)
+        row_sq = torch.linalg.vector_norm(grad, dim=1, dtype=dtype).square_().div_(b)
+        col_sq = torch.linalg.vector_norm(grad, dim=0, dtype=dtype).square_().div_(a)
+        state["factored_row"].mul_(h.beta2).add_(row_sq, alpha=1 - h.beta2)
+        state["factored_col"].mul_(h.beta2).add_(col_sq, alpha=1 - h.beta2)
+        row_scale = (state["factored_row"] / (1 - h.beta2**t)).sqrt_()
+        col_scale = (state["factored_col"] / state["factored_row"].mean().clamp(min=_TINY)).sqrt_()
+        weights, first = _rows(p), _rows(state["exp_avg"])
+        for rows in row_slices(a, b):
+            g = grad[rows].to(dtype)
+            m = first[rows].to(g.dtype).lerp_(g, 1 - h.beta1)
+            first[rows].copy_(m)
+            m.div_(1 - h.beta1**t)
+            if h.update == "subspace_qh":
+                m.mul_(h.omega).add_(g, alpha=1 - h.omega)
+            m.div_(torch.outer(row_scale[rows], col_scale).add_(h.eps))
+            apply_update(weights[rows], m, h)
+
+
+def row_slices(rows: int, cols: int) -> list[slice]:
+    """Slices of ``rows`` rows of ``cols`` numbers, each at most :data:`STACK_BYTES` as float32 (at least a row)."""
+    per = max(1, STACK_BYTES // (4 * max(1, cols)))
+    return [slice(start, start + per) for start in range(0, rows, per)]
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``x`` as ``x.shape[0]`` rows (a view; a matrix as it is)."""
+    return x if x.ndim == 2 else x.view(x.shape[0], -1)

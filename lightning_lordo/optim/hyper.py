@@ -28,6 +28,7 @@ class Hyper:
     error_feedback: bool
     ef_decay: float  # "auto" resolved: :func:`auto_ef_decay`
     update_scale: Union[float, str]
+    fullrank_state: str = "adamw"
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> Hyper:
@@ -38,7 +39,7 @@ class Hyper:
                    lifted_floor=group["lifted_floor"], full_rank_input=group["full_rank_input"],
                    error_feedback=group["error_feedback"],
                    ef_decay=auto_ef_decay(beta1, group.get("refresh_interval")) if decay == "auto" else decay,
-                   update_scale=group["update_scale"])
+                   update_scale=group["update_scale"], fullrank_state=group["fullrank_state"])
 
     def scale(self, basis: Tensor) -> float:
         """The factor of this matrix's update (not of its weight decay): ``sqrt(a / r)`` for ``update_scale="auto"``

@@ -66,6 +66,8 @@ class LoRDO(Optimizer):
             (an integral wind-up: on a regression the loss falls, then rises).
         update_scale: each low-rank update's factor: ``"auto"``, ``sqrt(a / r)`` (smaller side ``a``, rank ``r``: an
             update about as large as AdamW's, so its LR carries over) or a number (``1.0``: the authors' step).
+        fullrank_state: the state of the matrices that take AdamW (embeddings, heads): ``"adamw"`` (both moments in
+            float32) or ``"factored"`` (bfloat16 first moment, Adafactor's factored second: a quarter of the bytes).
         seed: seed of random bases and randomized projections (use the same on every worker).
         full_rank: parameters that take the AdamW step whatever their group's rank, or a mapping from each to why
             (the strategies pass embeddings and output heads here, SPEC §2; :meth:`describe` shows the why).
@@ -215,29 +217,7 @@ class LoRDO(Optimizer):
                                        not self.stacked_layout(bucket[0]), self.layout == "compiled")
 
     def _adamw_step(self, params: list[Tensor], h: functional.Hyper) -> None:
-        for p in params:
-            if not self.state[p]:
-                dtype = math_dtype(p.dtype)
-                device = p.device if self._fused_for(p) else torch.device("cpu")
-                self.state[p].update(step=torch.zeros((), dtype=torch.float32, device=device),
-                                     **{k: torch.zeros_like(p, dtype=dtype) for k in ("exp_avg", "exp_avg_sq")})
-        if not self.foreach:
-            for p, t in zip(params, self._step_counts(params)):
-                fullrank.adamw_reference(p, self.state[p], h, t)
-            return
-        # torch's own AdamW where it applies (moments in the parameter's dtype, no QH mix); ours elsewhere
-        native = [p for p in params if h.update != "subspace_qh" and math_dtype(p.dtype) == p.dtype]
-        own = [p for p in params if not (h.update != "subspace_qh" and math_dtype(p.dtype) == p.dtype)]
-        by_kind: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = defaultdict(list)
-        for p in native:
-            by_kind[(p.device, p.dtype, self._fused_for(p))].append(p)
-        for (_, _, fused), bucket in by_kind.items():
-            fullrank.adamw_torch(bucket, [self.state[p] for p in bucket], h, fused=fused)
-        by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-        for p in own:
-            by_device[p.device].append(p)
-        for bucket in by_device.values():
-            fullrank.adamw_grouped(bucket, [self.state[p] for p in bucket], h, self._step_counts(bucket))
+        fullrank.step(params, self.state, h, self.foreach, self._fused_for, self._step_counts)
 
     def stacked_layout(self, p: Tensor) -> bool:
         """Whether ``p``'s matrices take the stacked layout (``layout``, else by device: stacked off the CPU)."""
@@ -245,7 +225,7 @@ class LoRDO(Optimizer):
 
     def _fused_for(self, p: Tensor) -> bool:
         """Whether ``p`` (an AdamW parameter) takes torch's fused AdamW: ``fused=True``, or ``None`` on the CPU."""
-        if not self.foreach or math_dtype(p.dtype) != p.dtype:
+        if not self.foreach or math_dtype(p.dtype) != p.dtype or "factored_row" in self.state.get(p, {}):
             return False
         return self.fused if self.fused is not None else p.device.type == "cpu"
 

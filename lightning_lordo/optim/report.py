@@ -36,6 +36,8 @@ def describe(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None)
                 reason = "opted out (rank=0)"
             else:
                 reason = f"rank {resolve_rank(group['rank'], min(p.shape))} > smaller side {min(p.shape)}"
+            if not r and group["fullrank_state"] == "factored" and p.ndim >= 2:
+                reason += "; factored state (fullrank_state='factored')"
             name = names.get(p, "") if names is not None else ""
             rows.append({"name": name, "group": gi, "shape": tuple(p.shape),
                          "step": "lowrank" if r else "adamw", "rank": r, "reason": reason})
@@ -84,7 +86,7 @@ def memory_report(optimizer: Optimizer) -> dict[str, int]:
 
 
 def _category(key: str, lowrank: bool) -> str:
-    if key in _LOWRANK_MOMENTS:
+    if key in _LOWRANK_MOMENTS or (not lowrank and key.startswith("factored_")):  # a full-rank factored moment
         return "lowrank_moments" if lowrank else "fullrank_moments"
     return {"basis": "bases", "error_feedback": "error_feedback", EF_PROJECTION: "error_feedback"}.get(key, "other")
 

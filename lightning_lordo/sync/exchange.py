@@ -19,6 +19,8 @@ from lightning_lordo._tensors import all_finite, finite_flags, math_dtype, mix_s
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.comm.quantization import quantized_mean
 from lightning_lordo.config import SyncConfig
+from lightning_lordo.optim.fullrank import is_factored
+from lightning_lordo.optim.hyper import Hyper
 from lightning_lordo.optim.lordo import LoRDO
 
 #: ``(parameter, its state tensors, their averages)`` for one purpose of :func:`average_state`.
@@ -130,23 +132,30 @@ def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncC
                 feedback.append((p, [state["error_feedback"]]))
         elif moments_due and config.average_fullrank_moments:
             layout = fullrank_moments(optimizer, p, groups[p])
-            held = bool(layout) and all(k in state for k, _ in layout)
+            held = bool(layout) and all(k in state for k, _, _ in layout)
             if layout:
-                moments.append((p, [state[k] if held else torch.zeros(p.shape, dtype=dtype, device=p.device)
-                                    for k, dtype in layout]))
+                moments.append((p, [state[k] if held else torch.zeros(shape, dtype=dtype, device=p.device)
+                                    for k, dtype, shape in layout]))
                 holders.append((p, [torch.full((1,), float(held), device=p.device)]))
     return {"moments": moments, "error_feedback": feedback, "holders": holders}
 
 
-def fullrank_moments(optimizer: Optimizer, p: Tensor, group: dict[str, Any]) -> Optional[list[tuple[str, Any]]]:
-    """The moments ``(key, dtype)`` that ``optimizer`` keeps for the full-rank ``p`` (each shaped like ``p``), known
-    before its first step: LoRDO's and torch Adam/AdamW's moments, SGD's momentum; ``None`` for another optimizer."""
+def fullrank_moments(optimizer: Optimizer, p: Tensor, group: dict[str, Any]
+                     ) -> Optional[list[tuple[str, Any, tuple[int, ...]]]]:
+    """The moments ``(key, dtype, shape)`` that ``optimizer`` keeps for the full-rank ``p``, known before its first
+    step: LoRDO's (AdamW's, or the factored ones of ``fullrank_state="factored"``) and torch Adam/AdamW's moments,
+    SGD's momentum; ``None`` for another optimizer."""
     if isinstance(optimizer, LoRDO):
-        return [("exp_avg", math_dtype(p.dtype)), ("exp_avg_sq", math_dtype(p.dtype))]
+        if is_factored(p, Hyper.of(group)):  # the factors average as the second moment's row and column means do
+            a = p.shape[0]
+            return [("exp_avg", torch.bfloat16, p.shape), ("factored_row", torch.float32, (a,)),
+                    ("factored_col", torch.float32, (p.numel() // max(1, a),))]
+        return [(k, math_dtype(p.dtype), p.shape) for k in ("exp_avg", "exp_avg_sq")]
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return [(k, p.dtype) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[:3 if group.get("amsgrad") else 2]]
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[:3 if group.get("amsgrad") else 2]
+        return [(k, p.dtype, p.shape) for k in keys]
     if isinstance(optimizer, torch.optim.SGD):
-        return [("momentum_buffer", p.dtype)] if group.get("momentum") else []
+        return [("momentum_buffer", p.dtype, p.shape)] if group.get("momentum") else []
     return None
 
 

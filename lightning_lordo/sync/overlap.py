@@ -148,11 +148,12 @@ def progress(round_: Launch, params: Sequence[Tensor]) -> list[Tensor]:
 
 
 def _decays(optimizer: Optimizer, p: Tensor, live: list[Tensor], steps: int) -> list[float]:
-    """beta^steps for each of ``p``'s averaged state tensors (Adam's exp_avg, exp_avg_sq; 1 for any other)."""
+    """beta^steps for each of ``p``'s averaged state tensors (Adam's exp_avg, exp_avg_sq and the factors of a
+    factored exp_avg_sq; 1 for any other)."""
     group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
     beta1, beta2 = group.get("betas", (1.0, 1.0))
     keys = {id(v): k for k, v in optimizer.state[p].items() if isinstance(v, Tensor)}
-    factor = {"exp_avg": beta1, "exp_avg_sq": beta2}
+    factor = {"exp_avg": beta1, "exp_avg_sq": beta2, "factored_row": beta2, "factored_col": beta2}
     return [float(factor.get(keys.get(id(t), ""), 1.0)) ** steps for t in live]
 
 
