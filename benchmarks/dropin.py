@@ -186,7 +186,9 @@ VARIANTS = {"lordo, nesterov(1.0, 0.5)": ("lordo", {"outer_optimizer": "nesterov
             "lordo, nesterov(0.7, 0.9)": ("lordo", {"outer_optimizer": "nesterov"}),
             # the default ef_decay="auto" after it began to follow the bases' interval (1 - 1/16 at K = 16): the
             # main sweep's "lordo" ran when it meant beta1; named, so that its record has its own key
-            "lordo, ef_decay auto (interval)": ("lordo", {"ef_decay": "auto"})}
+            "lordo, ef_decay auto (interval)": ("lordo", {"ef_decay": "auto"}),
+            # the memory configuration's optimizer state (issue 29): the full-rank matrices' moments factored
+            "lordo, factored full-rank state": ("lordo", {"fullrank_state": "factored"})}
 #: The image tasks of the CNN families: template_images' noise and largest shift.
 IMAGES = {"cnn": {"noise": 0.8, "shift": 4}, "cnn_noisy": {"noise": 3.0, "shift": 8}}
 USER_LRS = {"transformer": (3e-3, 1e-3), "mlp": (1e-3, 3e-3), "cnn": (1e-2,), "cnn_noisy": ()}
