@@ -21,7 +21,7 @@ slows the CPU's syncs down, the GPU's sync debug mode does not).
 :func:`check_lightning` (imported by ``gpu_check.py``) runs every fit of :data:`FITS`, each in its own process.
 
 Usage: ``python benchmarks/gpu_fit.py --strategy {auto,lordo,lordo_lean,lordo_compressed,...} [--anchor-device cpu]
-[--cpu]``
+[--fullrank-state factored] [--cpu]``
 """
 
 from __future__ import annotations
@@ -179,13 +179,14 @@ def _peak_rss_mib() -> float | None:
     return int(match.group(1)) / 2**10 if match else None
 
 
-def make_strategy(name: str, anchor_device: str | None, sync_every: int | None) -> Any:
+def make_strategy(name: str, anchor_device: str | None, sync_every: int | None, fullrank_state: str | None = None
+                  ) -> Any:
     """``"auto"``, or the registered preset ``name`` as a :class:`LoRDOStrategy` with the extra knobs."""
     if name == "auto":
-        if anchor_device:
-            raise SystemExit("--anchor-device needs a LoRDO strategy")
+        if anchor_device or fullrank_state:
+            raise SystemExit("--anchor-device and --fullrank-state need a LoRDO strategy")
         return "auto"
-    knobs: dict[str, Any] = {}
+    knobs: dict[str, Any] = {"optimizer": {"fullrank_state": fullrank_state}} if fullrank_state else {}
     if anchor_device:
         knobs["anchor_device"] = anchor_device
     if sync_every:
@@ -193,14 +194,14 @@ def make_strategy(name: str, anchor_device: str | None, sync_every: int | None) 
     return LoRDOStrategy(preset=name, **knobs)
 
 
-def fit(name: str, anchor_device: str | None, cpu: bool) -> dict[str, Any]:
+def fit(name: str, anchor_device: str | None, cpu: bool, fullrank_state: str | None = None) -> dict[str, Any]:
     size = SIZES["cpu" if cpu else "gpu"]
     cuda = not cpu
     torch.manual_seed(0)
     module = FusedAdamWGPT(**size["model"], lr=size["lr"], lr_schedule="constant")
     data = DataLoader(Windows(size["model"]["vocab_size"], size["model"]["seq_len"], size["pool"],
                               size["batch"] * size["steps"]), batch_size=size["batch"])
-    strategy = make_strategy(name, anchor_device, size["sync_every"])
+    strategy = make_strategy(name, anchor_device, size["sync_every"], fullrank_state)
     recorder = StepRecorder(cuda)
     # the monitor the strategy would add, without its table at the end of fit (it would print on standard output)
     callbacks = [recorder] + ([CommunicationMonitor(summary=False)] if name != "auto" else [])
@@ -223,6 +224,7 @@ def fit(name: str, anchor_device: str | None, cpu: bool) -> dict[str, Any]:
     sync_config = getattr(trainer.strategy, "sync_config", None)
     out = {
         "strategy": name, "anchor_device": anchor_device,  # None: no anchor (alone, or "auto")
+        "fullrank_state": fullrank_state,
         "params": sum(p.numel() for p in module.parameters()), "precision": size["precision"],
         "batch": [size["batch"], size["model"]["seq_len"]], "steps": len(times),
         "sync_every": sync_config.sync_every if sync_config else None,
@@ -246,18 +248,22 @@ def fit(name: str, anchor_device: str | None, cpu: bool) -> dict[str, Any]:
     return out
 
 
-#: The lightning section's fits, each in a process of its own: label -> (strategy, anchor_device).
+#: The lightning section's fits, each in a process of its own: label -> (strategy, anchor_device, fullrank_state).
 #: One device runs the optimizer alone (no anchor, no rounds); an ``anchor_device`` asks for the rounds a worker of a
 #: multi-device run takes (an anchor, a sync every K steps), so those fits measure a worker's costs.
-FITS = {"auto (fused AdamW)": ("auto", None), "lordo (alone)": ("lordo", None),
-        "lordo, rounds, anchor on the GPU": ("lordo", "param"), "lordo, rounds, anchor cpu": ("lordo", "cpu"),
-        "lordo_lean (alone)": ("lordo_lean", None), "lordo_lean, rounds, anchor cpu": ("lordo_lean", "cpu")}
+FITS = {"auto (fused AdamW)": ("auto", None, None), "lordo (alone)": ("lordo", None, None),
+        "lordo, rounds, anchor on the GPU": ("lordo", "param", None),
+        "lordo, rounds, anchor cpu": ("lordo", "cpu", None),
+        "lordo_lean (alone)": ("lordo_lean", None, None),
+        "lordo_lean, rounds, anchor cpu": ("lordo_lean", "cpu", None),
+        "lordo_lean, factored full-rank state (alone)": ("lordo_lean", None, "factored")}  # the memory configuration
 
 
-def fit_process(strategy: str, anchor: str | None, cpu: bool) -> dict[str, Any]:
+def fit_process(strategy: str, anchor: str | None, fullrank_state: str | None, cpu: bool) -> dict[str, Any]:
     """This script in a fresh process: its JSON line (with ``error``: its exit status and standard error's tail)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--strategy", strategy,
-               *(["--anchor-device", anchor] if anchor else []), *(["--cpu"] if cpu else [])]
+               *(["--anchor-device", anchor] if anchor else []),
+               *(["--fullrank-state", fullrank_state] if fullrank_state else []), *(["--cpu"] if cpu else [])]
     # without what an earlier fit in the parent left in its environment (its process group still holds that port)
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV} | ({"OMP_NUM_THREADS": "1"} if cpu else {})
     try:
@@ -294,12 +300,13 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", required=True, choices=["auto", *PRESETS])
     parser.add_argument("--anchor-device", choices=["param", "cpu"], default=None)
+    parser.add_argument("--fullrank-state", choices=["adamw", "factored"], default=None)
     parser.add_argument("--cpu", action="store_true", help="the tiny GPT on the CPU")
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("no GPU here: run with --cpu")
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    result = fit(args.strategy, args.anchor_device, args.cpu)
+    result = fit(args.strategy, args.anchor_device, args.cpu, args.fullrank_state)
     print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1
 

@@ -21,7 +21,7 @@ def test_every_fit_of_the_gpu_check_runs_and_passes_on_the_cpu() -> None:
     fits = result["fits"]
     assert set(fits) == set(gpu_fit.FITS)
     assert result["ok"], {label: row.get("error", row.get("ok")) for label, row in fits.items()}
-    for label, (strategy, anchor) in gpu_fit.FITS.items():
+    for label, (strategy, anchor, _) in gpu_fit.FITS.items():
         row = fits[label]
         assert row["loss_last"] < row["loss_first"] and row["devices_during_training"] == ["cpu"], (label, row)
         if strategy == "auto":

@@ -212,8 +212,8 @@ class AveragedState(L.Callback):
     ("lordo", {"average_fullrank_moments": True, "fullrank_state": "factored"}),
     ("lordo", {"error_feedback": True}),
     ("diloco", {"average_fullrank_moments": True}),
-], ids=["fullrank moments", "fullrank moments + error feedback", "factored fullrank moments", "error feedback kept local",
-        "diloco moments"])
+], ids=["fullrank moments", "fullrank moments + error feedback", "factored fullrank moments",
+        "error feedback kept local", "diloco moments"])
 def test_a_sync_averages_the_optimizer_state_asked_for(preset: str, knobs: dict[str, Any]) -> None:
     checker = AveragedState(4, fullrank=knobs.get("average_fullrank_moments", False),
                             feedback=knobs.get("average_error_feedback", False))

@@ -139,3 +139,24 @@ def test_the_command_line_writes_a_checkpoint_without_the_lordo_state(mid_round:
     assert again.returncode == 2 and "holds no LoRDO state" in again.stderr, again.stderr
     same = subprocess.run([*command[:-1], str(mid_round)], capture_output=True, text=True, timeout=120)
     assert same.returncode == 2 and "is the source" in same.stderr, same.stderr
+
+
+def test_a_checkpoint_with_factored_full_rank_state_resumes_under_adamw(tmp_path: Path) -> None:
+    """``fullrank_state="factored"``: the full-rank head's moments reach torch's AdamW expanded (the second moment
+    the outer product of its factors over the rows' mean, the first in float32)."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=6, save_top_k=-1)
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=4, fullrank_state="factored"), devices=1, callbacks=[checkpoints], max_steps=6,
+            enable_checkpointing=True).fit(TinyRegressor(), loader())
+    path = tmp_path / "step=6.ckpt"
+    checkpoint = load_full(path)
+    saved = checkpoint["lordo"]["ranks"][0]["optimizer"]["state"]
+    factored = {i: e for i, e in saved.items() if "factored_row" in e}
+    assert len(factored) == 1 and all(e["exp_avg"].dtype == torch.bfloat16 for e in factored.values())  # the head
+    out = _one_device(path, tmp_path / "out.pt")
+    assert out["type"] == "AdamW" and out["steps"] == 10 and torch.isfinite(out["final"]).all()
+    for index, entry in factored.items():
+        row, col = entry["factored_row"].double(), entry["factored_col"].double()
+        got = out["state"]["state"][index]
+        torch.testing.assert_close(got["exp_avg_sq"].double(), torch.outer(row, col) / row.mean())
+        torch.testing.assert_close(got["exp_avg"].double(), entry["exp_avg"].double())
