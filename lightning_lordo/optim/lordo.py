@@ -225,7 +225,7 @@ class LoRDO(Optimizer):
 
     def _fused_for(self, p: Tensor) -> bool:
         """Whether ``p`` (an AdamW parameter) takes torch's fused AdamW: ``fused=True``, or ``None`` on the CPU."""
-        if not self.foreach or math_dtype(p.dtype) != p.dtype or "factored_row" in self.state.get(p, {}):
+        if not self.foreach or math_dtype(p.dtype) != p.dtype:
             return False
         return self.fused if self.fused is not None else p.device.type == "cpu"
 
@@ -365,7 +365,8 @@ class LoRDO(Optimizer):
                     if isinstance(value, Tensor) and key != "step":  # counters stay on the CPU
                         self.state[p][key] = value.to(device=p.device, copy=True)
                 step = self.state[p].get("step") if p in self.state else None
-                if step is not None and not self.lowrank_rank(p, group) and self._fused_for(p):
+                if step is not None and not self.lowrank_rank(p, group) and self._fused_for(p) \
+                        and "factored_row" not in self.state[p]:
                     self.state[p]["step"] = step.to(p.device)  # torch's fused AdamW keeps it on the device
                 index += 1
 
