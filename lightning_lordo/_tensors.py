@@ -31,8 +31,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 def flat_cat(tensors: Sequence[Tensor]) -> Tensor:
     """The values of ``tensors`` (one dtype and device), one after another, in one new 1-D tensor. One dispatched op
     (``_chunk_cat``, as FSDP2 packs its buckets) instead of a view per tensor and a ``cat``; 0-d tensors take the
-    general path."""
-    if tensors and all(t.dim() > 0 for t in tensors):
+    general path, as do empty ones (which ``_chunk_cat`` refuses)."""
+    if tensors and all(t.dim() > 0 and t.numel() > 0 for t in tensors):
         return torch._chunk_cat(list(tensors), dim=0, num_chunks=1).view(-1)
     return torch.cat([t.reshape(-1) for t in tensors])
 

@@ -2,8 +2,9 @@
 (:mod:`lightning_lordo.comm.quantization`'s all-gather and :mod:`lightning_lordo.comm.reduce_scatter`).
 
 :func:`pack_rows` and :func:`mean_of_packed` code a list of tensors as one byte message. Scales being per row, the
-rows of every tensor with the same row length are stacked and coded in one pass: a message costs a few dispatched
-ops per row length, not a dozen per tensor, and every value is the one a tensor-by-tensor codec gives."""
+values of every tensor are coded in one pass over one flat buffer (a row's largest magnitude by one segmented
+reduction, its scale spread over its values by one gather): a message costs a fixed number of dispatched ops, whatever
+its tensors and their row lengths, and every value is the one a tensor-by-tensor codec gives."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from lightning_lordo._tensors import FlatLayout
 
 INT8_LEVELS = 127  # symmetric: q in [-127, 127]
 
@@ -55,66 +58,62 @@ def dequantize_int8(q: Tensor, scales: Tensor, shape: Optional[Sequence[int]] = 
     return out.reshape(tuple(shape)) if shape is not None else out
 
 
-#: How :func:`pack_rows` laid a message out: per row length, the tensors' indices, their row counts and shapes.
-Layout = list[tuple[int, list[int], list[int], list[torch.Size]]]
+class RowLayout:
+    """How :func:`pack_rows` laid a message out: the tensors in a :class:`~lightning_lordo._tensors.FlatLayout`'s
+    order (``flat``), the length of every row (:func:`rows_view`) in that order, and per value the index of its row
+    (``row_of``, int32, on the tensors' device), by which a row's scale is spread over its values."""
+
+    def __init__(self, shapes: Sequence[torch.Size], device: torch.device) -> None:
+        self.flat = FlatLayout(shapes)
+        lengths: list[int] = []
+        for i in self.flat.order:
+            shape = self.flat.shapes[i]
+            lengths.extend([shape.numel()] if len(shape) <= 1 else [math.prod(shape[1:])] * shape[0])
+        self.rows, self.numel = len(lengths), sum(lengths)
+        self.lengths = torch.tensor(lengths, dtype=torch.int32, device=device)
+        self.row_of = torch.repeat_interleave(self.lengths, output_size=self.numel)  # no host read for the size
+
+    def part_bytes(self, counts: Sequence[int]) -> list[int]:
+        """The bytes (4 per scale, 1 per value) of consecutive parts of the packed list, ``counts`` tensors each."""
+        out, start = [], 0
+        for count in counts:
+            shapes = self.flat.shapes[start: start + count]
+            out.append(sum(s.numel() + 4 * (1 if len(s) <= 1 else s[0]) for s in shapes))
+            start += count
+        return out
 
 
-def pack_rows(xs: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], Layout]:
-    """``xs`` coded with one scale per row (:func:`rows_view`), stacked by row length: the byte message (every
-    scale as 4 bytes, then every value), what it carries dequantized (float32, shaped as ``xs``), and its layout."""
-    by_length: dict[int, list[int]] = {}
-    for i, x in enumerate(xs):
-        by_length.setdefault(_row_length(x), []).append(i)
-    layout: Layout = [(n, idx, [1 if xs[i].dim() <= 1 else xs[i].shape[0] for i in idx], [xs[i].shape for i in idx])
-                      for n, idx in by_length.items()]
-    packed = [quantize_int8(_stack_rows([xs[i] for i in idx])) for _, idx, _, _ in layout]
-    message = torch.cat([s.view(torch.int8) for _, s in packed] + [q.reshape(-1) for q, _ in packed])
-    sent = _unstack([dequantize_int8(q, s) for q, s in packed], layout, len(xs))
-    return message, sent, layout
+def pack_rows(xs: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], RowLayout]:
+    """``xs`` coded with one scale per row (:func:`rows_view`) in one pass over all their values: the byte message
+    (every scale as 4 bytes, then every value), what it carries dequantized (float32, shaped as ``xs``), and its
+    layout. Every scale and value is :func:`quantize_int8`'s for that tensor alone."""
+    device = xs[0].device if xs else torch.device("cpu")
+    layout = RowLayout([x.shape for x in xs], device)
+    flat = layout.flat.pack([x if x.dtype == torch.float32 else x.float() for x in xs]) if xs else torch.zeros(0)
+    # per row: max|row| (NaN for a row holding NaN, Inf for one holding Inf but no NaN; 0 for an empty row)
+    raw = torch.segment_reduce(flat.abs(), "max", lengths=layout.lengths, unsafe=True, initial=0.0).div_(INT8_LEVELS)
+    scales = raw.nan_to_num(nan=math.nan, posinf=math.nan)  # a non-finite row: a NaN scale
+    # divided by its row's scale, a value is 0/0 in a zero row, x/0 in a row whose scale underflows to 0 and x/Inf
+    # or x/NaN in a non-finite row: each non-finite quotient is sent as 0, as quantize_int8 sends those rows
+    spread = raw.index_select(0, layout.row_of)
+    q = flat.div_(spread).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    message = torch.cat([scales.view(torch.int8), q])
+    return message, layout.flat.unpack(q * spread), layout  # q * scale (0 * Inf is NaN: a non-finite row)
 
 
-def mean_of_packed(messages: Tensor, layout: Layout, count: int) -> list[Tensor]:
+def mean_of_packed(messages: Tensor, layout: RowLayout) -> list[Tensor]:
     """The float32 mean of the workers' messages (``messages``: one row per worker, from :func:`pack_rows` with
-    ``layout``), summed in worker order, shaped as the ``count`` tensors packed."""
-    world, n_scales = messages.shape[0], sum(sum(counts) for _, _, counts, _ in layout)
-    scales = messages[:, : 4 * n_scales].reshape(-1).view(torch.float32).view(world, n_scales)  # a copy
-    at_scale, at_value, total = 0, 4 * n_scales, []
-    for n, _, counts, _ in layout:  # the rows of one length, worker by worker: one decoded copy at a time
-        k = sum(counts)
-        values = messages[:, at_value: at_value + k * n].view(world, k, n)
-        acc = values[0].float() * scales[0, at_scale: at_scale + k, None]
-        for w in range(1, world):  # summed in worker order
-            acc.add_(values[w].float() * scales[w, at_scale: at_scale + k, None])
-        total.append(acc)
-        at_scale, at_value = at_scale + k, at_value + k * n
+    ``layout``), summed in worker order, shaped as the tensors packed. Worker by worker: one decoded copy at a
+    time, whatever the number of workers."""
+    world, rows = messages.shape[0], layout.rows
+    if rows:  # each worker's scales as float32: a copy (its message's rows may start at any byte)
+        scales = messages[:, : 4 * rows].clone(memory_format=torch.contiguous_format).view(torch.float32).unbind(0)
+    else:
+        scales = (messages.new_zeros(0, dtype=torch.float32),) * world
+    values = messages[:, 4 * rows:].unbind(0)
+    total = values[0] * scales[0].index_select(0, layout.row_of)  # int8 x float32: float32, exactly q * scale
+    for w in range(1, world):  # summed in worker order
+        total.add_(values[w] * scales[w].index_select(0, layout.row_of))
     if world > 1:
-        torch._foreach_div_(total, world)
-    return _unstack(total, layout, count)
-
-
-def _row_length(x: Tensor) -> int:
-    """The length of ``x``'s rows in :func:`rows_view`, without making the view."""
-    return x.numel() if x.dim() <= 1 else math.prod(x.shape[1:])
-
-
-def _stack_rows(xs: Sequence[Tensor]) -> Tensor:
-    """The rows (:func:`rows_view`) of ``xs``, all of one row length, one after another in one matrix: one op for
-    1-D tensors (``stack``), none for a single matrix."""
-    if len(xs) == 1:
-        return rows_view(xs[0])
-    if all(x.dim() == 1 for x in xs):
-        return torch.stack(list(xs))
-    return torch.cat([rows_view(x) for x in xs])
-
-
-def _unstack(stacks: Sequence[Tensor], layout: Layout, count: int) -> list[Tensor]:
-    """The tensors (shaped as packed) in their original order, as views of the per-length ``stacks``."""
-    out: list[Optional[Tensor]] = [None] * count
-    for stack, (_, idx, counts, shapes) in zip(stacks, layout):
-        if len(idx) > 1 and all(len(shape) == 1 for shape in shapes):  # 1-D tensors, a row each: no view per row
-            parts = stack.unbind(0)
-        else:
-            parts = stack.split(counts) if len(idx) > 1 else (stack,)
-        for i, part, shape in zip(idx, parts, shapes):
-            out[i] = part if part.shape == shape else part.reshape(shape)
-    return out  # type: ignore[return-value]
+        total.div_(world)
+    return layout.flat.unpack(total)

@@ -184,10 +184,10 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
         means_flat, sent_flat, traffic = int8_reduce_scatter_mean(comm, flat_cat(xs),
                                                                   purpose)
         return QuantizedMean(_split(means_flat, shapes), _split(sent_flat, shapes), traffic)
-    if payload_dtype == "int8":  # one byte buffer: per row length, the scales, then the values
+    if payload_dtype == "int8":  # one byte buffer: the scales of every row, then the values
         message, sent, layout = pack_rows(xs)
         gathered, nbytes = comm.all_gather(message, purpose)
-        means = mean_of_packed(gathered, layout, len(xs)) if world > 1 else sent
+        means = mean_of_packed(gathered, layout) if world > 1 else sent
         return QuantizedMean(means, sent, {"all_gather": nbytes} if nbytes else {})
 
     wire_dtype = torch.bfloat16 if payload_dtype == "bfloat16" else torch.float32
