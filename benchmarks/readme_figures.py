@@ -230,10 +230,21 @@ def gpu_row() -> str:
             "[GPU](benchmarks/README.md#on-a-gpu-gpu_checkpy) |")
 
 
+def memory_row() -> str:
+    """Resident bytes on the parameters' device (``memory.json``): the presets and the memory configuration against
+    fused AdamW."""
+    rows = {r["config"]: r for r in json.loads((RESULTS / "memory.json").read_text())["rows"]}
+    parts = [f"{label} {rows[config]['over_adamw']:.2f}x" for config, label in (
+        ("lordo", '`"lordo"`'), ("lordo_lean", '`"lordo_lean"`'),
+        ("lordo_lean, factored full-rank state", 'with `fullrank_state="factored"`'))]
+    return ("| Device memory, 406 M GPT (parameters, gradients, state, sync buffers) | vs fused AdamW: " + ", ".join(parts) + " | [Memory](benchmarks/README.md#what-a-gpu-pays-for-counted-"
+            "on-the-cpu-countspy-memorypy-ef_dtypepy) |")
+
+
 def measured_block() -> str:
     """The README's "Measured" table: each row from its committed result file (its section has the provenance)."""
     return "\n".join(["| question | result | where |", "|---|---|---|", dropin_row(), authors_row(),
-                      compressed_row(), netlink_row(), gpu_row()])
+                      compressed_row(), netlink_row(), memory_row(), gpu_row()])
 
 
 BLOCKS: dict[str, Callable[[], str]] = {"demo": demo_block, "knobs": knobs_block, "measured": measured_block}
