@@ -1,24 +1,37 @@
-"""The int8 codec of the all-gathered messages (``lightning_lordo.comm.int8``).
+"""The int8 codec of the all-gathered messages (``lightning_lordo.comm.int8``) and the messages that travel together.
 
-``pack_rows`` / ``mean_of_packed`` code every row of a message in one pass over one flat buffer. They are checked
-bit for bit against the readable reference kept here, the codec they replaced (the rows of each length stacked and
-coded apart, every worker's rows decoded and summed in worker order), on random layouts: mixed row lengths, empty
-and 0-d tensors, NaN and Inf rows, 1 to 4 workers. And a message costs the same kernels whatever its row lengths.
+1. ``pack_rows`` / ``mean_of_packed`` code every row of a message in one pass over one flat buffer. They are checked
+   bit for bit against the readable reference kept here, the codec they replaced (the rows of each length stacked
+   and coded apart, every worker's rows decoded and summed in worker order), on random layouts: mixed row lengths,
+   empty and 0-d tensors, NaN and Inf rows, 1 to 4 workers. And a message costs the same kernels whatever its row
+   lengths.
+2. A sync's int8 all-gathered messages travel as two collectives (every P message and the dense one, then every B
+   message): with 2 processes (fork, gloo, a timeout on every collective) the joined round gives every value, every
+   state and every byte count per part of the groups' own rounds, each message sent alone.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import os
 import sys
+import traceback
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from strategy_helpers import run_fork_job
 from torch import Tensor
 
+from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.comm.int8 import mean_of_packed, pack_rows, quantize_int8, rows_view
+from lightning_lordo.config import SyncConfig
+from lightning_lordo.sync.payloads import FULLRANK_PART, LOWRANK_PART, PseudoGradientPayloads
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import counts  # noqa: E402
@@ -168,3 +181,124 @@ def test_a_message_costs_the_same_kernels_whatever_its_row_lengths() -> None:
     twenty = [(8, 16 + k) for k in range(19)] + [(32,)]
     assert _ops_of_a_message(two)[:2] == _ops_of_a_message(twenty)[:2]
     assert _ops_of_a_message(two)[2] <= 60 and sum(_ops_of_a_message(two)[:2]) <= 30, _ops_of_a_message(two)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. the messages of a sync joined, against each message alone (2 processes)
+# ---------------------------------------------------------------------------------------------------------------
+WORLD = 2
+#: low-rank matrices (rank 2: two of one shape stack, a tall one, one its rank does not compress: 3 x 3 travels in
+#: full), full-rank matrices (rank 2 compresses them) and dense tensors
+LOWRANK = [(6, 10), (6, 10), (12, 5), (3, 3)]
+FULLRANK = [(20, 8), (8, 20)]
+DENSE = [(10,), (7,), (), (2, 3, 4), (0,)]
+ROUNDS = 4
+
+
+def _payloads(params: Sequence[Tensor]) -> PseudoGradientPayloads:
+    config = SyncConfig(payload="lowrank", payload_dtype="int8", fullrank_rank=2, seed=5)
+    return PseudoGradientPayloads(params, {params[i]: 2 for i in range(len(LOWRANK))}, config, batched=True)
+
+
+def _local(rank: int, t: int, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(1_000 * t + rank)
+    xs = [torch.randn(s, generator=gen) for s in shapes]
+    if t == 2 and rank == 1:  # a non-finite round: flagged on both workers, no state moves
+        xs[len(LOWRANK) + 1][3, 2] = math.nan
+    return xs
+
+
+def _state(payloads: PseudoGradientPayloads) -> dict[str, Any]:
+    return copy.deepcopy(payloads.state_dict())
+
+
+def _joined_worker(rank: int, world: int, port: int, out: str) -> None:
+    results: dict[str, Any] = {}
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=30))
+        shapes = LOWRANK + FULLRANK + DENSE
+        params = [torch.zeros(s) for s in shapes]
+        joined, alone = _payloads(params), _payloads(params)
+        comm_joined = Communicator(CommAccountant(), timedelta(seconds=20))
+        comm_alone = Communicator(CommAccountant(), timedelta(seconds=20))
+        gathers: list[str] = []
+        original = comm_joined.all_gather
+
+        def counted_gather(flat: Tensor, purpose: str, parts: Sequence[tuple[str, int]] = ()) -> Any:
+            gathers.append(purpose)
+            return original(flat, purpose, parts)
+
+        comm_joined.all_gather = counted_gather  # type: ignore[method-assign]
+        records = []
+        for t in range(ROUNDS):
+            local = _local(rank, t, shapes)
+            comm_joined.accountant.start_round(parts=True)
+            averaged, rounds, finite = joined.reduce(comm_joined, [x.clone() for x in local])
+            comm_joined.accountant.end_round()
+            # the groups' own rounds, each message alone and in the groups' order (the reduction before joining)
+            comm_alone.accountant.start_round(parts=True)
+            ref_rounds = [(m, m.reduce(comm_alone, [local[i].clone() for i in positions], purpose))
+                          for _, positions, m, purpose in alone.groups if positions]
+            comm_alone.accountant.end_round()
+            ref_averaged: list[Any] = [None] * len(shapes)
+            for (_, result), (_, positions, _, _) in zip(ref_rounds, [g for g in alone.groups if g[1]]):
+                for n, i in enumerate(positions):
+                    ref_averaged[i] = result.averaged[n]
+            ok = bool(finite)
+            ref_ok = all(bool(r.finite) for _, r in ref_rounds)
+            joined.resolve(rounds, ok)
+            for m, r in rounds:
+                m.commit(r)
+            for m, r in ref_rounds:
+                r.finite = ref_ok
+                m.commit(r)
+            records.append(dict(
+                averaged=averaged, ref_averaged=ref_averaged, finite=ok, ref_finite=ref_ok,
+                bases=[getattr(r, "bases", None) for _, r in rounds],
+                ref_bases=[getattr(r, "bases", None) for _, r in ref_rounds],
+                traffic=[r.traffic for _, r in rounds], ref_traffic=[r.traffic for _, r in ref_rounds],
+                parts=dict(comm_joined.accountant.last_parts), ref_parts=dict(comm_alone.accountant.last_parts),
+                wire=dict(comm_joined.accountant.last_wire_parts),
+                ref_wire=dict(comm_alone.accountant.last_wire_parts),
+                state=_state(joined), ref_state=_state(alone), gathers=list(gathers)))
+            gathers.clear()
+        results["records"] = records
+    except BaseException:  # noqa: BLE001
+        results["_error"] = traceback.format_exc()
+    finally:
+        torch.save(results, Path(out, f"rank{rank}.pt"))
+        os._exit(0)  # no teardown: a failed collective would make destroy_process_group wait
+
+
+def _equal_nested(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor):
+        return isinstance(b, Tensor) and _same(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal_nested(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal_nested(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.timeout(120)
+def test_joined_messages_give_every_value_state_and_byte_of_the_messages_alone(tmp_path: Path) -> None:
+    runs = run_fork_job(_joined_worker, WORLD, tmp_path, timeout=90)
+    for rank, run in enumerate(runs):
+        records = run["records"]
+        assert len(records) == ROUNDS
+        for t, rec in enumerate(records):
+            where = f"rank {rank}, round {t}"
+            assert rec["finite"] == rec["ref_finite"] == (t != 2), where
+            assert _equal_nested(rec["averaged"], rec["ref_averaged"]), where
+            assert _equal_nested(rec["bases"], rec["ref_bases"]), where
+            assert _equal_nested(rec["state"], rec["ref_state"]), where
+            assert rec["traffic"] == rec["ref_traffic"], where
+            assert rec["parts"] == rec["ref_parts"] and rec["wire"] == rec["ref_wire"], where
+            assert set(rec["parts"]) == {LOWRANK_PART, FULLRANK_PART} and all(rec["parts"].values()), where
+            # two collectives: every P message and the dense ones, then every B message (five alone)
+            assert rec["gathers"] == [LOWRANK_PART, LOWRANK_PART], where
+        assert not _equal_nested(records[0]["state"], records[-1]["state"])  # the state did move
+    for a, b in zip(runs[0]["records"], runs[1]["records"]):  # the averages are identical on both workers
+        assert _equal_nested(a["averaged"], b["averaged"])

@@ -104,8 +104,7 @@ class Communicator:
     def all_reduce_mean(self, tensors: Sequence[Tensor], purpose: str, in_round: bool = True) -> None:
         """Average ``tensors`` across workers in place (flattened into buckets of one dtype and device);
         ``in_round=False``: counted in the totals only (traffic that belongs to no synchronization round). Every
-        collective runs before anything is written, so a failed one leaves the tensors as they were.
-        """
+        collective runs before anything is written, so a failed one leaves the tensors as they were."""
         for bucket, means in self._bucket_means(tensors, purpose, in_round):
             torch._foreach_copy_(bucket, means)
 
@@ -121,9 +120,8 @@ class Communicator:
         """The average of ``tensors`` across workers as new tensors (the inputs are not changed): each bucket is
         flattened into one new buffer, averaged in place, and returned as views of it, so no copy is made besides
         the flattening. Alone: the inputs themselves (nothing to average)."""
-        if self.world_size == 1:
-            return list(tensors)
-        return [m for _, means in self._bucket_means(tensors, purpose, True) for m in means]
+        return list(tensors) if self.world_size == 1 else [m for _, means in self._bucket_means(tensors, purpose, True)
+                                                           for m in means]
 
     def _bucket_means(self, tensors: Sequence[Tensor], purpose: str, in_round: bool
                       ) -> list[tuple[list[Tensor], list[Tensor]]]:
@@ -155,23 +153,25 @@ class Communicator:
             self.accountant.add(purpose, nbytes, wire=wire_bytes("all_reduce", nbytes, self.world_size))
         return flat.numel() * flat.element_size()
 
-    def all_gather(self, flat: Tensor, purpose: str) -> tuple[Tensor, int]:
-        """Every worker's copy of the 1-D ``flat`` (same size on all workers), as a ``world x numel`` tensor whose
-        row ``k`` is rank ``k``'s. Counted: what this worker passes, ``numel x itemsize`` (it receives ``world - 1``
-        times as much). Returns the gathered tensor and the bytes counted (0 alone)."""
-        world = self.world_size
+    def all_gather(self, flat: Tensor, purpose: str, parts: Sequence[tuple[str, int]] = ()) -> tuple[Tensor, int]:
+        """Every worker's 1-D ``flat`` (same size on all), as ``world x numel`` (row ``k``: rank ``k``'s), and the bytes
+        counted (0 alone): ``numel x itemsize``, what this worker passes, under ``purpose`` or by ``parts``."""
+        world, total = self.world_size, flat.numel() * flat.element_size()
         if world == 1:
             return flat.reshape(1, -1), 0
-        out = torch.empty(world, flat.numel(), dtype=flat.dtype, device=flat.device)
-        for start, stop in _chunks(flat):
-            piece = flat[start:stop].contiguous()
+        chunks = _chunks(flat)
+        whole = len(chunks) == 1 and flat.is_contiguous()  # gathered where it is received: no copy
+        out = None if whole else torch.empty(world, flat.numel(), dtype=flat.dtype, device=flat.device)
+        for start, stop in chunks:
+            piece = flat if whole else flat[start:stop].contiguous()
             received = torch.empty(world * piece.numel(), dtype=flat.dtype, device=flat.device)
-            issue = partial(_all_gather_single, received, piece, group=self.group, async_op=True)
-            self._run(issue, purpose, "all_gather", piece.device)
-            nbytes = piece.numel() * piece.element_size()
-            self.accountant.add(purpose, nbytes, wire=wire_bytes("all_gather", nbytes, world))
-            out[:, start:stop] = received.view(world, -1)
-        return out, flat.numel() * flat.element_size()
+            self._run(partial(_all_gather_single, received, piece, group=self.group, async_op=True), purpose,
+                      "all_gather", piece.device)
+            if out is not None:
+                out[:, start:stop] = received.view(world, -1)
+        for part, nbytes in (parts or [(purpose, total)]) if total else ():  # wire bytes: linear in the bytes
+            self.accountant.add(part, nbytes, wire=wire_bytes("all_gather", nbytes, world))
+        return (received.view(world, -1) if out is None else out), total
 
     def all_to_all(self, chunks: Tensor, purpose: str) -> tuple[Tensor, int]:
         """Exchange rows: ``chunks`` is ``world x numel`` (row ``j`` is for rank ``j``, same shape on all workers);
@@ -209,8 +209,8 @@ class Communicator:
             return
         for t in tensors:
             buffer = t if t.is_contiguous() else t.contiguous()
-            issue = partial(dist.broadcast, buffer, src=src, group=self.group, async_op=True)
-            self._run(issue, purpose, "broadcast", buffer.device)
+            self._run(partial(dist.broadcast, buffer, src=src, group=self.group, async_op=True), purpose, "broadcast",
+                      buffer.device)
             if buffer is not t:
                 t.copy_(buffer)
             nbytes = t.numel() * t.element_size()

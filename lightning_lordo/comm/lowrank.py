@@ -69,7 +69,7 @@ from lightning_lordo._tensors import (
     random_orthonormal,
     total_norm,
 )
-from lightning_lordo.comm.quantization import check_latest_round, quantized_mean, resolve_reduction
+from lightning_lordo.comm.quantization import QuantizedMean, check_latest_round, quantized_mean, resolve_reduction
 from lightning_lordo.comm.reduce_scatter import reduce_scatter_bytes
 
 
@@ -149,42 +149,22 @@ class LowRankPayload:
                 differ from the state's.
             CollectiveTimeout: from the communicator.
         """
+        phases = self.phases(deltas)
+        phases.take_p(quantized_mean(comm, phases.message, purpose, self.payload_dtype, self.reduction))
+        return phases.finish(quantized_mean(comm, phases.message, purpose, self.payload_dtype, self.reduction))
+
+    @torch.no_grad()
+    def phases(self, deltas: Sequence[Tensor]) -> LowRankPhases:
+        """:meth:`reduce` in steps, for a caller that sends several payloads' messages together
+        (:func:`~lightning_lordo.comm.quantization.quantized_means`): ``message`` is the P message's tensors;
+        ``take_p(its mean)`` makes ``message`` the B message's; ``finish(its mean)`` returns the round.
+
+        Raises:
+            ValueError: as :meth:`reduce`.
+        """
         self._check(deltas)
         self._ensure_state(deltas)
-        units = self._units(deltas)
-        work = self._work(deltas, units)
-        rights = [_take(self._right, idx, w.device) for idx, w in zip(units, work)]
-        # message 1: P_m^T = (D_m R)^T, r x a (so that each int8 scale covers one of the r directions)
-        p_msg = quantized_mean(comm, [_rows(_p_transposed(w, r)) for w, r in zip(work, rights)], purpose,
-                               self.payload_dtype, self.reduction)
-        traffic = dict(p_msg.traffic)
-        # no host read here: a non-finite P (identical on all ranks) is zeroed for the QR and flags the round
-        p_finite = finite_flags(p_msg.means).all()
-        bases = orthonormalize_each([torch.nan_to_num(_unrows(p, w), 0.0, 0.0, 0.0).mT
-                                     for p, w in zip(p_msg.means, work)])
-        # message 2: B_m = Q^T D_m, r x b
-        b_msg = quantized_mean(comm, [_rows(matmul(q.mT, w)) for q, w in zip(bases, work)], purpose,
-                               self.payload_dtype, self.reduction)
-        for kind, sent in b_msg.traffic.items():
-            traffic[kind] = traffic.get(kind, 0) + sent
-        finite = p_finite & finite_flags(b_msg.means).all()
-        b_means = [_unrows(b, w) for b, w in zip(b_msg.means, work)]
-        averaged = []
-        for idx, q, b in zip(units, bases, b_means):
-            tall = is_tall(deltas[idx[0]])
-            if len(idx) > 1 and tall:  # (Q B)^T as B^T Q^T: the original orientation with no transposed copy
-                averaged.append(torch.bmm(b.mT, q.mT))
-                continue
-            update = matmul(q, b)
-            averaged.append((update.mT if tall else update).contiguous())
-        errors = []
-        if self.error_feedback and work:  # e_m = D_m + e_m - Q B_m, in place
-            torch._foreach_sub_(work, [matmul(q, _unrows(s, w)) for q, s, w in zip(bases, b_msg.sent, work)])
-            errors = work
-        right = orthonormalize_each([b.mT for b in b_means])
-        return LowRankRound(finite, *(_per_matrix(x, units, len(deltas)) for x in (averaged, bases)), traffic,
-                            _per_matrix(errors, units, len(deltas)), _per_matrix(right, units, len(deltas)),
-                            self._version)
+        return LowRankPhases(self, deltas)
 
     def _units(self, deltas: Sequence[Tensor]) -> list[list[int]]:
         """The matrices worked on together: each alone, or (``batched``) those of one shape, rank, dtype and device
@@ -318,6 +298,56 @@ class LowRankPayload:
                 self._right.append(random_orthonormal(max(d.shape), r, seed, d.device))
         if self.error_feedback and not self._errors:
             self._errors = [torch.zeros(sorted(d.shape), device=d.device) for d in deltas]
+
+
+class LowRankPhases:
+    """One round of a :class:`LowRankPayload` between its messages (:meth:`LowRankPayload.phases`)."""
+
+    def __init__(self, payload: LowRankPayload, deltas: Sequence[Tensor]) -> None:
+        self.payload, self.deltas = payload, deltas
+        self.units = payload._units(deltas)
+        self.work = payload._work(deltas, self.units)
+        rights = [_take(payload._right, idx, w.device) for idx, w in zip(self.units, self.work)]
+        # message 1: P_m^T = (D_m R)^T, r x a (so that each int8 scale covers one of the r directions)
+        self.message = [_rows(_p_transposed(w, r)) for w, r in zip(self.work, rights)]
+
+    @torch.no_grad()
+    def take_p(self, p_msg: QuantizedMean, check: bool = True) -> None:
+        """The bases from the averaged P; ``message`` becomes the B message. ``check=False``: the caller checks that
+        P is finite (``finish``'s ``finite``)."""
+        self.traffic = dict(p_msg.traffic)
+        # no host read here: a non-finite P (identical on all ranks) is zeroed for the QR and flags the round
+        self.p_finite = finite_flags(p_msg.means).all() if check else True
+        self.bases = orthonormalize_each([torch.nan_to_num(_unrows(p, w), 0.0, 0.0, 0.0).mT
+                                          for p, w in zip(p_msg.means, self.work)])
+        # message 2: B_m = Q^T D_m, r x b
+        self.message = [_rows(matmul(q.mT, w)) for q, w in zip(self.bases, self.work)]
+
+    @torch.no_grad()
+    def finish(self, b_msg: QuantizedMean, finite: Optional[Tensor] = None) -> LowRankRound:
+        """The round, from the averaged B; ``finite``: whether P and B are finite, as the caller checked them."""
+        payload, deltas, units, work, bases = self.payload, self.deltas, self.units, self.work, self.bases
+        traffic = self.traffic
+        for kind, sent in b_msg.traffic.items():
+            traffic[kind] = traffic.get(kind, 0) + sent
+        finite = self.p_finite & finite_flags(b_msg.means).all() if finite is None else finite
+        b_means = [_unrows(b, w) for b, w in zip(b_msg.means, work)]
+        averaged = []
+        for idx, q, b in zip(units, bases, b_means):
+            tall = is_tall(deltas[idx[0]])
+            if len(idx) > 1 and tall:  # (Q B)^T as B^T Q^T: the original orientation with no transposed copy
+                averaged.append(torch.bmm(b.mT, q.mT))
+                continue
+            update = matmul(q, b)
+            averaged.append((update.mT if tall else update).contiguous())
+        errors = []
+        if payload.error_feedback and work:  # e_m = D_m + e_m - Q B_m, in place
+            torch._foreach_sub_(work, [matmul(q, _unrows(s, w)) for q, s, w in zip(bases, b_msg.sent, work)])
+            errors = work
+        right = orthonormalize_each([b.mT for b in b_means])
+        return LowRankRound(finite, *(_per_matrix(x, units, len(deltas)) for x in (averaged, bases)), traffic,
+                            _per_matrix(errors, units, len(deltas)), _per_matrix(right, units, len(deltas)),
+                            payload._version)
 
 
 def _take(tensors: Sequence[Tensor], idx: Sequence[int], device: torch.device) -> Tensor:

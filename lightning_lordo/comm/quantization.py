@@ -206,6 +206,33 @@ def quantized_mean(comm: Any, tensors: Sequence[Tensor], purpose: str, payload_d
     return QuantizedMean(_split(acc.div_(world), shapes), sent, {"all_gather": nbytes})
 
 
+def quantized_means(comm: Any, messages: Sequence[tuple[Sequence[Tensor], str]], payload_dtype: str = "float32",
+                    reduction: str = "auto") -> list[QuantizedMean]:
+    """:func:`quantized_mean` of several messages ``(tensors, purpose)`` at once, each result what its own call
+    gives. An int8 all-gather codes every row on its own (its scale is its own largest magnitude), so the messages
+    travel as one: one pass of the codec and one collective, whose bytes each message counts under its own purpose
+    (the same bytes as its own collective). Any other payload (a float all-reduce, the int8 reduce-scatter's blocks
+    that would span messages) sends each message by itself, in order."""
+    how = resolve_reduction(payload_dtype, reduction, comm.world_size)
+    if payload_dtype != "int8" or how != "all_gather":
+        return [quantized_mean(comm, tensors, purpose, payload_dtype, reduction) for tensors, purpose in messages]
+    xs = [_as(t, torch.float32) for tensors, _ in messages for t in tensors]
+    if not xs:
+        return [QuantizedMean([], [], {}) for _ in messages]
+    message, sent, layout = pack_rows(xs)
+    counts = [len(tensors) for tensors, _ in messages]
+    sizes = layout.part_bytes(counts)
+    parts = [(purpose, n) for (_, purpose), n in zip(messages, sizes) if n]
+    gathered, nbytes = comm.all_gather(message, parts[0][0] if parts else messages[0][1], parts=parts)
+    means = mean_of_packed(gathered, layout) if comm.world_size > 1 else sent
+    out, start = [], 0
+    for count, size in zip(counts, sizes):
+        traffic = {"all_gather": size} if nbytes and size else {}
+        out.append(QuantizedMean(means[start: start + count], sent[start: start + count], traffic))
+        start += count
+    return out
+
+
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` detached, in ``dtype``: itself when it already is (no op dispatched), else a copy."""
     t = t.detach() if t.requires_grad else t
@@ -271,6 +298,18 @@ class QuantizedAverager:
             CollectiveTimeout: from the communicator.
         """
         exact = self.payload_dtype == "float32" and self._errors is None  # nothing is added or kept: no copy
+        xs = self.message(tensors)
+        result = quantized_mean(comm, xs, purpose, self.payload_dtype, self.reduction, in_place=in_place and exact)
+        return self.finish(xs, result)
+
+    def message(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """What :meth:`reduce` sends: ``tensors`` with this worker's error feedback added (new tensors, unless a
+        float32 payload keeps none), for a caller that sends it with other messages (then :meth:`finish`).
+
+        Raises:
+            ValueError: the tensors do not match the shapes of the error feedback kept so far.
+        """
+        exact = self.payload_dtype == "float32" and self._errors is None
         xs = [_as(t, math_dtype(t.dtype)) for t in tensors]
         if self._errors is not None:
             if [e.shape for e in self._errors] != [x.shape for x in xs]:
@@ -280,13 +319,18 @@ class QuantizedAverager:
             xs = list(torch._foreach_add(xs, [e.to(x.device) for e, x in zip(self._errors, xs)])) if xs else xs
         elif not exact:  # the error feedback below is computed in a copy (``_as`` copied only to change the dtype)
             xs = [x.clone() if x.dtype == t.dtype else x for x, t in zip(xs, tensors)]
-        result = quantized_mean(comm, xs, purpose, self.payload_dtype, self.reduction, in_place=in_place and exact)
+        return xs
+
+    def finish(self, xs: list[Tensor], result: QuantizedMean, finite: Optional[Tensor] = None) -> AverageRound:
+        """The round of the message ``xs`` (:meth:`message`) from its mean ``result``; changes nothing here.
+        ``finite``: whether the means are finite, as the caller checked them."""
         errors = None
         if self.payload_dtype != "float32":
             if xs:
                 torch._foreach_sub_(xs, list(result.sent))
             errors = xs
-        return AverageRound(finite_flags(result.means).all(), result.means, result.traffic, errors, self._version)
+        finite = finite_flags(result.means).all() if finite is None else finite
+        return AverageRound(finite, result.means, result.traffic, errors, self._version)
 
     def commit(self, result: AverageRound) -> None:
         """Install the round's error feedback (a no-op for a non-finite round).

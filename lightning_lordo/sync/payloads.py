@@ -15,7 +15,11 @@ worker):
 
 Every message counts its bytes under ``pseudo_gradients:lowrank`` (group 1) or ``pseudo_gradients:fullrank``
 (groups 2 and 3), the parts of the monitor's per-sync breakdown. A message is all-reduced (or all-gathered /
-reduce-scattered for int8) as :func:`~lightning_lordo.comm.quantization.quantized_mean` says.
+reduce-scattered for int8) as :func:`~lightning_lordo.comm.quantization.quantized_mean` says. int8 messages that
+are all-gathered (2 workers, ``"auto"``) travel joined, as
+:func:`~lightning_lordo.comm.quantization.quantized_means` joins them: every low-rank payload's P message and the
+messages sent in full in one collective, then every B message in another (two collectives a sync, not five; each
+row coded as in its own message, each part's bytes counted under its own purpose).
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import mix_seed, norms
+from lightning_lordo._tensors import finite_flags, mix_seed, norms
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.comm.lowrank import LowRankPayload
-from lightning_lordo.comm.quantization import QuantizedAverager
+from lightning_lordo.comm.quantization import QuantizedAverager, quantized_means, resolve_reduction
 from lightning_lordo.config import SyncConfig
 
 LOWRANK_PART = "pseudo_gradients:lowrank"
@@ -66,7 +70,7 @@ class PseudoGradientPayloads:
         matrices = [i for i, p in enumerate(params)
                     if p not in ranks and compressible(p.shape, config.fullrank_rank)]
         rest = [i for i in range(len(params)) if i not in set(lowrank) | set(sent_in_full) | set(matrices)]
-        dtype = config.payload_dtype
+        dtype = self.payload_dtype = config.payload_dtype
         #: ``(name, positions, message, purpose)`` per group that has parameters, in reduction order
         self.groups: list[tuple[str, list[int], Any, str]] = []
         if lowrank:
@@ -103,20 +107,25 @@ class PseudoGradientPayloads:
         worker, so on every worker alike) has non-finite averages or a false flag. ``in_place``: ``local`` are
         temporaries that nothing reads afterwards, and the messages sent in full may average them where they are (a
         sync then holds one model-sized temporary, not two)."""
+        active = [(positions, message, purpose) for _, positions, message, purpose in self.groups if positions]
+        joint: Optional[Tensor] = None
+        if self.payload_dtype == "int8" and resolve_reduction("int8", "auto", comm.world_size) == "all_gather":
+            results, joint = _reduce_together(comm, [([local[i] for i in positions], message, purpose)
+                                                     for positions, message, purpose in active])
+        else:  # each message by itself (a float payload may average in place; the int8 reduce-scatter's blocks)
+            results = [message.reduce(comm, [local[i] for i in positions], purpose, **(
+                {"in_place": in_place} if isinstance(message, QuantizedAverager) else {}))
+                for positions, message, purpose in active]
         averaged: list[Tensor] = list(local)
         rounds: list[tuple[Any, Any]] = []
         flags = []
-        for _, positions, message, purpose in self.groups:
-            if not positions:
-                continue
-            result = message.reduce(comm, [local[i] for i in positions], purpose, **(
-                {"in_place": in_place} if isinstance(message, QuantizedAverager) else {}))
+        for (positions, message, _), result in zip(active, results):
             rounds.append((message, result))
             flags.append(result.finite)
             for n, i in enumerate(positions):
                 averaged[i] = result.averaged[n].to(local[i].dtype) if isinstance(message, QuantizedAverager) \
                     else result.averaged[n]
-        finite = torch.stack(flags).all() if flags else None
+        finite = joint if joint is not None else torch.stack(flags).all() if flags else None
         return averaged, rounds, finite
 
     @staticmethod
@@ -174,6 +183,26 @@ class PseudoGradientPayloads:
             for kind, nbytes in message.memory_report().items():
                 report[kind] = report.get(kind, 0) + nbytes
         return report
+
+
+def _reduce_together(comm: Communicator, groups: Sequence[tuple[list[Tensor], Any, str]]
+                     ) -> tuple[list[Any], Optional[Tensor]]:
+    """Every group's round, its int8 all-gathered messages joined (:func:`quantized_means`): the P messages of the
+    low-rank payloads with the averagers' messages in one collective, then the B messages in another, each part
+    counted under its group's purpose; and whether every average is finite (one check for all: each round's flag).
+    Every value is the one the groups' own rounds give."""
+    states = [message.phases(tensors) if isinstance(message, LowRankPayload) else message.message(tensors)
+              for tensors, message, _ in groups]
+    firsts = quantized_means(comm, [(s.message if isinstance(m, LowRankPayload) else s, purpose)
+                                    for s, (_, m, purpose) in zip(states, groups)], "int8")
+    lowrank = [n for n, (_, m, _) in enumerate(groups) if isinstance(m, LowRankPayload)]
+    for n in lowrank:
+        states[n].take_p(firsts[n], check=False)
+    seconds = dict(zip(lowrank, quantized_means(comm, [(states[n].message, groups[n][2]) for n in lowrank], "int8")))
+    means = [m for r in [*firsts, *seconds.values()] for m in r.means]
+    finite = finite_flags(means).all() if means else None
+    return [states[n].finish(seconds[n], finite) if n in seconds else m.finish(states[n], firsts[n], finite)
+            for n, (_, m, _) in enumerate(groups)], finite
 
 
 def _key(name: str, message: Any) -> str:
