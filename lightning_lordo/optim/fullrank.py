@@ -138,7 +138,7 @@ def conform(p: Tensor, state: dict[str, Tensor], h: Hyper, fused: bool) -> Optio
         return None
     factored = is_factored(p, h)
     if factored and "exp_avg_sq" in state:
-        v = _rows(state.pop("exp_avg_sq")).float()
+        v = _rows(state.pop("exp_avg_sq")).to(math_dtype(p.dtype))
         state.update(exp_avg=state["exp_avg"].to(torch.bfloat16), factored_row=v.mean(dim=1),
                      factored_col=v.mean(dim=0), step=state["step"].cpu())
         return "AdamW moments factored (fullrank_state='factored')"
@@ -154,7 +154,7 @@ def expand_factored(state: Mapping[str, Tensor], p: Tensor) -> dict[str, Tensor]
     """AdamW's moments from the factored ones: the first moment in the math dtype, the second the outer product of
     the factors over the rows' mean (Adafactor's estimate)."""
     dtype = math_dtype(p.dtype)
-    row, col = state["factored_row"].float(), state["factored_col"].float()
+    row, col = state["factored_row"].to(dtype), state["factored_col"].to(dtype)
     second = torch.outer(row, col).div_(row.mean().clamp(min=_TINY)).reshape(p.shape)
     return {"exp_avg": state["exp_avg"].to(dtype), "exp_avg_sq": second.to(dtype)}
 
