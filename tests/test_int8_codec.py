@@ -161,6 +161,26 @@ def test_a_non_finite_row_keeps_a_nan_scale_and_sends_zeros() -> None:
     assert sent[0][1:3].isnan().all() and torch.equal(sent[0][3], torch.zeros(2)) and sent[1].isnan().all()
 
 
+def test_rows_of_subnormal_magnitude_are_coded_as_alone() -> None:
+    """A row whose scale underflows to 0 (its values sent as 0), or lands on a subnormal whose rounding takes a
+    quotient past 127 (clamped): the same bits as ``quantize_int8`` and the reference."""
+    tiny = torch.tensor([[1e-44, -3e-45, 0.0], [1.9e-43, -1.9e-43, 1e-45], [2e-43, 5e-44, -7e-44], [1.0, 0.5, 0.25]])
+    q, s = quantize_int8(tiny)
+    assert s[0] == 0 and bool((tiny[0] != 0).any()) and bool((q[0] == 0).all())  # a zero scale sends zeros
+    assert q[1, 0] == 127 and float(tiny[1, 0] / s[1]) > 127.5  # the clamp is reached
+    xs = [tiny, tiny[1:3].reshape(-1), tiny * 1e-3]
+    message, sent, layout = pack_rows(xs)
+    ref_message, ref_sent, ref_layout = reference_pack(xs)
+    assert all(_same(a, b) for a, b in zip(sent, ref_sent))
+    rows = layout.rows
+    alone = [quantize_int8(xs[i]) for i in layout.flat.order]
+    assert _same(message[: 4 * rows].view(torch.float32), torch.cat([scales for _, scales in alone]))
+    assert torch.equal(message[4 * rows:], torch.cat([q.reshape(-1) for q, _ in alone]))
+    means = mean_of_packed(torch.stack([message] * 3), layout)
+    ref = reference_mean(torch.stack([ref_message] * 3), ref_layout, [x.shape for x in xs])
+    assert all(_same(a, b) for a, b in zip(means, ref))
+
+
 def _ops_of_a_message(shapes: Sequence[tuple[int, ...]]) -> tuple[int, int, int]:
     """Kernel ops (not views) to pack a message and to average two workers' copies, and all ops of both."""
     xs = [torch.randn(s) for s in shapes]
