@@ -237,7 +237,8 @@ def memory_row() -> str:
     parts = [f"{label} {rows[config]['over_adamw']:.2f}x" for config, label in (
         ("lordo", '`"lordo"`'), ("lordo_lean", '`"lordo_lean"`'),
         ("lordo_lean, factored full-rank state", 'with `fullrank_state="factored"`'))]
-    return ("| Device memory, 406 M GPT (parameters, gradients, state, sync buffers) | vs fused AdamW: " + ", ".join(parts) + " | [Memory](benchmarks/README.md#what-a-gpu-pays-for-counted-"
+    return ("| Device memory, 406 M GPT (parameters, gradients, state, sync buffers) | vs fused AdamW: "
+            + ", ".join(parts) + " | [Memory](benchmarks/README.md#what-a-gpu-pays-for-counted-"
             "on-the-cpu-countspy-memorypy-ef_dtypepy) |")
 
 

@@ -87,12 +87,8 @@ def check_rank(value: Any, *, allow_zero: bool) -> Union[int, float]:
     elif isinstance(value, float) and 0.0 < value <= 1.0:
         return value
     zero = " or 0 in a param group to run that group full-rank" if allow_zero else ""
-    raise fail(
-        "rank",
-        value,
-        f"it must be an integer >= 1, a float in (0, 1] (a fraction of each matrix's smaller side){zero}",
-        'Pass e.g. rank=16, or rank=0.25; opt a group out with {"params": ..., "rank": 0}.',
-    )
+    raise fail("rank", value, f"it must be an integer >= 1, a float in (0, 1] (a fraction of each matrix's smaller "
+               f"side){zero}", 'Pass e.g. rank=16, or rank=0.25; opt a group out with {"params": ..., "rank": 0}.')
 
 
 def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
