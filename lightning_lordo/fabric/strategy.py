@@ -27,6 +27,7 @@ Only the plugin's collectives are counted; ``fabric.all_reduce``/``fabric.barrie
 from __future__ import annotations
 
 import atexit
+import sys
 from contextlib import AbstractContextManager, nullcontext, suppress
 from datetime import timedelta
 from types import SimpleNamespace
@@ -158,6 +159,11 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
         if comm is not None and comm.group is not None and dist.is_initialized():
             with suppress(ValueError):  # destroyed already (the process groups were made anew since)
                 dist.destroy_process_group(comm.group)
+        if getattr(sys, "last_value", None) is not None and dist.is_initialized():
+            # the loop died on an exception (the interpreter printed it): Fabric tears nothing down then, so the
+            # default group's threads are joined here rather than destroyed joinable at the interpreter's exit
+            with suppress(ValueError, RuntimeError):
+                dist.destroy_process_group()
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
