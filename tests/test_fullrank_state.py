@@ -192,3 +192,48 @@ def test_an_embedding_model_trains_about_as_well_as_with_adamw_moments() -> None
     adamw, factored = train("adamw"), train("factored")
     assert adamw < 0.05 * math.log(300)  # both learned most of the map: the comparison means something
     assert factored <= 1.10 * adamw, (factored, adamw)
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["grouped", "readable"])
+def test_a_weight_laid_out_otherwise_steps_as_its_contiguous_copy(foreach: bool) -> None:
+    """A channels_last conv weight and a permuted one (views as rows impossible) step, and convert both ways, as
+    contiguous copies of them do; AdamW's moments expanded from the factored ones are laid out as the weight."""
+    g = torch.Generator().manual_seed(3)
+    odd = [nn.Parameter(torch.randn(8, 3, 3, 3, generator=g).to(memory_format=torch.channels_last)),
+           nn.Parameter(torch.randn(4, 5, 6, generator=g).permute(1, 0, 2))]
+    plain = [nn.Parameter(p.detach().contiguous()) for p in odd]
+    assert not any(p.is_contiguous() for p in odd)
+    opts = [LoRDO(ps, full_rank=ps, lr=1e-2, weight_decay=0.1, foreach=foreach) for ps in (odd, plain)]
+    for t in range(6):
+        if t == 2:  # AdamW's moments factored, then (t == 4) expanded back
+            for opt in opts:
+                opt.param_groups[0]["fullrank_state"] = "factored"
+                assert len(opt.conform_state()) == 2
+        if t == 4:
+            for opt in opts:
+                opt.param_groups[0]["fullrank_state"] = "adamw"
+                assert len(opt.conform_state()) == 2
+            assert opts[0].state[odd[0]]["exp_avg_sq"].stride() == odd[0].stride()
+        grads = [torch.randn(p.shape, generator=g) for p in plain]
+        for ps in (odd, plain):
+            for p, grad in zip(ps, grads):
+                p.grad = torch.empty_like(p).copy_(grad)  # laid out as its weight, as autograd makes it
+        for opt in opts:
+            opt.step()
+    for a, b in zip(odd, plain):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_moments_a_sync_averages_are_laid_out_as_the_state(dtype: torch.dtype) -> None:
+    """``exchange.fullrank_moments`` (what a worker that holds no state sends, as zeros, when moments are averaged)
+    gives each factored tensor the dtype and shape of the state a step makes: workers that differ there would send
+    collectives of different sizes (a float64 weight's factors are float64)."""
+    from lightning_lordo.sync.exchange import fullrank_moments
+
+    params = _params(dtype=dtype)
+    opt = _run(params, _grads(1, dtype))
+    for p in params:
+        layout = fullrank_moments(opt, p, opt.param_groups[0])
+        assert [(k, d, tuple(s)) for k, d, s in layout] == \
+            [(k, opt.state[p][k].dtype, tuple(opt.state[p][k].shape)) for k, _, _ in layout]

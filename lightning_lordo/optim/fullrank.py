@@ -12,6 +12,7 @@ squared gradient; Shazeer & Stern, 2018), at AdamW's learning rate and bias corr
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
@@ -120,7 +121,7 @@ def new_state(p: Tensor, h: Hyper, fused: bool) -> dict[str, Tensor]:
     per element against AdamW's 8."""
     step = torch.zeros((), dtype=torch.float32, device=p.device if fused else torch.device("cpu"))
     if is_factored(p, h):
-        (a, b), dtype = _rows(p).shape, math_dtype(p.dtype)
+        (a, b), dtype = _sides(p), math_dtype(p.dtype)
         return {"step": step, "exp_avg": torch.zeros_like(p, dtype=torch.bfloat16),
                 "factored_row": torch.zeros(a, dtype=dtype, device=p.device),
                 "factored_col": torch.zeros(b, dtype=dtype, device=p.device)}
@@ -138,7 +139,7 @@ def conform(p: Tensor, state: dict[str, Tensor], h: Hyper, fused: bool) -> Optio
         return None
     factored = is_factored(p, h)
     if factored and "exp_avg_sq" in state:
-        v = _rows(state.pop("exp_avg_sq")).to(math_dtype(p.dtype))
+        v = _rows(state.pop("exp_avg_sq").to(math_dtype(p.dtype)))
         state.update(exp_avg=state["exp_avg"].to(torch.bfloat16), factored_row=v.mean(dim=1),
                      factored_col=v.mean(dim=0), step=state["step"].cpu())
         return "AdamW moments factored (fullrank_state='factored')"
@@ -155,8 +156,9 @@ def expand_factored(state: Mapping[str, Tensor], p: Tensor) -> dict[str, Tensor]
     the factors over the rows' mean (Adafactor's estimate)."""
     dtype = math_dtype(p.dtype)
     row, col = state["factored_row"].to(dtype), state["factored_col"].to(dtype)
-    second = torch.outer(row, col).div_(row.mean().clamp(min=_TINY)).reshape(p.shape)
-    return {"exp_avg": state["exp_avg"].to(dtype), "exp_avg_sq": second.to(dtype)}
+    second = torch.outer(row, col).div_(row.mean().clamp(min=_TINY)).view(p.shape)
+    # laid out as ``p`` (a channels_last weight's too), as AdamW's own moments are: torch's fused AdamW wants that
+    return {"exp_avg": state["exp_avg"].to(dtype), "exp_avg_sq": torch.empty_like(p, dtype=dtype).copy_(second)}
 
 
 def factored_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float) -> None:
@@ -166,7 +168,7 @@ def factored_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float) 
     grad = p.grad.to(math_dtype(p.dtype))
     first = state["exp_avg"].to(grad.dtype).lerp_(grad, 1 - h.beta1)
     state["exp_avg"].copy_(first)
-    squared = _rows(grad).square()
+    squared = _rows(grad).square()  # (a copy of a gradient laid out otherwise than as rows)
     state["factored_row"].mul_(h.beta2).add_(squared.mean(dim=1), alpha=1 - h.beta2)
     state["factored_col"].mul_(h.beta2).add_(squared.mean(dim=0), alpha=1 - h.beta2)
     row, col = state["factored_row"], state["factored_col"]
@@ -184,25 +186,25 @@ def factored_step(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]],
     (an embedding's update never exists whole), the denominator as the outer product of two square-rooted
     factors."""
     for p, state, t in zip(params, states, steps):
-        grad = _rows(p.grad)
-        a, b = grad.shape
+        grad, (a, b) = p.grad, _sides(p)
         dtype = math_dtype(p.dtype)
-        row_sq = torch.linalg.vector_norm(grad, dim=1, dtype=dtype).square_().div_(b)
-        col_sq = torch.linalg.vector_norm(grad, dim=0, dtype=dtype).square_().div_(a)
+        # along the dimensions themselves, not a view as rows: a weight of any layout (channels_last, permuted)
+        row_sq = torch.linalg.vector_norm(grad, dim=tuple(range(1, grad.ndim)), dtype=dtype).square_().div_(b)
+        col_sq = torch.linalg.vector_norm(grad, dim=0, dtype=dtype).square_().div_(a).reshape(-1)
         state["factored_row"].mul_(h.beta2).add_(row_sq, alpha=1 - h.beta2)
         state["factored_col"].mul_(h.beta2).add_(col_sq, alpha=1 - h.beta2)
         row_scale = (state["factored_row"] / (1 - h.beta2**t)).sqrt_()
         col_scale = (state["factored_col"] / state["factored_row"].mean().clamp(min=_TINY)).sqrt_()
-        weights, first = _rows(p), _rows(state["exp_avg"])
-        for rows in row_slices(a, b):
+        first = state["exp_avg"]
+        for rows in row_slices(a, b):  # slices along the first dimension: views whatever the layout
             g = grad[rows].to(dtype)
             m = first[rows].to(g.dtype).lerp_(g, 1 - h.beta1)
             first[rows].copy_(m)
             m.div_(1 - h.beta1**t)
             if h.update == "subspace_qh":
                 m.mul_(h.omega).add_(g, alpha=1 - h.omega)
-            m.div_(torch.outer(row_scale[rows], col_scale).add_(h.eps))
-            apply_update(weights[rows], m, h)
+            m.div_(torch.outer(row_scale[rows], col_scale).add_(h.eps).view(m.shape))
+            apply_update(p[rows], m, h)
 
 
 def row_slices(rows: int, cols: int) -> list[slice]:
@@ -211,6 +213,11 @@ def row_slices(rows: int, cols: int) -> list[slice]:
     return [slice(start, start + per) for start in range(0, rows, per)]
 
 
+def _sides(p: Tensor) -> tuple[int, int]:
+    """``p``'s rows (``p.shape[0]``) and the numbers in each (the product of the other dimensions)."""
+    return p.shape[0], math.prod(p.shape[1:])
+
+
 def _rows(x: Tensor) -> Tensor:
-    """``x`` as ``x.shape[0]`` rows (a view; a matrix as it is)."""
-    return x if x.ndim == 2 else x.view(x.shape[0], -1)
+    """``x`` as ``x.shape[0]`` rows, to read (a matrix as it is; a view where its layout allows, else a copy)."""
+    return x if x.ndim == 2 else x.reshape(x.shape[0], math.prod(x.shape[1:]))

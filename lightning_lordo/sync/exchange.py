@@ -6,6 +6,7 @@ was (SPEC §4-5; torchft's exchange-then-commit).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -147,9 +148,9 @@ def fullrank_moments(optimizer: Optimizer, p: Tensor, group: dict[str, Any]
     SGD's momentum; ``None`` for another optimizer."""
     if isinstance(optimizer, LoRDO):
         if is_factored(p, Hyper.of(group)):  # the factors average as the second moment's row and column means do
-            a = p.shape[0]
-            return [("exp_avg", torch.bfloat16, p.shape), ("factored_row", torch.float32, (a,)),
-                    ("factored_col", torch.float32, (p.numel() // max(1, a),))]
+            # as fullrank.new_state makes them: the factors in the math dtype (a float64 weight's in float64)
+            return [("exp_avg", torch.bfloat16, p.shape), ("factored_row", math_dtype(p.dtype), (p.shape[0],)),
+                    ("factored_col", math_dtype(p.dtype), (math.prod(p.shape[1:]),))]
         return [(k, math_dtype(p.dtype), p.shape) for k in ("exp_avg", "exp_avg_sq")]
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[:3 if group.get("amsgrad") else 2]
