@@ -203,6 +203,33 @@ def test_a_message_costs_the_same_kernels_whatever_its_row_lengths() -> None:
     assert _ops_of_a_message(two)[2] <= 60 and sum(_ops_of_a_message(two)[:2]) <= 30, _ops_of_a_message(two)
 
 
+def test_a_layout_coded_again_makes_no_tensor_from_host_numbers() -> None:
+    """A sync codes the same layouts every time: their row lengths go to the device once. A tensor made from host
+    numbers (``torch.tensor``: ``lift_fresh``) is a blocking copy to an accelerator, a stream synchronization per
+    message; none when a layout comes again, whichever tensors carry it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fresh(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.made += str(func).startswith("aten.lift_fresh")
+            return func(*args, **(kwargs or {}))
+
+    shapes = [(8, 16), (5, 3, 2), (7,), (), (0, 4)]
+    xs = [torch.randn(s) for s in shapes]
+    first, _, layout = pack_rows(xs)
+    with Fresh() as fresh:
+        again, sent, _ = pack_rows([x.clone() for x in xs])
+        means = mean_of_packed(torch.stack([again, again]), layout)
+    assert fresh.made == 0 and torch.equal(first, again)
+    reference = reference_pack(xs)
+    assert torch.equal(reference[0], again) and all(torch.equal(a, b) for a, b in zip(reference[1], sent))
+    assert all(torch.equal(a, b) for a, b in zip(means, sent))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. the messages of a sync joined, against each message alone (2 processes)
 # ---------------------------------------------------------------------------------------------------------------

@@ -65,12 +65,9 @@ class RowLayout:
 
     def __init__(self, shapes: Sequence[torch.Size], device: torch.device) -> None:
         self.flat = FlatLayout(shapes)
-        lengths: list[int] = []
-        for i in self.flat.order:
-            shape = self.flat.shapes[i]
-            lengths.extend([shape.numel()] if len(shape) <= 1 else [math.prod(shape[1:])] * shape[0])
-        self.rows, self.numel = len(lengths), sum(lengths)
-        self.lengths = torch.tensor(lengths, dtype=torch.int32, device=device)
+        self.rows = sum(1 if len(s) <= 1 else s[0] for s in self.flat.shapes)
+        self.numel = sum(s.numel() for s in self.flat.shapes)
+        self.lengths = _row_lengths(self.flat, torch.device(device))
         self.row_of = torch.repeat_interleave(self.lengths, output_size=self.numel)  # no host read for the size
 
     def part_bytes(self, counts: Sequence[int]) -> list[int]:
@@ -81,6 +78,28 @@ class RowLayout:
             out.append(sum(s.numel() + 4 * (1 if len(s) <= 1 else s[0]) for s in shapes))
             start += count
         return out
+
+
+#: The row lengths of the layouts coded so far, by shapes and device: a sync codes the same layouts every time, and
+#: a tensor made from host numbers is a blocking copy to an accelerator (a stream synchronization), made once.
+_LENGTHS: dict[tuple[tuple[torch.Size, ...], torch.device], Tensor] = {}
+_LENGTHS_KEPT = 64
+
+
+def _row_lengths(flat: FlatLayout, device: torch.device) -> Tensor:
+    """The length of every row (:func:`rows_view`) of ``flat``'s tensors in its order, int32 on ``device``."""
+    key = (tuple(flat.shapes), device)
+    found = _LENGTHS.get(key)
+    if found is None:
+        lengths: list[int] = []
+        for i in flat.order:
+            shape = flat.shapes[i]
+            lengths.extend([shape.numel()] if len(shape) <= 1 else [math.prod(shape[1:])] * shape[0])
+        found = torch.tensor(lengths, dtype=torch.int32, device=device)
+        if len(_LENGTHS) >= _LENGTHS_KEPT:
+            _LENGTHS.clear()
+        _LENGTHS[key] = found
+    return found
 
 
 def pack_rows(xs: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], RowLayout]:
