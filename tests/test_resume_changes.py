@@ -303,3 +303,18 @@ def test_a_knob_that_shapes_a_round_in_flight_is_refused_by_name(in_flight: Path
     with pytest.raises(Exception, match=f"Cannot change .*{named} from .*round in flight") as caught:
         _fit(tmp_path, "changed", ckpt=str(in_flight), overlap_steps=2, **knobs)
     assert "zip()" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("saved", "now"), [("adamw", "factored"), ("factored", "adamw")])
+def test_a_changed_fullrank_state_is_refused_when_the_round_in_flight_averages_fullrank_moments(
+        tmp_path: Path, saved: str, now: str) -> None:
+    """With ``average_fullrank_moments`` the round in flight copied the full-rank moments in the checkpoint's form
+    (AdamW's two, or the factored three): redone from those copies, a changed ``fullrank_state`` is refused by name,
+    not met by a zip() of the copies against the converted state."""
+    from test_resume import _fit
+
+    _fit(tmp_path, "full", checkpoints=True, overlap_steps=2, average_fullrank_moments=True, fullrank_state=saved)
+    with pytest.raises(Exception, match=r"Cannot change .*fullrank_state from .*round in flight") as caught:
+        _fit(tmp_path, "changed", ckpt=str(tmp_path / "ckpt" / "step=9.ckpt"), overlap_steps=2,
+             average_fullrank_moments=True, fullrank_state=now)
+    assert "zip()" not in str(caught.value)

@@ -255,8 +255,11 @@ def _refuse_round_changes(saved: Optional[dict[str, Any]], strategy: Saved) -> N
                for k in _ROUND_SHAPE]
     changed.append(("lowrank", saved["lowrank"], strategy.lowrank))
     groups = strategy.optimizers[0].param_groups
+    # the full-rank moments' form shapes the round's copies when it averages them (AdamW's two or the factored three)
+    shaping = ("rank", "error_feedback") + (("fullrank_state",) if strategy.sync_config.average_fullrank_moments
+                                            else ())
     for old, group in zip(saved["optimizer_knobs"] or [], groups if isinstance(strategy.optimizers[0], LoRDO) else []):
-        changed += [(k, old[k], group[k]) for k in ("rank", "error_feedback") if k in old]
+        changed += [(k, old[k], group[k]) for k in shaping if k in old]
     changed = [(name, was, now) for name, was, now in changed if _plain(was) != _plain(now)]
     if changed:
         listed = ", ".join(f"{name} from {was!r} to {now!r}" for name, was, now in changed)
