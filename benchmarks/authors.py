@@ -26,6 +26,8 @@ Stages (each appends to ``results/authors.jsonl`` and skips runs already there, 
 * ``window``: the same budget with ``basis_every`` (the bases refreshed every 32 steps, from the window's summed
   pseudo-gradients, as at K = 32): the defaults at K = 8 (LR x1) and the bfloat16 defaults at K = 4 (LR x2, the
   budget stage's best), seed 0; then seeds 1 and 2 of the better one.
+* ``factored``: today's defaults without and with ``fullrank_state="factored"`` at DDP's best LR, seed 0, both from
+  the same (rebuilt) warm start.
 
 Usage: ``python benchmarks/authors.py --data ../shared/data/tinyshakespeare.txt [--stage all]``
 """
@@ -44,7 +46,7 @@ RESULTS = ROOT / "results" / "authors.jsonl"
 CACHE = ROOT / "cache"
 WARMUP_CKPT = CACHE / "authors-warmup.ckpt"
 STAGES = ("warmup-lr", "warmup", "sweep", "main", "ablations", "claims", "scratch", "seed2", "recheck", "frontier",
-          "budget", "window", "issue30", "interval")
+          "budget", "window", "issue30", "interval", "factored")
 
 MODEL = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, workers=4, batch_size=8, sync_every=32, rank=16,
              val_batches=32)
@@ -95,6 +97,9 @@ METHODS: dict[str, dict[str, Any]] = {
     # with the authors' step size and an undecayed buffer, and as it is now (AdamW-sized steps, decay beta1)
     "lordo_candidate_before": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": 1.0, "update_scale": 1.0}),
     "lordo_current": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": "auto", "update_scale": "auto"}),
+    # issue 29's memory configuration's state for embeddings and heads, on today's defaults
+    "lordo_factored": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": "auto", "update_scale": "auto",
+                                                  "fullrank_state": "factored"}),
     # which of the two changes moved it: the decayed buffer alone, at the authors' step size and the candidate's LR
     "lordo_decay_only": dict(method="lordo", knobs={**CANDIDATE, "ef_decay": "auto", "update_scale": 1.0}),
     # a slower decay (the issue's 0.99, which also ended the regression's wind-up) with AdamW-sized steps
@@ -322,6 +327,9 @@ def specs_for(stage: str, data: str) -> list[tuple[str, RunSpec]]:
         # 0.99]: 0.969 at K = 32), the spec of issue30's lordo_current, which ran when "auto" meant beta1
         ddp = warmup_lr() * best_scale("ddp")
         return [("lordo_current", continuation("lordo_current", data, ddp * s)) for s in (1.0, 0.5, 2.0)]
+    if stage == "factored":  # seed 0, rebuilt warm start, DDP's best LR: today's defaults without and with it
+        ddp = warmup_lr() * best_scale("ddp")
+        return [(n, continuation(n, data, ddp)) for n in ("lordo_current", "lordo_factored")]
     if stage == "recheck":
         base = warmup_lr()
         return [(n, continuation(n, data, base * best_scale(n))) for n in RECHECK]
@@ -335,7 +343,7 @@ def run_stage(stage: str, data: str, argv: list[str]) -> None:
     while True:  # the sweep grows while an edge keeps winning; the budget stage adds seeds once its LR is known
         # read back from the file each round: a record kept in memory holds tuples where the stored spec has lists,
         # so `done` would miss it and the round would run again
-        records = [r for r in load(RESULTS) if stage not in ("recheck", "issue30", "interval")
+        records = [r for r in load(RESULTS) if stage not in ("recheck", "issue30", "interval", "factored")
                    or r.get("stage") == stage]
         pending = [(n, s) for n, s in specs_for(stage, data) if not done(records, s)]
         if stage == "warmup" and not WARMUP_CKPT.exists():  # the checkpoint is not committed: rebuild it
