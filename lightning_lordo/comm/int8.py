@@ -80,15 +80,18 @@ class RowLayout:
         return out
 
 
-#: The row lengths of the layouts coded so far, by shapes and device: a sync codes the same layouts every time, and
-#: a tensor made from host numbers is a blocking copy to an accelerator (a stream synchronization), made once.
-_LENGTHS: dict[tuple[tuple[torch.Size, ...], torch.device], Tensor] = {}
+#: The row lengths of the layouts coded so far, by shapes, device and CUDA stream: a sync codes the same layouts every
+#: time, and a tensor made from host numbers is a blocking copy to an accelerator (a stream synchronization), made
+#: once. Per stream: a tensor is only ever read on the stream it was made on (an overlapped round's side stream, or
+#: the training stream), so freeing it (when the cache is cleared) cannot race with another stream's reads.
+_LENGTHS: dict[tuple[tuple[torch.Size, ...], torch.device, Optional[int]], Tensor] = {}
 _LENGTHS_KEPT = 64
 
 
 def _row_lengths(flat: FlatLayout, device: torch.device) -> Tensor:
     """The length of every row (:func:`rows_view`) of ``flat``'s tensors in its order, int32 on ``device``."""
-    key = (tuple(flat.shapes), device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (tuple(flat.shapes), device, stream)
     found = _LENGTHS.get(key)
     if found is None:
         lengths: list[int] = []
