@@ -237,3 +237,14 @@ def test_the_moments_a_sync_averages_are_laid_out_as_the_state(dtype: torch.dtyp
         layout = fullrank_moments(opt, p, opt.param_groups[0])
         assert [(k, d, tuple(s)) for k, d, s in layout] == \
             [(k, opt.state[p][k].dtype, tuple(opt.state[p][k].shape)) for k, _, _ in layout]
+
+
+def test_an_empty_weight_keeps_adamws_empty_moments() -> None:
+    """A weight with no rows (or no columns) has no mean to factor: AdamW's (empty) moments, no NaN factor."""
+    params = [nn.Parameter(torch.zeros(0, 5)), nn.Parameter(torch.zeros(5, 0)), nn.Parameter(torch.randn(4, 3))]
+    opt = LoRDO(params, full_rank=params, fullrank_state="factored")
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert [set(opt.state[p]) for p in params[:2]] == [{"step", "exp_avg", "exp_avg_sq"}] * 2
+    assert "factored_row" in opt.state[params[2]] and torch.isfinite(params[2]).all()

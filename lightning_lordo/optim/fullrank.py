@@ -109,8 +109,8 @@ def adamw_torch(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h
 # ------------------------------------------------------------------------ fullrank_state="factored"
 def is_factored(p: Tensor, h: Hyper) -> bool:
     """Whether the full-rank ``p`` keeps the factored state (``fullrank_state="factored"``; tensors of 2 or more
-    dimensions: a vector's AdamW moments are as small as its factors)."""
-    return h.fullrank_state == "factored" and p.ndim >= 2
+    dimensions: a vector's AdamW moments are as small as its factors; an empty one has no mean to factor)."""
+    return h.fullrank_state == "factored" and p.ndim >= 2 and p.numel() > 0
 
 
 def new_state(p: Tensor, h: Hyper, fused: bool) -> dict[str, Tensor]:
