@@ -37,6 +37,19 @@ def _problem(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def _train(lin: nn.Linear, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: int = 3000
+           ) -> list[float]:
+    """Full-batch steps of the regression; the loss before each."""
+    losses = []
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(lin(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _check(losses: list[float], what: str) -> None:
     start, lowest, last = losses[0], min(losses), losses[-1]
     assert last <= 0.05 * start, f"{what}: {last:.4f} is not within 5 % of the start {start:.4f}"
@@ -70,13 +83,7 @@ def test_regression_converges_on_the_full_rank_step(state: str) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
     opt = LoRDO(lin.parameters(), lr=1e-2, weight_decay=0.0, full_rank=[lin.weight], fullrank_state=state)
-    losses = []
-    for _ in range(3000):
-        loss = nn.functional.mse_loss(lin(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(lin, opt, x, y)
     assert "factored_row" in opt.state[lin.weight] if state == "factored" else "exp_avg_sq" in opt.state[lin.weight]
     _check(losses, f"full-rank step, fullrank_state={state!r}")
 
@@ -88,13 +95,7 @@ def test_undecayed_error_feedback_still_winds_up() -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)
     opt = LoRDO(lin.parameters(), lr=1e-2, weight_decay=0.0, rank=8, ef_decay=1.0, full_rank_input="accumulated")
-    losses = []
-    for _ in range(3000):
-        loss = nn.functional.mse_loss(lin(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(lin, opt, x, y)
     assert losses[-1] > 2 * min(losses)
 
 
