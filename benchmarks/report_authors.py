@@ -52,7 +52,7 @@ def main_runs(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         reference = authors.continuation(name, "", lr)
         for r in records:
             spec = r["spec"]
-            if r["name"] in (name, authors.SAME_RUN.get(name)) and r.get("stage") != "recheck" \
+            if r["name"] in (name, authors.SAME_RUN.get(name)) and r.get("stage") not in authors.REBUILT_STAGES \
                     and math.isclose(spec["lr"], lr) \
                     and spec["steps"] == reference.steps \
                     and spec["rank"] == reference.rank and spec["batch_size"] == reference.batch_size:
@@ -94,7 +94,7 @@ def report(path: Path) -> str:
               "| optimizer state MB |", "|---|---|---|---|---|---|---|---|"]
     ppl = {n: statistics.fmean(math.exp(r["final_val_loss"]) for r in rs) for n, rs in runs.items()}
     sent = {n: statistics.fmean(r["bytes_sent"] for r in rs) for n, rs in runs.items()}
-    for name in authors.METHODS:
+    for name in (n for n in authors.METHODS if n in NAMES):  # the stages after the main table have their own
         if name not in runs:
             lines.append(f"| {NAMES[name]} | 0 | not run | | | | | |")
             continue
