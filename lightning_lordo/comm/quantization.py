@@ -297,9 +297,9 @@ class QuantizedAverager:
             ValueError: the tensors do not match the shapes of the error feedback kept so far.
             CollectiveTimeout: from the communicator.
         """
-        exact = self.payload_dtype == "float32" and self._errors is None  # nothing is added or kept: no copy
         xs = self.message(tensors)
-        result = quantized_mean(comm, xs, purpose, self.payload_dtype, self.reduction, in_place=in_place and exact)
+        result = quantized_mean(comm, xs, purpose, self.payload_dtype, self.reduction,
+                                in_place=in_place and self._exact)
         return self.finish(xs, result)
 
     def message(self, tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -309,7 +309,6 @@ class QuantizedAverager:
         Raises:
             ValueError: the tensors do not match the shapes of the error feedback kept so far.
         """
-        exact = self.payload_dtype == "float32" and self._errors is None
         xs = [_as(t, math_dtype(t.dtype)) for t in tensors]
         if self._errors is not None:
             if [e.shape for e in self._errors] != [x.shape for x in xs]:
@@ -317,9 +316,14 @@ class QuantizedAverager:
                                  f"{[tuple(x.shape) for x in xs]} differ from those of the error feedback "
                                  f"{[tuple(e.shape) for e in self._errors]}; pass the same list every round.")
             xs = list(torch._foreach_add(xs, [e.to(x.device) for e, x in zip(self._errors, xs)])) if xs else xs
-        elif not exact:  # the error feedback below is computed in a copy (``_as`` copied only to change the dtype)
+        elif not self._exact:  # the error feedback below is computed in a copy (``_as`` copied only for the dtype)
             xs = [x.clone() if x.dtype == t.dtype else x for x, t in zip(xs, tensors)]
         return xs
+
+    @property
+    def _exact(self) -> bool:
+        """Whether a message is the tensors themselves: a float32 payload adds and keeps no error feedback."""
+        return self.payload_dtype == "float32" and self._errors is None
 
     def finish(self, xs: list[Tensor], result: QuantizedMean, finite: Optional[Tensor] = None) -> AverageRound:
         """The round of the message ``xs`` (:meth:`message`) from its mean ``result``; changes nothing here.
