@@ -140,6 +140,16 @@ class LoRDOCore:
         self.sync_reports += reports
         return reports
 
+    def round_ended(self) -> bool:
+        """At the exit: the round in flight's thread ends (bounded by the timeout; not landed). Whether no thread of
+        this core is still in a collective, so that its groups may be destroyed."""
+        sync = self.synchronizer
+        if sync is None:
+            return True
+        sync.let_in_flight_end()
+        launched = sync.in_flight
+        return launched is None or launched.thread is None or not launched.thread.is_alive()
+
     def check_synchronized_set(self) -> None:
         """Refuse parameters that became trainable after setup (e.g. unfrozen by a callback): they would train
         locally on every rank and never be averaged."""

@@ -26,15 +26,12 @@ Only the plugin's collectives are counted; ``fabric.all_reduce``/``fabric.barrie
 
 from __future__ import annotations
 
-import atexit
-import sys
-from contextlib import AbstractContextManager, nullcontext, suppress
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
@@ -43,6 +40,7 @@ from typing_extensions import override
 
 from lightning_lordo.checks import check_choice
 from lightning_lordo.comm.communicator import Communicator, joining, side_communicator
+from lightning_lordo.comm.groups import destroy_at_exit
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.convert import (
     check_initialized,
@@ -142,28 +140,14 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)
         if self.sync_config.overlap_steps and self.world_size > 1:  # every rank creates the side group together
             self.core.overlap_comm = side_communicator(self.accountant, self.sync_config.timeout)
-            # a loop that ends on an exception leaves a round's thread in a collective: let it end before the
-            # interpreter tears the process groups down (an abort otherwise hides the user's exception)
-            atexit.register(self._end_round_at_exit)
+        destroy_at_exit(self)  # the groups end while the interpreter is whole (comm.groups)
 
-    def _end_round_at_exit(self) -> None:
-        """At the exit of a loop that failed: the round in flight's thread ends, then the side group is destroyed
-        here, in order, not by the interpreter's teardown while its threads may still hold it."""
-        sync = self.synchronizer
-        if sync is not None:
-            sync.let_in_flight_end()
-            launched = sync.in_flight
-            if launched is not None and launched.thread is not None and launched.thread.is_alive():
-                return  # still in a collective (past its timeout): destroying its group would abort the process
-        comm = self.core.overlap_comm
-        if comm is not None and comm.group is not None and dist.is_initialized():
-            with suppress(ValueError):  # destroyed already (the process groups were made anew since)
-                dist.destroy_process_group(comm.group)
-        if getattr(sys, "last_value", None) is not None and dist.is_initialized():
-            # the loop died on an exception (the interpreter printed it): Fabric tears nothing down then, so the
-            # default group's threads are joined here rather than destroyed joinable at the interpreter's exit
-            with suppress(ValueError, RuntimeError):
-                dist.destroy_process_group()
+    def groups_to_release(self) -> Optional[list[Any]]:
+        """At the exit (:mod:`lightning_lordo.comm.groups`): the side group, once the round in flight's thread has
+        ended (a loop that failed leaves it in a collective)."""
+        if not self.core.round_ended():
+            return None
+        return [self.core.overlap_comm.group] if self.core.overlap_comm is not None else []
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_lordo.checks import check_choice
 from lightning_lordo.comm.communicator import Communicator, joining, side_communicator
+from lightning_lordo.comm.groups import destroy_at_exit
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.convert import (
     check_initialized,
@@ -71,7 +72,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         outer_lr, outer_momentum: the Nesterov outer step's learning rate and momentum (DiLoCo's 0.7 and 0.9).
         overlap_steps: 0 (blocking syncs), or tau < sync_every: a round's collectives overlap tau local steps.
         anchor_device: where the anchor lives: ``auto`` (host memory on an accelerator), ``param`` or ``cpu``.
-        bucket_cap_mb: the most pseudo-gradient (MB) a one-process sync holds at once.
+        bucket_cap_mb: the most pseudo-gradient (float32 MB) a blocking sync holds at once.
         monitor: add a :class:`~lightning_lordo.CommunicationMonitor` unless the Trainer already has one.
         timeout: timeout of every collective, in seconds (1 s to one year) or a timedelta.
         start_method: how processes are launched: ``popen``, ``spawn``, ``fork`` or ``forkserver``, as in DDP.
@@ -198,6 +199,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
             self._overlap_group = group
             self.core.overlap_comm = Communicator(self.accountant, self.sync_config.timeout, group=group)
         self._setup_control()
+        destroy_at_exit(self)  # the groups end while the interpreter is whole (comm.groups)
         check_initialized(self.model)
         state = list(self.model.parameters()) + list(self.model.buffers())
         self.communicator.broadcast_unless_identical([t.data for t in state], "setup_broadcast")
@@ -294,6 +296,14 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         if self.synchronizer is not None:
             self.synchronizer.let_in_flight_end()
         super().on_exception(exception)
+
+    def groups_to_release(self) -> Optional[list[Any]]:
+        """At the exit (:mod:`lightning_lordo.comm.groups`): the side groups (the per-batch checks', the overlapped
+        rounds'), once the round in flight's thread has ended."""
+        if not self.core.round_ended():
+            return None
+        control = getattr(self, "_control_comm", None)
+        return [self._overlap_group, control.group if control is not None else None]
 
     @override
     def teardown(self) -> None:
