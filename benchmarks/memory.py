@@ -18,7 +18,9 @@ Ratios are to fused AdamW's resident bytes (params + grads + 2 moments). The mod
 layers, d 1024, vocabulary 50257, untied head: 406 M parameters, float32), one process (one device). Takes about
 3 minutes and 8 GB of memory; ``--small`` runs a 4-layer, d 256 version in seconds.
 
-Usage: ``python benchmarks/memory.py [--small] [--device cuda]``. Writes ``results/memory.json`` (``memory-small.json``,
+Usage: ``python benchmarks/memory.py [--small] [--device cuda] [--processes 2]``. ``--processes 2`` measures only a
+sync's transient, in each of two forked gloo processes, against its bound (two buckets and the low-rank messages).
+Writes ``results/memory.json`` (``memory-small.json``,
 ``memory-cuda.json``); on a GPU each row also gives ``torch.cuda.memory_allocated`` to check the count against.
 """
 
@@ -152,6 +154,65 @@ def measure(name: str, small: bool, device: str = "cpu") -> dict[str, Any]:
     return row
 
 
+#: The configurations whose sync transient ``--processes 2`` measures: the bucketed sync's (float32 full payload)
+#: and the general path's (compressed payloads)
+TWO_PROCESS_CONFIGS = ("lordo", "lordo_lean", "lordo_compressed")
+
+
+def _sync_transient_worker(rank: int, port: int, small: bool, out: str) -> None:
+    """One of two gloo workers: per configuration, a step and a sync of the model, the sync's transient peak against
+    its bound (two buckets, a tensor larger than the cap being a bucket of its own, plus the low-rank messages: the
+    averaged low-rank moments and the new bases), written to ``out.<rank>``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(minutes=30))
+    rows = []
+    for preset in TWO_PROCESS_CONFIGS:
+        net = model(small)
+        params = list(net.parameters())
+        gen = torch.Generator().manual_seed(rank)  # the workers' pseudo-gradients differ
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        knobs, config = preset_knobs(preset)
+        ef = {"ef_dtype": "bfloat16"} if knobs.get("error_feedback", True) else {}  # an accelerator's "auto"
+        opt = LoRDO(params, rank=16, full_rank=full_rank_params(net), layout="stacked", **ef, **knobs)
+        rounds = SyncConfig(**{"sync_every": 1, "synchronous": False, **config})
+        sync = Synchronizer(params, [], opt, rounds, Communicator(CommAccountant(), timedelta(minutes=30)))
+        sync.before_optimizer_step()
+        opt.step()
+        with LiveBytes() as live:
+            sync.on_optimizer_step()  # sync_every=1: a sync
+        lowrank = opt.lowrank_params()
+        messages = sum(opt.state[p][k].numel() * 4 for p in lowrank for k in ("exp_avg", "exp_avg_sq", "basis"))
+        bucket = max(rounds.bucket_cap_mb * 2**20, max(p.numel() * 4 for p in params))
+        model_bytes = sum(p.numel() * 4 for p in params)
+        rows.append({"config": preset, "transient": live.peak, "bound": 2 * bucket + messages,
+                     "model": model_bytes, "transient_models": round(live.peak / model_bytes, 3),
+                     "bound_models": round((2 * bucket + messages) / model_bytes, 3)})
+        del opt, sync, net, params
+        gc.collect()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def two_processes(small: bool) -> list[dict[str, Any]]:
+    """The sync transient with two processes (forked, gloo), rank 0's rows."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_sync_transient_worker, args=(port, small, f"{tmp}/rows"), nprocs=2, start_method="fork")
+        return json.loads(open(f"{tmp}/rows.0").read())
+
+
 def check(device: torch.device, small: bool) -> dict[str, Any]:
     """``gpu_check.py``'s memory section: fused AdamW, ``"lordo"``, ``"lordo_lean"`` and the memory configuration
     (``"lordo_lean"`` with ``fullrank_state="factored"``) on ``device``; on a GPU the
@@ -170,7 +231,20 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a 4-layer, d 256 model (seconds)")
     parser.add_argument("--device", default="cpu", help="where the model lives, e.g. cuda (then the counts are "
                         "checked against torch.cuda.memory_allocated, and the error feedback's dtype is the device's)")
+    parser.add_argument("--processes", type=int, choices=(1, 2), default=1,
+                        help="2: only the sync's transient, in each of two processes (results/memory-2proc.json)")
     args = parser.parse_args()
+    if args.processes == 2:
+        rows = two_processes(args.small)
+        print(f"{'configuration':<20}{'sync transient (models)':>25}{'bound (models)':>16}  holds")
+        for r in rows:
+            r["holds"] = r["transient"] <= r["bound"]
+            print(f"{r['config']:<20}{r['transient_models']:>25}{r['bound_models']:>16}  {r['holds']}")
+        path = ROOT / "results" / f"memory-2proc{'-small' if args.small else ''}.json"
+        command = "python benchmarks/memory.py --processes 2" + (" --small" if args.small else "")
+        path.write_text(json.dumps({"provenance": provenance(command), "rows": rows}, indent=1) + "\n")
+        print(f"wrote {path}")
+        return
     rows = [measure(name, args.small, args.device) for name in ("adamw (fused)", "adamw (foreach)", *CONFIGS)]
     adamw = rows[0]["resident"]
     model_bytes = rows[0]["params"]

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from lightning_lordo import CollectiveTimeout, LoRDO, LoRDOStrategy, NonFiniteTraining, SyncConfig
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.sync import bucketed
 from lightning_lordo.sync.faults import sigint_deferred
 from lightning_lordo.sync.synchronizer import Synchronizer
 
@@ -59,9 +60,10 @@ class FlakyCommunicator(Communicator):
     with a world size of 1 the synchronizer would skip the buffers' and moments' collectives) that raises ``error``
     at the collective of ``purpose`` once armed."""
 
-    def __init__(self, purpose: str = "", error: Optional[BaseException] = None) -> None:
+    def __init__(self, purpose: str = "", error: Optional[BaseException] = None, fail_at: int = 1) -> None:
         super().__init__(CommAccountant(), timedelta(seconds=5))
-        self.purpose, self.error, self.armed = purpose, error, False
+        self.purpose, self.error, self.armed, self.fail_at = purpose, error, False, fail_at
+        self.seen = 0
 
     @property
     def world_size(self) -> int:
@@ -69,6 +71,9 @@ class FlakyCommunicator(Communicator):
 
     def _maybe_fail(self, purpose: str) -> None:
         if self.armed and purpose.partition(":")[0] == self.purpose:  # "pseudo_gradients:lowrank" too
+            self.seen += 1  # the fail_at-th such collective fails (e.g. a later bucket's)
+            if self.seen < self.fail_at:
+                return
             self.armed = False
             assert self.error is not None
             raise self.error
@@ -157,6 +162,9 @@ def _everything(model: nn.Module, opt: torch.optim.Optimizer, sync: Synchronizer
     ("lordo", "moments", CollectiveTimeout("LoRDO sync 2: injected"), {"outer_optimizer": "nesterov"}),
     ("lordo", "moments", KeyboardInterrupt(), {"transition": "reset"}),
     ("adamw", "buffers", KeyboardInterrupt(), {"outer_optimizer": "nesterov"}),
+    # the bucketed sync (float32 full payload): a later bucket fails after the first ones staged their new points
+    ("lordo", "pseudo_gradients", CollectiveTimeout("LoRDO sync 2: injected"), {"bucket_cap_mb": 1e-3, "fail_at": 3}),
+    ("lordo", "pseudo_gradients", KeyboardInterrupt(), {"bucket_cap_mb": 1e-3, "fail_at": 2}),
 ])
 def test_an_exception_inside_a_sync_leaves_the_worker_as_before_and_a_retry_matches_an_unfailed_run(
     optimizer: str, purpose: str, error: BaseException, knobs: dict[str, Any]
@@ -166,9 +174,10 @@ def test_an_exception_inside_a_sync_leaves_the_worker_as_before_and_a_retry_matc
     anchor, buffers, outer momentum, counters and whole optimizer state are exactly as when sync() was called;
     retrying the sync then gives bit for bit what a run without the failure gives."""
     transition = knobs.pop("transition", None)
+    fail_at = knobs.pop("fail_at", 1)
     results = []
     for fail in (True, False):
-        model, opt, sync = _setup(optimizer, FlakyCommunicator(purpose, error), **knobs)
+        model, opt, sync = _setup(optimizer, FlakyCommunicator(purpose, error, fail_at), **knobs)
         if transition is not None:
             opt.param_groups[0]["transition"] = transition
         for i in range(5):  # sync 1 at step 3, then two local steps
@@ -182,7 +191,10 @@ def test_an_exception_inside_a_sync_leaves_the_worker_as_before_and_a_retry_matc
             sync.comm.armed = True
             with pytest.raises(type(error)):
                 sync.sync()
+            assert sync.comm.seen == fail_at
             assert_identical(_everything(model, opt, sync), before, "state after the failed sync")
+            if bucketed.applies(sync):  # the gradients that staged part of the round are released
+                assert all(p.grad is None for p in model.parameters())
         report = sync.sync()  # the retry (the communicator works again), or the only try
         assert not report.skipped and report.index == 2
         results.append(_everything(model, opt, sync))

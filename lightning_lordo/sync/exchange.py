@@ -44,6 +44,9 @@ class Exchange:
         norm: the L2 norm of the averaged pseudo-gradients (a 0-d tensor, read at the commit).
         basis_seconds: the time spent computing the bases.
         finite: whether the averaged pseudo-gradients are finite (if not, ``state`` and ``bases`` stay empty).
+        staged: the bucketed path with several processes (:mod:`lightning_lordo.sync.bucketed`): each parameter's
+            new synchronized point, which the commit copies into the parameters and the anchor (``None``: the
+            general path's ``averaged``, or one process's parameters as they are).
     """
 
     averaged: list[Tensor]
@@ -56,6 +59,7 @@ class Exchange:
     norm: Optional[Tensor] = None
     basis_seconds: float = 0.0
     finite: bool = True  # False: the averaged pseudo-gradient is not finite (the round is discarded everywhere)
+    staged: Optional[list[Tensor]] = None
 
 
 def average_buffers(comm: Communicator, buffers: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:

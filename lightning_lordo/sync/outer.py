@@ -127,6 +127,19 @@ class Anchor:
         return nbytes(self.tensors)
 
 
+def averaged_point(anchors: Sequence[Tensor], delta: Sequence[Tensor]) -> list[Tensor]:
+    """``anchor - delta`` (plain averaging's new synchronized point), computed in place into ``delta``:
+    ``delta <- -(delta - anchor)``, which is ``anchor - delta`` bit for bit."""
+    delta = list(delta)
+    if all(a.device == d.device for a, d in zip(anchors, delta)):
+        torch._foreach_sub_(delta, list(anchors))
+    else:  # the anchor in host memory: one tensor at a time on the device
+        for a, d in zip(anchors, delta):
+            d.sub_(a.to(d.device, non_blocking=True))
+    torch._foreach_neg_(delta)
+    return delta
+
+
 def _copy(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
     """``targets[i].copy_(sources[i])``: one ``foreach`` op where every pair shares a device, else (the anchor in
     host memory) one asynchronous copy per tensor, and, when CUDA tensors were copied to the host, one wait for the
@@ -159,14 +172,7 @@ class OuterStep:
         Averaging computes it in place, into ``delta`` (the commit's last use of it), so a sync holds no second
         copy of the model: ``delta <- -(delta - anchor)``, which is ``anchor - delta`` bit for bit."""
         if self.kind == "average":
-            delta = list(delta)
-            if all(a.device == d.device for a, d in zip(anchor.tensors, delta)):
-                torch._foreach_sub_(delta, anchor.tensors)
-            else:  # the anchor in host memory: one tensor at a time on the device
-                for a, d in zip(anchor.tensors, delta):
-                    d.sub_(a.to(d.device, non_blocking=True))
-            torch._foreach_neg_(delta)
-            return delta
+            return averaged_point(anchor.tensors, delta)
         sgd = self._optimizer(anchor)
         for a, d in zip(anchor.tensors, delta):  # a copy: SGD's foreach Nesterov path adds the momentum into grad
             a.grad = d.to(device=a.device, dtype=a.dtype, copy=True)

@@ -44,7 +44,7 @@ from lightning_lordo._tensors import finite_flags, nbytes, norms
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.lordo import LoRDO
-from lightning_lordo.sync import alone, overlap
+from lightning_lordo.sync import bucketed, overlap
 from lightning_lordo.sync import exchange as ex
 from lightning_lordo.sync.basis_window import BasisWindow
 from lightning_lordo.sync.faults import DiscardedRounds, reset_moments, reset_optimizer_state, signals_deferred
@@ -261,8 +261,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         self.comm.accountant.start_round()
         self.comm.context = f"sync {self.syncs_done + 1} (optimizer step {self.optimizer_steps})"
         with record_function("lordo.exchange"):
-            if alone.applies(self):  # one process: the basis refresh alone, bucket by bucket
-                round_ = alone.exchange(self)
+            if bucketed.applies(self):  # the pseudo-gradient never whole (bucketed module)
+                round_ = bucketed.exchange(self)
             else:
                 round_ = self.exchange(self.comm, self.anchor.deltas(), self.buffers, self.averaged_entries(),
                                        self.optimizer_steps, self.window.due(self.syncs_done + 1))
@@ -331,16 +331,16 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         self.window.commit(dict(zip(self.params, round_.averaged)), refreshed=bool(round_.bases))
         # alone, averaging leaves the replica where it is (anchor - (anchor - params)): it becomes the anchor as is
         unmoved = self.comm.world_size == 1 and self.config.outer_optimizer == "average" and progress is None
-        new = None if unmoved else self.outer.apply(self.anchor, round_.averaged)  # the averages' last use
+        new = round_.staged if round_.staged is not None else None if unmoved else \
+            self.outer.apply(self.anchor, round_.averaged)  # the averages' last use
         ex.commit_state(round_.state)
         movement = self.lordo.set_bases(round_.bases) if self.lordo is not None else {}
         ex.commit_buffers(self.buffers, *round_.buffers)
         for payload, payload_round in round_.payload_rounds:
             payload.commit(payload_round)
-        if new is None:
-            self.anchor.take()
-        else:
-            self.anchor.set(new)
+        self.anchor.take() if new is None else self.anchor.set(new)
+        if round_.staged is not None:  # the gradients that held them (bucketed module)
+            bucketed.release_gradients(self.params)
         if progress:
             torch._foreach_add_(self.params, progress)
         error_norm = self.payloads.error_norm_tensor() if self.payloads.compressed else None

@@ -1,0 +1,149 @@
+"""A blocking sync bucket by bucket (SPEC §4): the pseudo-gradient is never held whole.
+
+The pseudo-gradient ``anchor - params`` is computed a bucket at a time (at most ``bucket_cap_mb`` of float32, the
+low-rank matrices of one shape together, so that their bases are still one stacked computation). Each bucket is
+averaged across the workers where it is, its norms kept, its bases computed, and the bucket is freed.
+
+* **One process** (M = 1): the average is the worker's own, and plain averaging leaves the replica where it is. The
+  sync only takes the replica as the new anchor and refreshes the bases. Nothing is compressed, averaged or
+  broadcast (:meth:`~lightning_lordo.config.SyncConfig.alone`).
+* **Several processes**, with a payload that is the exact float32 average (``payload="full"``, ``"float32"``; no
+  error feedback to keep): the bucket's new synchronized point ``anchor - mean(delta)`` is computed in place and
+  *staged* in the gradients of the step that syncs, which that step's update has consumed (the next backward
+  zeroes them). The parameters, the anchor and the optimizer state change only at the commit, as on the general
+  path, so a failed or interrupted round still leaves the worker as it was. The gradients of a step that syncs are
+  released (``None``) after the round, failed or not; a parameter without a usable gradient (none, sparse, another
+  dtype) stages its bucket's values in a tensor of its own.
+
+So the transient memory of a sync is at most two buckets (the bucket and the communicator's flat message) plus the
+bases. The result is an :class:`~lightning_lordo.sync.exchange.Exchange` like the general path's (its ``averaged`` is
+empty: nothing reads it), committed by the same :meth:`Synchronizer.land`. On the CPU it is bit for bit the general
+path's trajectory (tested, with 1 and 2 processes); on an accelerator a shape split over several buckets is stacked
+in smaller batches, whose kernels may round differently in the last bits. Used when the outer step is averaging,
+bases are refreshed at every sync (``basis_every=1``) and the sync blocks; with several processes also only when
+the bases are computed everywhere (not ``broadcast_bases``) and nothing is compressed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_lordo._tensors import finite_flags, math_dtype, norms
+from lightning_lordo.sync import exchange as ex
+from lightning_lordo.sync.outer import averaged_point
+from lightning_lordo.sync.payloads import FULLRANK_PART, LOWRANK_PART
+
+
+def applies(sync: Any) -> bool:
+    """Whether ``sync`` (a :class:`~lightning_lordo.sync.synchronizer.Synchronizer`) takes this path now."""
+    config = sync.config
+    if not (config.outer_optimizer == "average" and config.basis_every == 1 and sync.params):
+        return False
+    return sync.comm.world_size == 1 or (config.payload == "full" and config.payload_dtype == "float32"
+                                         and config.fullrank_rank == 0 and not config.broadcast_bases)
+
+
+def buckets(params: Sequence[Tensor], lowrank: set[Tensor], cap_bytes: float) -> list[list[int]]:
+    """Positions of ``params`` in buckets of at most ``cap_bytes`` of float32 pseudo-gradient (a larger tensor is a
+    bucket of its own): the low-rank matrices first, grouped by shape, dtype and device, then the others."""
+    kinds: dict[Any, list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        kinds[(p in lowrank, tuple(p.shape) if p in lowrank else (), p.dtype, p.device)].append(i)
+    out: list[list[int]] = []
+    for key in sorted(kinds, key=lambda k: not k[0]):  # the low-rank kinds first, in the parameters' order
+        out.append([])  # a new bucket for every kind
+        size = 0
+        for i in kinds[key]:
+            nbytes = params[i].numel() * torch.finfo(math_dtype(params[i].dtype)).bits // 8
+            if out[-1] and size + nbytes > cap_bytes:
+                out.append([])
+                size = 0
+            out[-1].append(i)
+            size += nbytes
+    return out
+
+
+@torch.no_grad()
+def exchange(sync: Any) -> ex.Exchange:
+    """The round, bucket by bucket (module docstring); one host read before the commit (whether it is finite). With
+    several processes a failure releases the gradients that staged the round and propagates: nothing else changed."""
+    try:
+        return _exchange(sync)
+    except BaseException:
+        if sync.comm.world_size > 1:
+            release_gradients(sync.params)
+        raise
+
+
+def _exchange(sync: Any) -> ex.Exchange:
+    lordo, params, comm, config = sync.lordo, sync.params, sync.comm, sync.config
+    several, local_bases = comm.world_size > 1, config.basis_scope == "local"
+    lowrank = set(lordo.lowrank_params()) if lordo is not None else set()
+    magnitudes: list[Any] = [None] * len(params)  # each parameter's norm, in the parameters' order
+    staged: list[Optional[Tensor]] = [None] * len(params)  # several processes: each parameter's new point
+    bases, seconds = {}, 0.0
+    for bucket in buckets(params, lowrank, config.bucket_cap_mb * 2**20):
+        deltas = sync.anchor.deltas(indices=bucket)
+        sources = {params[i]: d for i, d in zip(bucket, deltas) if params[i] in lowrank}
+        if sources and (local_bases or not several):  # from this worker's own pseudo-gradient
+            seconds += _add_bases(sync, bases, sources)
+        if several:
+            comm.average_temporaries(deltas, LOWRANK_PART if params[bucket[0]] in lowrank else FULLRANK_PART)
+            if sources and not local_bases:  # from the average
+                seconds += _add_bases(sync, bases, sources)
+        for i, n in zip(bucket, norms(deltas).unbind(0)):
+            magnitudes[i] = n
+        if several:
+            _stage(staged, bucket, params, averaged_point([sync.anchor.tensors[i] for i in bucket], deltas))
+        del deltas, sources
+    magnitudes_all = torch.stack([m.to(magnitudes[0].device) for m in magnitudes])  # summed as the general path
+    floating, others = ex.average_buffers(comm, sync.buffers)
+    finite = magnitudes_all.isfinite().all()
+    buffers_finite = finite_flags(floating).all().to(finite.device) if floating else torch.ones_like(finite)
+    ok, buffers_ok = torch.stack([finite, buffers_finite]).tolist()  # the one read before the commit
+    if not buffers_ok:  # identical on all workers: all repair them together
+        floating = ex.repair_buffers(comm, sync.buffers)
+    if not ok:  # identical on all workers: they all discard the round
+        if several:
+            release_gradients(params)
+        return ex.Exchange([], [], (floating, others), finite=False)
+    state, checked, state_finite = ex.average_state(comm, sync.averaged_entries(), config)
+    order = [p for p in lordo.lowrank_params() if p in bases] if lordo is not None else []
+    return ex.Exchange([], [], (floating, others), state, {p: bases[p] for p in order}, checked, state_finite,
+                       torch.linalg.vector_norm(magnitudes_all), seconds,
+                       staged=[s for s in staged if s is not None] if several else None)
+
+
+def _add_bases(sync: Any, bases: dict[Tensor, Tensor], sources: dict[Tensor, Tensor]) -> float:
+    begin = time.perf_counter()
+    bases.update(sync.lordo.compute_bases(sources, generation=sync.optimizer_steps))
+    return time.perf_counter() - begin
+
+
+def _stage(staged: list[Optional[Tensor]], bucket: list[int], params: Sequence[Tensor], new: list[Tensor]) -> None:
+    """Keep the bucket's new points until the commit: in the parameters' gradients where they can hold them (one
+    copy for the bucket), else as they are."""
+    into, values = [], []
+    for i, value in zip(bucket, new):
+        grad = params[i].grad
+        if grad is not None and grad.layout == torch.strided and grad.shape == params[i].shape \
+                and grad.dtype == params[i].dtype and grad.device == params[i].device:
+            into.append(grad)
+            values.append(value)
+            staged[i] = grad
+        else:
+            staged[i] = value
+    if into:
+        torch._foreach_copy_(into, values)
+
+
+def release_gradients(params: Sequence[Tensor]) -> None:
+    """The gradients of the step that synced staged its round (or hold part of a failed one): released."""
+    for p in params:
+        p.grad = None
