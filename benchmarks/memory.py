@@ -19,7 +19,8 @@ layers, d 1024, vocabulary 50257, untied head: 406 M parameters, float32), one p
 3 minutes and 8 GB of memory; ``--small`` runs a 4-layer, d 256 version in seconds.
 
 Usage: ``python benchmarks/memory.py [--small] [--device cuda] [--processes 2]``. ``--processes 2`` measures only a
-sync's transient, in each of two forked gloo processes, against its bound (two buckets and the low-rank messages).
+sync's transient, in each of two forked gloo processes on GPT-2-small's shape (``--small``: the 4-layer one), against
+its bound (two buckets and the low-rank messages).
 Writes ``results/memory.json`` (``memory-small.json``,
 ``memory-cuda.json``); on a GPU each row also gives ``torch.cuda.memory_allocated`` to check the count against.
 """
@@ -100,10 +101,14 @@ def storage_bytes(tensors: list[Tensor], counted: set[int]) -> int:
     return total
 
 
-def model(small: bool) -> CharGPT:
+def model(small: bool, gpt2_small: bool = False) -> CharGPT:
+    """The 406 M GPT-2-medium shape, ``small``: a 4-layer one 256 wide, ``gpt2_small``: GPT-2-small's (163 M with
+    the untied head), which ``--processes 2`` uses (two processes of the 406 M one do not fit in 23 GB)."""
     torch.manual_seed(0)
     if small:
         return CharGPT(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, seq_len=128, tie_weights=False)
+    if gpt2_small:
+        return CharGPT(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, seq_len=512, tie_weights=False)
     return CharGPT(vocab_size=50257, d_model=1024, n_layers=24, n_heads=16, seq_len=512, tie_weights=False)
 
 
@@ -170,7 +175,7 @@ def _sync_transient_worker(rank: int, port: int, small: bool, out: str) -> None:
                             timeout=timedelta(minutes=30))
     rows = []
     for preset in TWO_PROCESS_CONFIGS:
-        net = model(small)
+        net = model(small, gpt2_small=True)
         params = list(net.parameters())
         gen = torch.Generator().manual_seed(rank)  # the workers' pseudo-gradients differ
         for p in params:
