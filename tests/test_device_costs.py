@@ -302,7 +302,7 @@ def _transient_worker(rank: int, port: int, out: str) -> None:
         sync = Synchronizer(params, [], opt, SyncConfig(sync_every=2, bucket_cap_mb=0.05), comm)
         gen = torch.Generator().manual_seed(rank)  # the workers train apart
         peak, norms, grads_after = 0, [], []
-        for step in range(6):
+        for _ in range(6):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen) * 1e-3
             sync.before_optimizer_step()
@@ -319,7 +319,8 @@ def _transient_worker(rank: int, port: int, out: str) -> None:
         dist.all_gather(copies, flat)
         lowrank = opt.lowrank_params()  # a sync's low-rank messages: the averaged moments and the new bases
         messages = sum(opt.state[p][k].numel() * 4 for p in lowrank for k in ("exp_avg", "exp_avg_sq", "basis"))
-        results[path] = {"messages": messages, "tensors": [p.detach().clone() for p in params] + sync.anchor.tensors + state,
+        results[path] = {"messages": messages,
+                         "tensors": [p.detach().clone() for p in params] + sync.anchor.tensors + state,
                          "norms": norms, "peak": peak, "bytes": dict(comm.accountant.totals),
                          "identical": torch.equal(*copies), "released": grads_after,
                          "sizes": [p.numel() * 4 for p in params]}

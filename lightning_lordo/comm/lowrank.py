@@ -149,7 +149,11 @@ class LowRankPayload:
                 differ from the state's.
             CollectiveTimeout: from the communicator.
         """
-        phases = self.phases(deltas)
+        return self.run(comm, self.phases(deltas), purpose)
+
+    @torch.no_grad()
+    def run(self, comm: Any, phases: LowRankPhases, purpose: str = "pseudo_gradients") -> LowRankRound:
+        """:meth:`reduce`'s collectives on its :meth:`phases` (which no longer hold the deltas)."""
         phases.take_p(quantized_mean(comm, phases.message, purpose, self.payload_dtype, self.reduction))
         return phases.finish(quantized_mean(comm, phases.message, purpose, self.payload_dtype, self.reduction))
 
@@ -304,7 +308,8 @@ class LowRankPhases:
     """One round of a :class:`LowRankPayload` between its messages (:meth:`LowRankPayload.phases`)."""
 
     def __init__(self, payload: LowRankPayload, deltas: Sequence[Tensor]) -> None:
-        self.payload, self.deltas = payload, deltas
+        # the deltas' orientations and count, not the deltas: with error feedback they are free once the work is made
+        self.payload, self.tall, self.count = payload, [is_tall(d) for d in deltas], len(deltas)
         self.units = payload._units(deltas)
         self.work = payload._work(deltas, self.units)
         rights = [_take(payload._right, idx, w.device) for idx, w in zip(self.units, self.work)]
@@ -326,7 +331,7 @@ class LowRankPhases:
     @torch.no_grad()
     def finish(self, b_msg: QuantizedMean, finite: Optional[Tensor] = None) -> LowRankRound:
         """The round, from the averaged B; ``finite``: whether P and B are finite, as the caller checked them."""
-        payload, deltas, units, work, bases = self.payload, self.deltas, self.units, self.work, self.bases
+        payload, count, units, work, bases = self.payload, self.count, self.units, self.work, self.bases
         traffic = self.traffic
         for kind, sent in b_msg.traffic.items():
             traffic[kind] = traffic.get(kind, 0) + sent
@@ -334,7 +339,7 @@ class LowRankPhases:
         b_means = [_unrows(b, w) for b, w in zip(b_msg.means, work)]
         averaged = []
         for idx, q, b in zip(units, bases, b_means):
-            tall = is_tall(deltas[idx[0]])
+            tall = self.tall[idx[0]]
             if len(idx) > 1 and tall:  # (Q B)^T as B^T Q^T: the original orientation with no transposed copy
                 averaged.append(torch.bmm(b.mT, q.mT))
                 continue
@@ -345,8 +350,8 @@ class LowRankPhases:
             torch._foreach_sub_(work, [matmul(q, _unrows(s, w)) for q, s, w in zip(bases, b_msg.sent, work)])
             errors = work
         right = orthonormalize_each([b.mT for b in b_means])
-        return LowRankRound(finite, *(_per_matrix(x, units, len(deltas)) for x in (averaged, bases)), traffic,
-                            _per_matrix(errors, units, len(deltas)), _per_matrix(right, units, len(deltas)),
+        return LowRankRound(finite, *(_per_matrix(x, units, count) for x in (averaged, bases)), traffic,
+                            _per_matrix(errors, units, count), _per_matrix(right, units, count),
                             payload._version)
 
 

@@ -68,7 +68,7 @@ class Anchor:
         if indices is not None:
             params, anchors = [params[i] for i in indices], [anchors[i] for i in indices]
         if self._beside(anchors, params):
-            return torch._foreach_sub(anchors, params)
+            return list(torch._foreach_sub(anchors, params))
         out = []
         for a, p in zip(anchors, params):
             dtype = math_dtype(p.dtype)

@@ -24,7 +24,7 @@ row coded as in its own message, each part's bytes counted under its own purpose
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -99,23 +99,38 @@ class PseudoGradientPayloads:
         """Whether any message is compressed (low-rank or reduced precision): then it keeps error feedback."""
         return any(isinstance(m, LowRankPayload) or m.payload_dtype != "float32" for _, _, m, _ in self.groups)
 
-    def reduce(self, comm: Communicator, local: Sequence[Tensor], in_place: bool = False
+    def reduce(self, comm: Communicator, local: list[Tensor], in_place: bool = False
                ) -> tuple[list[Tensor], list[tuple[Any, Any]], Optional[Tensor]]:
         """The averaged pseudo-gradients (float32; float64 parameters' full-precision ones stay float64), the
         rounds to commit if the whole sync succeeds, and whether every message's averages are finite (a 0-d bool
         tensor, not read; ``None`` without messages). Changes nothing here. A non-finite round (NaN/Inf on any
         worker, so on every worker alike) has non-finite averages or a false flag. ``in_place``: ``local`` are
-        temporaries that nothing reads afterwards, and the messages sent in full may average them where they are (a
-        sync then holds one model-sized temporary, not two)."""
+        temporaries that nothing reads afterwards: the messages sent in full may average them where they are, and
+        ``local`` is emptied of the others as soon as their low-rank messages are made (each keeps its own sum with
+        the error feedback), so a compressed sync does not also hold the pseudo-gradients."""
         active = [(positions, message, purpose) for _, positions, message, purpose in self.groups if positions]
+        dtypes = [t.dtype for t in local]
+
+        def release(message: Any, positions: list[int]) -> None:
+            if in_place and isinstance(message, LowRankPayload):
+                for i in positions:
+                    local[i] = None  # type: ignore[call-overload]
+
         joint: Optional[Tensor] = None
         if self.payload_dtype == "int8" and resolve_reduction("int8", "auto", comm.world_size) == "all_gather":
             results, joint = _reduce_together(comm, [([local[i] for i in positions], message, purpose)
-                                                     for positions, message, purpose in active])
+                                                     for positions, message, purpose in active],
+                                              lambda: [release(m, positions) for positions, m, _ in active])
         else:  # each message by itself (a float payload may average in place; the int8 reduce-scatter's blocks)
-            results = [message.reduce(comm, [local[i] for i in positions], purpose, **(
-                {"in_place": in_place} if isinstance(message, QuantizedAverager) else {}))
-                for positions, message, purpose in active]
+            results = []
+            for positions, message, purpose in active:
+                if isinstance(message, LowRankPayload):
+                    phases = message.phases([local[i] for i in positions])
+                    release(message, positions)
+                    results.append(message.run(comm, phases, purpose))
+                else:
+                    results.append(message.reduce(comm, [local[i] for i in positions], purpose,
+                                                  in_place=in_place))
         averaged: list[Tensor] = list(local)
         rounds: list[tuple[Any, Any]] = []
         flags = []
@@ -123,7 +138,7 @@ class PseudoGradientPayloads:
             rounds.append((message, result))
             flags.append(result.finite)
             for n, i in enumerate(positions):
-                averaged[i] = result.averaged[n].to(local[i].dtype) if isinstance(message, QuantizedAverager) \
+                averaged[i] = result.averaged[n].to(dtypes[i]) if isinstance(message, QuantizedAverager) \
                     else result.averaged[n]
         finite = joint if joint is not None else torch.stack(flags).all() if flags else None
         return averaged, rounds, finite
@@ -185,14 +200,19 @@ class PseudoGradientPayloads:
         return report
 
 
-def _reduce_together(comm: Communicator, groups: Sequence[tuple[list[Tensor], Any, str]]
-                     ) -> tuple[list[Any], Optional[Tensor]]:
+def _reduce_together(comm: Communicator, groups: list[tuple[list[Tensor], Any, str]],
+                     release: Callable[[], Any]) -> tuple[list[Any], Optional[Tensor]]:
     """Every group's round, its int8 all-gathered messages joined (:func:`quantized_means`): the P messages of the
     low-rank payloads with the averagers' messages in one collective, then the B messages in another, each part
     counted under its group's purpose; and whether every average is finite (one check for all: each round's flag).
-    Every value is the one the groups' own rounds give."""
-    states = [message.phases(tensors) if isinstance(message, LowRankPayload) else message.message(tensors)
-              for tensors, message, _ in groups]
+    Every value is the one the groups' own rounds give. ``release()`` once the messages are made: the caller may drop
+    the pseudo-gradients of the low-rank payloads, as the groups' lists do here."""
+    states = []
+    for tensors, message, _ in groups:
+        states.append(message.phases(tensors) if isinstance(message, LowRankPayload) else message.message(tensors))
+        if isinstance(message, LowRankPayload):
+            tensors.clear()
+    release()
     firsts = quantized_means(comm, [(s.message if isinstance(m, LowRankPayload) else s, purpose)
                                     for s, (_, m, purpose) in zip(states, groups)], "int8")
     lowrank = [n for n, (_, m, _) in enumerate(groups) if isinstance(m, LowRankPayload)]
