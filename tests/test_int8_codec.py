@@ -349,3 +349,18 @@ def test_joined_messages_give_every_value_state_and_byte_of_the_messages_alone(t
         assert not _equal_nested(records[0]["state"], records[-1]["state"])  # the state did move
     for a, b in zip(runs[0]["records"], runs[1]["records"]):  # the averages are identical on both workers
         assert _equal_nested(a["averaged"], b["averaged"])
+
+
+def test_tensors_without_rows_are_coded_whatever_their_trailing_shape() -> None:
+    """A tensor of 3 or more dimensions with no rows (shaped (0, 3, 4)) is a 0 x 12 matrix of rows: coded, packed
+    and decoded beside others like any tensor (its reshape used to fail: with no rows, -1 could be any width)."""
+    empty = torch.zeros(0, 3, 4)
+    assert rows_view(empty).shape == (0, 12)
+    q, scales = quantize_int8(empty)
+    assert q.shape == (0, 12) and scales.shape == (0,)
+    xs = [torch.randn(5, 3), empty, torch.randn(2, 3, 4)]
+    message, sent, layout = pack_rows(xs)
+    means = mean_of_packed(torch.stack([message] * 2), layout)  # two workers sending the same
+    assert [m.shape for m in means] == [s.shape for s in sent] == [x.shape for x in xs]
+    assert all(torch.equal(m, s) for m, s in zip(means, sent))
+    assert all(torch.allclose(s, x, atol=0.03) for s, x in zip(sent, xs))

@@ -27,7 +27,8 @@ def rows_view(x: Tensor) -> Tensor:
     a weight, one per token of an embedding)."""
     if x.dim() <= 1:
         return x.reshape(1, -1)
-    return x if x.dim() == 2 else x.reshape(x.shape[0], -1)  # no op for a matrix
+    # the width spelt out: with no rows, -1 could be any width (a tensor shaped (0, 3, 4))
+    return x if x.dim() == 2 else x.reshape(x.shape[0], math.prod(x.shape[1:]))
 
 
 def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
