@@ -1,4 +1,5 @@
-"""What a compressed sync holds: once the low-rank messages are made, the pseudo-gradients they came from are freed
+"""What a compressed sync holds on the general path (``tests/test_streamed_sync.py`` streams it bucket by bucket): once
+the low-rank messages are made, the pseudo-gradients they came from are freed
 (each message keeps its own sum with the error feedback), for the int8 messages joined in two all-gathers and for
 the messages sent each by itself; and the round is the same as when the caller keeps them."""
 
@@ -50,6 +51,9 @@ class _Tracker:
 
 
 def _body(payload_dtype: str, rank: int, world: int) -> dict[str, Any]:
+    from lightning_lordo.sync import bucketed
+
+    bucketed.streams = lambda sync: False  # the general path (a forked worker's module): tests/test_streamed_sync.py
     results: dict[str, Any] = {}
     take_p = LowRankPhases.take_p
     for keep in (False, True):  # keep: the caller holds the pseudo-gradients (the reference)

@@ -52,54 +52,21 @@ Typical use by a synchronizer (``deltas``: the low-rank matrices' pseudo-gradien
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_lordo._tensors import (
     canonical,
-    finite_flags,
-    is_tall,
-    matmul,
     mix_seed,
     nbytes,
-    orthonormalize_each,
     random_orthonormal,
     total_norm,
 )
-from lightning_lordo.comm.quantization import QuantizedMean, check_latest_round, quantized_mean, resolve_reduction
+from lightning_lordo.comm.lowrank_phases import LowRankPhases, LowRankRound, Source
+from lightning_lordo.comm.quantization import check_latest_round, quantized_mean, resolve_reduction
 from lightning_lordo.comm.reduce_scatter import reduce_scatter_bytes
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The low-rank payload
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class LowRankRound:
-    """One round of :class:`LowRankPayload` (nothing of the payload changed yet: see ``commit``).
-
-    Attributes:
-        finite: whether the averaged P and B are finite (identical on all ranks): a 0-d bool tensor, not read
-            (a synchronizer combines it with its other checks into one host read and may set a ``bool``). If not, the
-            round must be discarded (its ``averaged`` may still look finite, e.g. after an overflow of P) and
-            ``commit`` is a no-op.
-        averaged: per matrix, the applied averaged update ``Q B`` (float32, original orientation).
-        bases: per matrix, ``Q`` (float32, ``a x r``, canonical orientation), bitwise identical on all ranks.
-        traffic: bytes counted, by collective kind (two collectives).
-        errors: per matrix, the sync-level error feedback ``commit`` installs (canonical; empty without error
-            feedback).
-        right: per matrix, the right factor ``R = orth(B^T)`` (``b x r``) ``commit`` installs.
-    """
-
-    finite: Union[bool, Tensor]
-    averaged: list[Tensor]
-    bases: list[Tensor]
-    traffic: dict[str, int]
-    errors: list[Tensor] = field(default_factory=list)
-    right: list[Tensor] = field(default_factory=list)
-    version: int = -1
 
 
 class LowRankPayload:
@@ -158,48 +125,27 @@ class LowRankPayload:
         return phases.finish(quantized_mean(comm, phases.message, purpose, self.payload_dtype, self.reduction))
 
     @torch.no_grad()
-    def phases(self, deltas: Sequence[Tensor]) -> LowRankPhases:
+    def phases(self, deltas: Optional[Sequence[Tensor]] = None, *, like: Optional[Sequence[Tensor]] = None,
+               source: Optional[Source] = None, cap_bytes: Optional[float] = None) -> LowRankPhases:
         """:meth:`reduce` in steps, for a caller that sends several payloads' messages together
         (:func:`~lightning_lordo.comm.quantization.quantized_means`): ``message`` is the P message's tensors;
         ``take_p(its mean)`` makes ``message`` the B message's; ``finish(its mean)`` returns the round.
 
+        Streamed (``source`` and ``like`` instead of ``deltas``): the deltas are made again, a bucket at a time,
+        whenever they are needed (``source(indices)``: those matrices' deltas), and never held whole; ``like``:
+        tensors shaped as the deltas (the parameters); ``cap_bytes``: a bucket's float32 size (a stack is split to
+        fit; a larger matrix is a bucket of its own). The round then holds neither the averages nor the new error
+        feedback: :meth:`LowRankPhases.commit_bucket` makes them where the caller commits.
+
         Raises:
             ValueError: as :meth:`reduce`.
         """
-        self._check(deltas)
-        self._ensure_state(deltas)
-        return LowRankPhases(self, deltas)
-
-    def _units(self, deltas: Sequence[Tensor]) -> list[list[int]]:
-        """The matrices worked on together: each alone, or (``batched``) those of one shape, rank, dtype and device
-        stacked, so that each product and QR of a round is one batched op per shape. With error feedback a stack is
-        no bound on memory here: it is the round's ``D_m + e_m``, which becomes the error feedback, as the matrices'
-        own tensors do (without, it is a copy of the deltas that the matrix-by-matrix path only views)."""
-        if not self.batched:
-            return [[i] for i in range(len(deltas))]
-        groups: dict[tuple, list[int]] = {}
-        for i, (d, r) in enumerate(zip(deltas, self.ranks)):
-            groups.setdefault((tuple(d.shape), r, d.dtype, d.device), []).append(i)
-        return list(groups.values())
-
-    def _work(self, deltas: Sequence[Tensor], units: list[list[int]]) -> list[Tensor]:
-        """Per unit, ``D_m + e_m`` (canonical orientation, float32): new tensors, which only the error feedback
-        writes to; without error feedback a float32 matrix alone is a view of its delta."""
-        work = [canonical(deltas[idx[0]].detach(), deltas[idx[0]]).float() if len(idx) == 1
-                else canonical(torch.stack([deltas[i] for i in idx]), deltas[idx[0]]).float() for idx in units]
-        if not self.error_feedback:
-            return work
-        alone = [n for n, idx in enumerate(units) if len(idx) == 1]
-        if alone:  # new tensors D_m + e_m, in one op
-            summed = torch._foreach_add([work[n] for n in alone], [self._errors[units[n][0]].to(work[n].device)
-                                                                     for n in alone])
-            for n, w in zip(alone, summed):
-                work[n] = w
-        stacked = [(w, idx) for w, idx in zip(work, units) if len(idx) > 1]
-        if stacked:  # the stacks are new: add e_m in place, through one view per matrix
-            torch._foreach_add_([m for w, _ in stacked for m in w.unbind(0)],
-                                [self._errors[i].to(w.device) for w, idx in stacked for i in idx])
-        return work
+        templates = deltas if deltas is not None else like
+        if templates is None or (deltas is None) == (source is None):
+            raise TypeError("LowRankPayload.phases takes deltas, or like and source (streamed).")
+        self._check(templates)
+        self._ensure_state(templates)
+        return LowRankPhases(self, templates, source, cap_bytes)
 
     def commit(self, result: LowRankRound) -> None:
         """Install the round's error feedback and right factors (a no-op for a non-finite round).
@@ -212,7 +158,7 @@ class LowRankPayload:
         if not result.finite:
             return
         self._right = result.right
-        if self.error_feedback:
+        if self.error_feedback and result.streamed is None:  # streamed: written in place by commit_bucket
             self._errors = result.errors
 
     # ------------------------------------------------------------------ state
@@ -301,87 +247,6 @@ class LowRankPayload:
                 seed = mix_seed(self.seed, i, offset=15_485_863)
                 self._right.append(random_orthonormal(max(d.shape), r, seed, d.device))
         if self.error_feedback and not self._errors:
-            self._errors = [torch.zeros(sorted(d.shape), device=d.device) for d in deltas]
-
-
-class LowRankPhases:
-    """One round of a :class:`LowRankPayload` between its messages (:meth:`LowRankPayload.phases`)."""
-
-    def __init__(self, payload: LowRankPayload, deltas: Sequence[Tensor]) -> None:
-        # the deltas' orientations and count, not the deltas: with error feedback they are free once the work is made
-        self.payload, self.tall, self.count = payload, [is_tall(d) for d in deltas], len(deltas)
-        self.units = payload._units(deltas)
-        self.work = payload._work(deltas, self.units)
-        rights = [_take(payload._right, idx, w.device) for idx, w in zip(self.units, self.work)]
-        # message 1: P_m^T = (D_m R)^T, r x a (so that each int8 scale covers one of the r directions)
-        self.message = [_rows(_p_transposed(w, r)) for w, r in zip(self.work, rights)]
-
-    @torch.no_grad()
-    def take_p(self, p_msg: QuantizedMean, check: bool = True) -> None:
-        """The bases from the averaged P; ``message`` becomes the B message. ``check=False``: the caller checks that
-        P is finite (``finish``'s ``finite``)."""
-        self.traffic = dict(p_msg.traffic)
-        # no host read here: a non-finite P (identical on all ranks) is zeroed for the QR and flags the round
-        self.p_finite = finite_flags(p_msg.means).all() if check else True
-        self.bases = orthonormalize_each([torch.nan_to_num(_unrows(p, w), 0.0, 0.0, 0.0).mT
-                                          for p, w in zip(p_msg.means, self.work)])
-        # message 2: B_m = Q^T D_m, r x b
-        self.message = [_rows(matmul(q.mT, w)) for q, w in zip(self.bases, self.work)]
-
-    @torch.no_grad()
-    def finish(self, b_msg: QuantizedMean, finite: Optional[Tensor] = None) -> LowRankRound:
-        """The round, from the averaged B; ``finite``: whether P and B are finite, as the caller checked them."""
-        payload, count, units, work, bases = self.payload, self.count, self.units, self.work, self.bases
-        traffic = self.traffic
-        for kind, sent in b_msg.traffic.items():
-            traffic[kind] = traffic.get(kind, 0) + sent
-        finite = self.p_finite & finite_flags(b_msg.means).all() if finite is None else finite
-        b_means = [_unrows(b, w) for b, w in zip(b_msg.means, work)]
-        averaged = []
-        for idx, q, b in zip(units, bases, b_means):
-            tall = self.tall[idx[0]]
-            if len(idx) > 1 and tall:  # (Q B)^T as B^T Q^T: the original orientation with no transposed copy
-                averaged.append(torch.bmm(b.mT, q.mT))
-                continue
-            update = matmul(q, b)
-            averaged.append((update.mT if tall else update).contiguous())
-        errors = []
-        if payload.error_feedback and work:  # e_m = D_m + e_m - Q B_m, in place
-            torch._foreach_sub_(work, [matmul(q, _unrows(s, w)) for q, s, w in zip(bases, b_msg.sent, work)])
-            errors = work
-        right = orthonormalize_each([b.mT for b in b_means])
-        return LowRankRound(finite, *(_per_matrix(x, units, count) for x in (averaged, bases)), traffic,
-                            _per_matrix(errors, units, count), _per_matrix(right, units, count),
-                            payload._version)
-
-
-def _take(tensors: Sequence[Tensor], idx: Sequence[int], device: torch.device) -> Tensor:
-    """``tensors[i]`` for a unit of one matrix, else those of ``idx`` stacked; on ``device``."""
-    return tensors[idx[0]].to(device) if len(idx) == 1 else torch.stack([tensors[i] for i in idx]).to(device)
-
-
-def _p_transposed(w: Tensor, r: Tensor) -> Tensor:
-    """``(W R)^T`` of a matrix, or of each matrix of a stack (computed as ``R^T W^T``: contiguous, so that its rows
-    are a view)."""
-    return (w @ r).mT if w.dim() == 2 else torch.bmm(r.mT, w.mT)
-
-
-def _rows(m: Tensor) -> Tensor:
-    """A message as the matrix of its rows (each int8 scale covers one row): a stack's matrices one under another."""
-    return m if m.dim() == 2 else m.reshape(-1, m.shape[-1])
-
-
-def _unrows(m: Tensor, w: Tensor) -> Tensor:
-    """The inverse of :func:`_rows` for the unit ``w``."""
-    return m if w.dim() == 2 else m.view(w.shape[0], -1, m.shape[-1])
-
-
-def _per_matrix(units: Sequence[Tensor], groups: list[list[int]], count: int) -> list[Tensor]:
-    """Per-unit tensors as one tensor per matrix, in the matrices' order (a stack's matrices are views of it)."""
-    if not units:
-        return []
-    out: list[Tensor] = [units[0]] * count
-    for u, idx in zip(units, groups):
-        for i, m in zip(idx, (u,) if len(idx) == 1 else u.unbind(0)):
-            out[i] = m
-    return out
+            # canonical, laid out as a held round's work (a tall matrix's transposed), which a streamed round copies
+            # into: the same values then have the same norms
+            self._errors = [canonical(torch.zeros(d.shape, device=d.device), d) for d in deltas]

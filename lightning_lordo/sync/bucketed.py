@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_lordo._tensors import finite_flags, math_dtype, norms
+from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.sync import exchange as ex
 from lightning_lordo.sync.outer import averaged_point
 from lightning_lordo.sync.payloads import FULLRANK_PART, LOWRANK_PART
@@ -45,8 +46,22 @@ def applies(sync: Any) -> bool:
     config = sync.config
     if not (config.outer_optimizer == "average" and config.basis_every == 1 and sync.params):
         return False
-    return sync.comm.world_size == 1 or (config.payload == "full" and config.payload_dtype == "float32"
-                                         and config.fullrank_rank == 0 and not config.broadcast_bases)
+    return sync.comm.world_size == 1 or streams(sync) or (
+        config.payload == "full" and config.payload_dtype == "float32" and config.fullrank_rank == 0
+        and not config.broadcast_bases)
+
+
+def streams(sync: Any) -> bool:
+    """Whether this path streams the low-rank messages: several processes, ``payload="lowrank"``, bases computed
+    everywhere from the average, and matrices with low-rank messages of more than one bucket of float32 (in one
+    bucket, the general path's round holds no more than the two buckets that streaming would)."""
+    config = sync.config
+    if not (sync.comm.world_size > 1 and config.payload == "lowrank" and config.basis_scope == "global"
+            and not config.broadcast_bases):
+        return False
+    size = sum(sync.params[i].numel() * 4 for _, positions, message, _ in sync.payloads.groups
+               if isinstance(message, LowRankPayload) for i in positions)
+    return size > config.bucket_cap_mb * 2**20
 
 
 def buckets(params: Sequence[Tensor], lowrank: set[Tensor], cap_bytes: float) -> list[list[int]]:
@@ -73,6 +88,8 @@ def buckets(params: Sequence[Tensor], lowrank: set[Tensor], cap_bytes: float) ->
 def exchange(sync: Any) -> ex.Exchange:
     """The round, bucket by bucket (module docstring); one host read before the commit (whether it is finite). With
     several processes a failure releases the gradients that staged the round and propagates: nothing else changed."""
+    if streams(sync):
+        return _exchange_streamed(sync)
     try:
         return _exchange(sync)
     except BaseException:
@@ -118,6 +135,85 @@ def _exchange(sync: Any) -> ex.Exchange:
     return ex.Exchange([], [], (floating, others), state, {p: bases[p] for p in order}, checked, state_finite,
                        torch.linalg.vector_norm(magnitudes_all), seconds,
                        staged=[s for s in staged if s is not None] if several else None)
+
+
+def _exchange_streamed(sync: Any) -> ex.Exchange:
+    """Several processes with low-rank messages: each low-rank payload streams its round
+    (:meth:`~lightning_lordo.comm.lowrank.LowRankPayload.phases`), and the averaged updates ``Q B`` are made a bucket
+    at a time here for their norms and the new bases, and again at the commit (:func:`commit_streamed`). The other
+    messages (norms, biases) take their pseudo-gradients whole, as the general path does."""
+    lordo, params, comm, config = sync.lordo, sync.params, sync.comm, sync.config
+    lowrank = set(lordo.lowrank_params()) if lordo is not None else set()
+    streamed = {i for _, positions, message, _ in sync.payloads.groups if isinstance(message, LowRankPayload)
+                for i in positions}
+    eager = [i for i in range(len(params)) if i not in streamed]
+    local: list[Optional[Tensor]] = [None] * len(params)
+    for i, d in zip(eager, sync.anchor.deltas(indices=eager) if eager else []):
+        local[i] = d
+    stream = (params, lambda idx: sync.anchor.deltas(indices=idx), config.bucket_cap_mb * 2**20)
+    averaged, rounds, payload_finite = sync.payloads.reduce(comm, local, in_place=True, stream=stream)
+    magnitudes: list[Any] = [None] * len(params)
+    for i, n in zip(eager, norms([averaged[i] for i in eager]).unbind(0) if eager else []):
+        magnitudes[i] = n
+    bases, seconds = {}, 0.0
+    for positions, phases in _streamed(sync, rounds):
+        for bucket in phases.buckets:
+            matrices, updates = phases.matrix_updates(bucket)
+            for j, n in zip(matrices, norms(updates).unbind(0)):
+                magnitudes[positions[j]] = n
+            sources = {params[positions[j]]: u for j, u in zip(matrices, updates) if params[positions[j]] in lowrank}
+            if sources:
+                seconds += _add_bases(sync, bases, sources)
+            del updates, sources
+    magnitudes_all = torch.stack([m.to(magnitudes[0].device) for m in magnitudes])
+    floating, others = ex.average_buffers(comm, sync.buffers)
+    finite = magnitudes_all.isfinite().all()
+    if payload_finite is not None:
+        finite = finite & payload_finite.to(finite.device)
+    buffers_finite = finite_flags(floating).all().to(finite.device) if floating else torch.ones_like(finite)
+    ok, buffers_ok = torch.stack([finite, buffers_finite]).tolist()  # the one read before the commit
+    if not buffers_ok:  # identical on all workers: all repair them together
+        floating = ex.repair_buffers(comm, sync.buffers)
+    if not ok:  # identical on all workers: they all discard the round
+        return ex.Exchange(averaged, rounds, (floating, others), finite=False)
+    sync.payloads.resolve(rounds, True)
+    state, checked, state_finite = ex.average_state(comm, sync.averaged_entries(), config)
+    order = [p for p in lordo.lowrank_params() if p in bases] if lordo is not None else []
+    return ex.Exchange(averaged, rounds, (floating, others), state, {p: bases[p] for p in order}, checked,
+                       state_finite, torch.linalg.vector_norm(magnitudes_all), seconds, streamed=True)
+
+
+def _streamed(sync: Any, rounds: Sequence[tuple[Any, Any]]) -> list[tuple[list[int], Any]]:
+    """``(the group's parameter positions, its streamed phases)`` for each streamed round of ``rounds``."""
+    positions = {id(message): at for _, at, message, _ in sync.payloads.groups}
+    return [(positions[id(message)], result.streamed) for message, result in rounds
+            if getattr(result, "streamed", None) is not None]
+
+
+@torch.no_grad()
+def commit_streamed(sync: Any, round_: ex.Exchange) -> None:
+    """The commit of a streamed round (local, unable to fail): bucket by bucket, the payloads' error feedback and the
+    new synchronized point ``anchor - Q B`` into the parameters and the anchor; then the other parameters'."""
+    for positions, phases in _streamed(sync, round_.payload_rounds):
+        for bucket in phases.buckets:
+            matrices, updates = phases.commit_bucket(bucket)
+            _move(sync, [positions[j] for j in matrices], updates)
+            del updates
+    eager = [i for i, a in enumerate(round_.averaged) if a is not None]
+    if eager:
+        _move(sync, eager, [round_.averaged[i] for i in eager])
+
+
+def _move(sync: Any, at: list[int], updates: list[Tensor]) -> None:
+    """The anchor and the parameters at positions ``at`` become ``anchor - update``: computed in the anchor where it
+    sits beside the parameters (``a - u`` is :func:`averaged_point`'s ``-(u - a)`` bit for bit), else as the general
+    path does."""
+    anchors, params = [sync.anchor.tensors[i] for i in at], [sync.params[i] for i in at]
+    if all(a.device == u.device == p.device for a, u, p in zip(anchors, updates, params)):
+        torch._foreach_sub_(anchors, updates)
+        torch._foreach_copy_(params, anchors)
+    else:
+        sync.anchor.set(averaged_point(anchors, updates), indices=at)
 
 
 def _add_bases(sync: Any, bases: dict[Tensor, Tensor], sources: dict[Tensor, Tensor]) -> float:

@@ -47,6 +47,8 @@ class Exchange:
         staged: the bucketed path with several processes (:mod:`lightning_lordo.sync.bucketed`): each parameter's
             new synchronized point, which the commit copies into the parameters and the anchor (``None``: the
             general path's ``averaged``, or one process's parameters as they are).
+        streamed: the low-rank messages' rounds are streamed (``averaged`` is ``None`` at their parameters):
+            :func:`~lightning_lordo.sync.bucketed.commit_streamed` commits the parameters.
     """
 
     averaged: list[Tensor]
@@ -60,6 +62,7 @@ class Exchange:
     basis_seconds: float = 0.0
     finite: bool = True  # False: the averaged pseudo-gradient is not finite (the round is discarded everywhere)
     staged: Optional[list[Tensor]] = None
+    streamed: bool = False
 
 
 def average_buffers(comm: Communicator, buffers: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:

@@ -76,11 +76,14 @@ class Anchor:
         return out
 
     @torch.no_grad()
-    def set(self, values: Sequence[Tensor]) -> None:
-        """Anchor and parameters become ``values`` (the new synchronized point)."""
+    def set(self, values: Sequence[Tensor], indices: Optional[Sequence[int]] = None) -> None:
+        """Anchor and parameters become ``values`` (the new synchronized point); ``indices``: only those
+        parameters'."""
         if self.tensors:
-            _copy(self.tensors, list(values))
-            _copy(self.params, list(values))
+            anchors, params = (self.tensors, self.params) if indices is None else \
+                ([self.tensors[i] for i in indices], [self.params[i] for i in indices])
+            _copy(anchors, list(values))
+            _copy(params, list(values))
 
     @torch.no_grad()
     def restore(self) -> None:

@@ -36,6 +36,10 @@ from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.comm.quantization import QuantizedAverager, quantized_means, resolve_reduction
 from lightning_lordo.config import SyncConfig
 
+#: A streamed round's pseudo-gradients (:meth:`PseudoGradientPayloads.reduce`): ``(the parameters, source(positions),
+#: a bucket's bytes)``.
+Stream = tuple[Sequence[Tensor], Callable[[list[int]], list[Tensor]], float]
+
 LOWRANK_PART = "pseudo_gradients:lowrank"
 FULLRANK_PART = "pseudo_gradients:fullrank"
 
@@ -99,44 +103,52 @@ class PseudoGradientPayloads:
         """Whether any message is compressed (low-rank or reduced precision): then it keeps error feedback."""
         return any(isinstance(m, LowRankPayload) or m.payload_dtype != "float32" for _, _, m, _ in self.groups)
 
-    def reduce(self, comm: Communicator, local: list[Tensor], in_place: bool = False
-               ) -> tuple[list[Tensor], list[tuple[Any, Any]], Optional[Tensor]]:
+    def reduce(self, comm: Communicator, local: list[Optional[Tensor]], in_place: bool = False,
+               stream: Optional[Stream] = None
+               ) -> tuple[list[Optional[Tensor]], list[tuple[Any, Any]], Optional[Tensor]]:
         """The averaged pseudo-gradients (float32; float64 parameters' full-precision ones stay float64), the
         rounds to commit if the whole sync succeeds, and whether every message's averages are finite (a 0-d bool
         tensor, not read; ``None`` without messages). Changes nothing here. A non-finite round (NaN/Inf on any
         worker, so on every worker alike) has non-finite averages or a false flag. ``in_place``: ``local`` are
         temporaries that nothing reads afterwards: the messages sent in full may average them where they are, and
         ``local`` is emptied of the others as soon as their low-rank messages are made (each keeps its own sum with
-        the error feedback), so a compressed sync does not also hold the pseudo-gradients."""
+        the error feedback), so a compressed sync does not also hold the pseudo-gradients.
+
+        ``stream``: ``(the parameters, source, cap_bytes)``: the low-rank messages are streamed
+        (:meth:`LowRankPayload.phases`; ``source(positions)`` makes those parameters' pseudo-gradients again, a bucket
+        at a time). ``local`` then needs only the other groups' (``None`` elsewhere), and their averages are ``None``:
+        their rounds' :meth:`~lightning_lordo.comm.lowrank.LowRankPhases.commit_bucket` makes them at the commit."""
         active = [(positions, message, purpose) for _, positions, message, purpose in self.groups if positions]
-        dtypes = [t.dtype for t in local]
-
-        def release(message: Any, positions: list[int]) -> None:
-            if in_place and isinstance(message, LowRankPayload):
+        dtypes = [t.dtype if t is not None else None for t in local]
+        inputs: list[Any] = []  # per group: its phases (a low-rank message), else its tensors
+        params, source, cap = stream if stream is not None else ([], None, None)
+        for positions, message, _ in active:
+            if not isinstance(message, LowRankPayload):
+                inputs.append([local[i] for i in positions])
+                continue
+            if stream is None:
+                inputs.append(message.phases([local[i] for i in positions]))
+            else:
+                inputs.append(message.phases(like=[params[i] for i in positions], cap_bytes=cap,
+                                             source=lambda idx, at=positions: source([at[j] for j in idx])))
+            if in_place or stream is not None:  # each keeps its own sum with the error feedback
                 for i in positions:
-                    local[i] = None  # type: ignore[call-overload]
-
+                    local[i] = None
         joint: Optional[Tensor] = None
         if self.payload_dtype == "int8" and resolve_reduction("int8", "auto", comm.world_size) == "all_gather":
-            results, joint = _reduce_together(comm, [([local[i] for i in positions], message, purpose)
-                                                     for positions, message, purpose in active],
-                                              lambda: [release(m, positions) for positions, m, _ in active])
+            results, joint = _reduce_together(comm, [(x, m, purpose) for x, (_, m, purpose) in zip(inputs, active)])
         else:  # each message by itself (a float payload may average in place; the int8 reduce-scatter's blocks)
-            results = []
-            for positions, message, purpose in active:
-                if isinstance(message, LowRankPayload):
-                    phases = message.phases([local[i] for i in positions])
-                    release(message, positions)
-                    results.append(message.run(comm, phases, purpose))
-                else:
-                    results.append(message.reduce(comm, [local[i] for i in positions], purpose,
-                                                  in_place=in_place))
-        averaged: list[Tensor] = list(local)
+            results = [message.run(comm, x, purpose) if isinstance(message, LowRankPayload)
+                       else message.reduce(comm, x, purpose, in_place=in_place)
+                       for x, (_, message, purpose) in zip(inputs, active)]
+        averaged: list[Optional[Tensor]] = list(local)
         rounds: list[tuple[Any, Any]] = []
         flags = []
         for (positions, message, _), result in zip(active, results):
             rounds.append((message, result))
             flags.append(result.finite)
+            if getattr(result, "streamed", None) is not None:
+                continue
             for n, i in enumerate(positions):
                 averaged[i] = result.averaged[n].to(dtypes[i]) if isinstance(message, QuantizedAverager) \
                     else result.averaged[n]
@@ -200,19 +212,12 @@ class PseudoGradientPayloads:
         return report
 
 
-def _reduce_together(comm: Communicator, groups: list[tuple[list[Tensor], Any, str]],
-                     release: Callable[[], Any]) -> tuple[list[Any], Optional[Tensor]]:
+def _reduce_together(comm: Communicator, groups: list[tuple[Any, Any, str]]) -> tuple[list[Any], Optional[Tensor]]:
     """Every group's round, its int8 all-gathered messages joined (:func:`quantized_means`): the P messages of the
     low-rank payloads with the averagers' messages in one collective, then the B messages in another, each part
     counted under its group's purpose; and whether every average is finite (one check for all: each round's flag).
-    Every value is the one the groups' own rounds give. ``release()`` once the messages are made: the caller may drop
-    the pseudo-gradients of the low-rank payloads, as the groups' lists do here."""
-    states = []
-    for tensors, message, _ in groups:
-        states.append(message.phases(tensors) if isinstance(message, LowRankPayload) else message.message(tensors))
-        if isinstance(message, LowRankPayload):
-            tensors.clear()
-    release()
+    Every value is the one the groups' own rounds give. A group is ``(its phases or tensors, message, purpose)``."""
+    states = [x if isinstance(message, LowRankPayload) else message.message(x) for x, message, _ in groups]
     firsts = quantized_means(comm, [(s.message if isinstance(m, LowRankPayload) else s, purpose)
                                     for s, (_, m, purpose) in zip(states, groups)], "int8")
     lowrank = [n for n, (_, m, _) in enumerate(groups) if isinstance(m, LowRankPayload)]

@@ -9,10 +9,8 @@ Every ``sync_every`` local steps all workers call :meth:`Synchronizer.sync` toge
    with ``broadcast_bases``, rank 0's new bases. The new bases are computed here too (pure math).
 2. **commit** (local, cannot fail, Ctrl-C held back): the outer step (averaging, or Nesterov SGD on the anchor),
    the averaged optimizer state written, the new bases installed with the moments rotated into them, buffers,
-   payload state, parameters and anchor.
-
-Averaging the first moment before the rotation equals averaging it after (the rotation is linear); for the second
-moment it does not (the rotation mixes in ``u * u``): measured, within the seeds' spread (benchmarks/README.md).
+   payload state, parameters and anchor. (Averaging the second moment before the rotation differs from after:
+   measured, within the seeds' spread, benchmarks/README.md.)
 
 Before any round, the synchronous phase (``warmup_steps``, or ``synchronous=True``: low-rank DDP) averages the
 gradients every step (:meth:`before_optimizer_step`) and refreshes the bases every ``sync_every`` steps from the
@@ -261,11 +259,9 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         self.comm.accountant.start_round()
         self.comm.context = f"sync {self.syncs_done + 1} (optimizer step {self.optimizer_steps})"
         with record_function("lordo.exchange"):
-            if bucketed.applies(self):  # the pseudo-gradient never whole (bucketed module)
-                round_ = bucketed.exchange(self)
-            else:
-                round_ = self.exchange(self.comm, self.anchor.deltas(), self.buffers, self.averaged_entries(),
-                                       self.optimizer_steps, self.window.due(self.syncs_done + 1))
+            round_ = bucketed.exchange(self) if bucketed.applies(self) else self.exchange(  # bucketed: never whole
+                self.comm, self.anchor.deltas(), self.buffers, self.averaged_entries(), self.optimizer_steps,
+                self.window.due(self.syncs_done + 1))
         return self.land(round_, start)
 
     def averaged_entries(self, fold: bool = True) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
@@ -331,14 +327,18 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         self.window.commit(dict(zip(self.params, round_.averaged)), refreshed=bool(round_.bases))
         # alone, averaging leaves the replica where it is (anchor - (anchor - params)): it becomes the anchor as is
         unmoved = self.comm.world_size == 1 and self.config.outer_optimizer == "average" and progress is None
-        new = round_.staged if round_.staged is not None else None if unmoved else \
-            self.outer.apply(self.anchor, round_.averaged)  # the averages' last use
+        if round_.streamed:  # parameters, anchor and the payloads' error feedback, bucket by bucket
+            bucketed.commit_streamed(self, round_)
+        elif unmoved and round_.staged is None:
+            self.anchor.take()
+        else:  # the averages' last use
+            staged = round_.staged
+            self.anchor.set(staged if staged is not None else self.outer.apply(self.anchor, round_.averaged))
         ex.commit_state(round_.state)
         movement = self.lordo.set_bases(round_.bases) if self.lordo is not None else {}
         ex.commit_buffers(self.buffers, *round_.buffers)
         for payload, payload_round in round_.payload_rounds:
             payload.commit(payload_round)
-        self.anchor.take() if new is None else self.anchor.set(new)
         if round_.staged is not None:  # the gradients that held them (bucketed module)
             bucketed.release_gradients(self.params)
         if progress:
