@@ -165,6 +165,10 @@ def _everything(model: nn.Module, opt: torch.optim.Optimizer, sync: Synchronizer
     # the bucketed sync (float32 full payload): a later bucket fails after the first ones staged their new points
     ("lordo", "pseudo_gradients", CollectiveTimeout("LoRDO sync 2: injected"), {"bucket_cap_mb": 1e-3, "fail_at": 3}),
     ("lordo", "pseudo_gradients", KeyboardInterrupt(), {"bucket_cap_mb": 1e-3, "fail_at": 2}),
+    # the streamed low-rank messages: the B message fails after the P message's round trip, or the next message
+    ("lordo", "pseudo_gradients", CollectiveTimeout("LoRDO sync 2: injected"),
+     {"payload": "lowrank", "bucket_cap_mb": 1e-3, "fail_at": 2}),
+    ("lordo", "pseudo_gradients", KeyboardInterrupt(), {"payload": "lowrank", "bucket_cap_mb": 1e-3, "fail_at": 3}),
 ])
 def test_an_exception_inside_a_sync_leaves_the_worker_as_before_and_a_retry_matches_an_unfailed_run(
     optimizer: str, purpose: str, error: BaseException, knobs: dict[str, Any]
@@ -193,7 +197,8 @@ def test_an_exception_inside_a_sync_leaves_the_worker_as_before_and_a_retry_matc
                 sync.sync()
             assert sync.comm.seen == fail_at
             assert_identical(_everything(model, opt, sync), before, "state after the failed sync")
-            if bucketed.applies(sync):  # the gradients that staged part of the round are released
+            assert bucketed.streams(sync) == (knobs.get("payload") == "lowrank")
+            if bucketed.applies(sync) and not bucketed.streams(sync):  # the gradients that staged the round: released
                 assert all(p.grad is None for p in model.parameters())
         report = sync.sync()  # the retry (the communicator works again), or the only try
         assert not report.skipped and report.index == 2

@@ -68,7 +68,7 @@ class LowRankPhases:
         for bucket, work in self._each_bucket():
             for n, w in zip(bucket, work):
                 self.message[n] = _rows(_p_transposed(w, rights[n].to(w.device)))
-            del work
+            del work, w  # before the next bucket's is made
 
     def _each_bucket(self) -> Iterator[tuple[list[int], list[Tensor]]]:
         """``(unit numbers, their work)`` per bucket: the held work, or (streamed) made again from the source (the
@@ -94,7 +94,7 @@ class LowRankPhases:
         for bucket, work in self._each_bucket():
             for n, w in zip(bucket, work):
                 self.message[n] = _rows(matmul(self.bases[n].mT, w))
-            del work
+            del work, w  # before the next bucket's is made
 
     @torch.no_grad()
     def finish(self, b_msg: QuantizedMean, finite: Optional[Tensor] = None) -> LowRankRound:
