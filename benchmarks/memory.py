@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_lordo import LoRDO
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.convert import full_rank_params
 from lightning_lordo.models import CharGPT
@@ -167,7 +168,8 @@ TWO_PROCESS_CONFIGS = ("lordo", "lordo_lean", "lordo_compressed")
 def _sync_transient_worker(rank: int, port: int, small: bool, out: str) -> None:
     """One of two gloo workers: per configuration, two steps and syncs of the model; the second sync's transient peak
     against its bound (two buckets, a tensor larger than the cap being a bucket of its own, plus the low-rank
-    messages: the averaged low-rank moments and the new bases), written to ``out.<rank>``."""
+    messages: the averaged low-rank moments and the new bases, and a low-rank payload's round: its bases, the averaged
+    and the sent B messages and the new right factors), written to ``out.<rank>``."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -192,6 +194,9 @@ def _sync_transient_worker(rank: int, port: int, small: bool, out: str) -> None:
                 sync.on_optimizer_step()  # sync_every=1: a sync
         lowrank = opt.lowrank_params()
         messages = sum(opt.state[p][k].numel() * 4 for p in lowrank for k in ("exp_avg", "exp_avg_sq", "basis"))
+        # a low-rank payload's round, per matrix: its basis Q, the averaged and the sent B, the new right factor
+        messages += 4 * sum(m.ranks[n] * sum(params[i].shape) * 4 for _, at, m, _ in sync.payloads.groups
+                            if isinstance(m, LowRankPayload) for n, i in enumerate(at))
         bucket = max(rounds.bucket_cap_mb * 2**20, max(p.numel() * 4 for p in params))
         model_bytes = sum(p.numel() * 4 for p in params)
         rows.append({"config": preset, "transient": live.peak, "bound": 2 * bucket + messages,

@@ -236,7 +236,8 @@ class SyncConfig:
             from the average still in flight. With the default optimizer knobs that costs loss that grows with
             ``tau`` (+0.31 % at 1, +2.29 % at 4 on the benchmark model; benchmarks/README.md, "What overlapping costs").
         bucket_cap_mb: the most pseudo-gradient (float32 MB) a blocking sync holds at once: it works bucket by
-            bucket, as DDP's gradient buckets (:mod:`lightning_lordo.sync.bucketed` says when).
+            bucket, as DDP's gradient buckets, and low-rank messages stream when their matrices pass one bucket
+            (:mod:`lightning_lordo.sync.bucketed` says when).
         max_skipped_syncs: after this many consecutive discarded rounds (non-finite values on some worker every
             time) the run stops with an error naming the ranks, instead of training on with a frozen model.
     """

@@ -152,3 +152,25 @@ def test_a_streamed_round_is_the_held_rounds_value() -> None:
                 assert all(torch.equal(a, b) for a, b in zip(held.state_dict()[key], streamed.state_dict()[key],
                                                              strict=True))
             deltas = [d * 0.5 + torch.randn_like(d) for d in deltas]
+
+
+def test_the_low_rank_messages_stream_only_when_their_matrices_pass_one_bucket() -> None:
+    """In one bucket the general path's round holds no more than streaming would: it keeps its one pass."""
+    from types import SimpleNamespace
+
+    from lightning_lordo.sync import bucketed
+    from lightning_lordo.sync.payloads import PseudoGradientPayloads
+
+    params = [torch.zeros(256, 256), torch.zeros(256, 256), torch.zeros(256)]  # 2 x 256 KB of low-rank matrices
+    ranks = {params[0]: 8, params[1]: 8}
+
+    def sync(world: int, cap_mb: float, **knobs: object) -> SimpleNamespace:
+        config = SyncConfig(payload="lowrank", bucket_cap_mb=cap_mb, **knobs)
+        return SimpleNamespace(comm=SimpleNamespace(world_size=world), config=config, params=params,
+                               payloads=PseudoGradientPayloads(params, ranks, config))
+
+    assert bucketed.streams(sync(2, 0.4))
+    assert not bucketed.streams(sync(2, 0.6))  # 512 KB fit in one bucket
+    assert not bucketed.streams(sync(1, 0.4))  # alone nothing travels
+    assert not bucketed.streams(sync(2, 0.4, basis_scope="local"))  # the bases from each worker's own
+    assert not bucketed.streams(sync(2, 0.4, broadcast_bases=True))

@@ -14,6 +14,16 @@ averaged across the workers where it is, its norms kept, its bases computed, and
   path, so a failed or interrupted round still leaves the worker as it was. The gradients of a step that syncs are
   released (``None``) after the round, failed or not; a parameter without a usable gradient (none, sparse, another
   dtype) stages its bucket's values in a tensor of its own.
+* **Several processes with low-rank messages** (``payload="lowrank"``, bases from the average), when those matrices
+  pass one bucket (:func:`streams`): each low-rank payload streams its round
+  (:meth:`~lightning_lordo.comm.lowrank.LowRankPayload.phases`). The work ``delta + e`` (the pseudo-gradient plus the
+  message's error feedback) is made a bucket at a time for the P message, again for the B message, and again at the
+  commit, which writes the new error feedback and the new point ``anchor - Q B`` in place, bucket by bucket (the
+  averaged update ``Q B`` is also made a bucket at a time here, for the norms and the new bases). The parameters sent
+  in full (norms, biases) take the general path's messages. Three passes over the low-rank matrices instead of one:
+  more dispatched ops (on GPT-2-small's shape, per bucket and matrix shape rather than per tensor) for a transient of
+  two buckets plus the messages instead of about two models of float32; a ``bucket_cap_mb`` above the matrices'
+  size keeps the round whole.
 
 So the transient memory of a sync is at most two buckets (the bucket and the communicator's flat message) plus the
 bases. The result is an :class:`~lightning_lordo.sync.exchange.Exchange` like the general path's (its ``averaged`` is
@@ -21,7 +31,8 @@ empty: nothing reads it), committed by the same :meth:`Synchronizer.land`. On th
 path's trajectory (tested, with 1 and 2 processes); on an accelerator a shape split over several buckets is stacked
 in smaller batches, whose kernels may round differently in the last bits. Used when the outer step is averaging,
 bases are refreshed at every sync (``basis_every=1``) and the sync blocks; with several processes also only when
-the bases are computed everywhere (not ``broadcast_bases``) and nothing is compressed.
+the bases are computed everywhere (not ``broadcast_bases``) and nothing is compressed but the low-rank messages
+(streamed).
 """
 
 from __future__ import annotations
