@@ -29,7 +29,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from lightning_lordo.config import LEAN_KNOBS, SyncConfig
 from lightning_lordo.convert import full_rank_params
 from lightning_lordo.models import CharGPT
 from lightning_lordo.strategy_knobs import PRESETS
+from lightning_lordo.sync import bucketed
 from lightning_lordo.sync.synchronizer import Synchronizer
 
 READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.allclose")
@@ -128,14 +129,16 @@ def preset_knobs(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return optimizer, {k: v for k, v in knobs.items() if k not in optimizer}
 
 
+#: A ``bucket_cap_mb`` above GPT-2-small's matrices (about 500 MB of float32): a compressed sync holds its round.
+HELD_CAP_MB = 1024.0
 #: The GPTs whose syncs are counted: ``(layers, width, vocabulary, heads)``; scaled-down widths, and GPT-2-small's.
 SCALED_12, SCALED_24, GPT2_SMALL = (12, 64, 256, 4), (24, 64, 256, 4), (12, 768, 50257, 12)
 
 
-def count_sync(preset: str, steps: int = 6, sync_every: int = 2, shape: tuple[int, int, int, int] = SCALED_12
-               ) -> dict[str, Any]:
+def count_sync(preset: str, steps: int = 6, sync_every: int = 2, shape: tuple[int, int, int, int] = SCALED_12,
+               bucket_cap_mb: Optional[float] = None) -> dict[str, Any]:
     """Host reads and dispatched ops of the last sync of a short run (the process group, if any, is set up), on a
-    GPT of ``shape`` (layers, width, vocabulary, heads)."""
+    GPT of ``shape`` (layers, width, vocabulary, heads); ``bucket_cap_mb``: the sync's, if not the default."""
     # the accelerators' layout (layout="stacked"), counted on the CPU
     torch.manual_seed(0)
     layers, width, vocab, heads = shape
@@ -144,6 +147,8 @@ def count_sync(preset: str, steps: int = 6, sync_every: int = 2, shape: tuple[in
     knobs, sync_knobs = preset_knobs(preset)
     opt = LoRDO(params, lr=1e-3, rank=8, full_rank=full_rank_params(model), layout="stacked", **knobs)
     comm = Communicator(CommAccountant(), timedelta(seconds=60))
+    if bucket_cap_mb is not None:
+        sync_knobs = {**sync_knobs, "bucket_cap_mb": bucket_cap_mb}
     config = SyncConfig(**{"sync_every": sync_every, "synchronous": False, **sync_knobs})  # a worker's rounds
     sync = Synchronizer(params, [], opt, config, comm)
     x = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(comm.rank))
@@ -154,37 +159,42 @@ def count_sync(preset: str, steps: int = 6, sync_every: int = 2, shape: tuple[in
         opt.step()
         if step < steps - 1:
             sync.on_optimizer_step()
+    streamed = bucketed.streams(sync)  # low-rank messages made a bucket at a time (bucket_cap_mb)
     with Counts(step_counters(opt)) as counts:
         report = sync.on_optimizer_step()
     assert report is not None, "the counted step did not sync"
     views = sum(n for name, n in counts.by_op.items() if name.startswith(VIEWS))
     return {"preset": preset, "world": comm.world_size, "layers": layers, "width": width, "tensors": len(params),
-            "reads": counts.reads,
+            "bucket_cap_mb": config.bucket_cap_mb, "streamed": streamed, "reads": counts.reads,
             "ops": counts.ops, "ops_per_tensor": round(counts.ops / len(params), 2), "view_ops": views,
             "kernel_ops_per_tensor": round((counts.ops - views) / len(params), 2)}
 
 
-def _worker(rank: int, world: int, port: int, out: str, shapes: Sequence[tuple[int, int, int, int]]) -> None:
+def _worker(rank: int, world: int, port: int, out: str, shapes: Sequence[tuple[int, int, int, int]],
+            held: Sequence[tuple[int, int, int, int]]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         rows = [count_sync(name, shape=shape) for shape in shapes for name in SYNC_PRESETS]
+        rows += [count_sync("lordo_compressed", shape=shape, bucket_cap_mb=HELD_CAP_MB) for shape in held]
         with open(f"{out}.{rank}", "w") as f:
             json.dump(rows, f)
     finally:
         dist.destroy_process_group()
 
 
-def count_syncs_two_processes(shapes: Sequence[tuple[int, int, int, int]] = (SCALED_12,)) -> list[dict[str, Any]]:
-    """:func:`count_sync` for every preset with 2 processes (fork, gloo); rank 0's counts (rank 1's are checked to
-    be the same)."""
+def count_syncs_two_processes(shapes: Sequence[tuple[int, int, int, int]] = (SCALED_12,),
+                              held: Sequence[tuple[int, int, int, int]] = ()) -> list[dict[str, Any]]:
+    """:func:`count_sync` for every preset on each of ``shapes`` with 2 processes (fork, gloo), then
+    ``"lordo_compressed"`` on each of ``held`` with a ``bucket_cap_mb`` that holds its low-rank round whole; rank 0's
+    counts (rank 1's are checked to be the same)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "counts")
-        mp.start_processes(_worker, args=(2, port, out, tuple(shapes)), nprocs=2, start_method="fork")
+        mp.start_processes(_worker, args=(2, port, out, tuple(shapes), tuple(held)), nprocs=2, start_method="fork")
         ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
     assert ranks[0] == ranks[1], f"the ranks counted differently: {ranks}"
     return ranks[0]
@@ -221,13 +231,14 @@ def main() -> None:
     from harness import ROOT, provenance
 
     sync_rows = [count_sync(name) for name in SYNC_PRESETS] + count_syncs_two_processes(
-        (SCALED_12, SCALED_24, GPT2_SMALL))
+        (SCALED_12, SCALED_24, GPT2_SMALL), held=(GPT2_SMALL,))
     print("sync (accelerators' layout; GPTs of 12 layers, 196 parameter tensors, and 24, 388; width 64, or 768)")
-    print(f"{'preset':<18}{'world':>6}{'layers':>7}{'width':>6}{'host reads':>12}{'ops':>8}{'ops/tensor':>12}"
-          f"{'views':>8}{'non-view ops/tensor':>21}")
+    print(f"{'preset':<18}{'world':>6}{'layers':>7}{'width':>6}{'bucket MB':>10}{'streamed':>9}{'host reads':>12}"
+          f"{'ops':>8}{'ops/tensor':>12}{'views':>8}{'non-view ops/tensor':>21}")
     for r in sync_rows:
-        print(f"{r['preset']:<18}{r['world']:>6}{r['layers']:>7}{r['width']:>6}{r['reads']:>12}{r['ops']:>8}"
-              f"{r['ops_per_tensor']:>12}{r['view_ops']:>8}{r['kernel_ops_per_tensor']:>21}")
+        print(f"{r['preset']:<18}{r['world']:>6}{r['layers']:>7}{r['width']:>6}{r['bucket_cap_mb']:>10g}"
+              f"{'yes' if r['streamed'] else 'no':>9}{r['reads']:>12}{r['ops']:>8}{r['ops_per_tensor']:>12}"
+              f"{r['view_ops']:>8}{r['kernel_ops_per_tensor']:>21}")
     step = count_steps()
     print("\nstep (GPT-2-small's parameter set, full widths): dispatched ops", json.dumps(step))
     result = {"provenance": provenance("python benchmarks/counts.py"), "sync": sync_rows, "step": step}

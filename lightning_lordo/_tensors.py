@@ -142,12 +142,17 @@ def finite_flags(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def norms(tensors: Sequence[Tensor]) -> Tensor:
-    """The L2 norm of each tensor, accumulated in float32 at least (a float16 tensor's own norm would overflow at
-    65504) and returned in float32, stacked on the first tensor's device: one ``_foreach_norm`` per device and
-    precision, no host read."""
+    """The L2 norm of each tensor (:func:`norm_list`), stacked on the first tensor's device."""
     if not tensors:
         return torch.zeros(0)
     first = tensors[0].device
+    return torch.stack([n.to(first) for n in norm_list(tensors)])
+
+
+def norm_list(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The L2 norm of each tensor, accumulated in float32 at least (a float16 tensor's own norm would overflow at
+    65504), as float32 0-d tensors on the tensors' devices: one ``_foreach_norm`` per device and precision, no host
+    read (a caller that stacks norms of several calls stacks once)."""
     kinds: dict[tuple[torch.device, bool], list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         kinds[(t.device, t.dtype == torch.float64)].append(i)
@@ -156,9 +161,7 @@ def norms(tensors: Sequence[Tensor]) -> Tensor:
         part = [tensors[i] for i in index]  # float64 keeps its own precision (float32 would narrow it)
         found.update(zip(index, [_narrow(n) for n in torch._foreach_norm(part)] if wide
                          else torch._foreach_norm(part, 2, torch.float32)))
-    if len(kinds) == 1:
-        return torch.stack([found[i] for i in range(len(tensors))]).float()
-    return torch.stack([found[i].to(device=first, dtype=torch.float32) for i in range(len(tensors))])
+    return [found[i] for i in range(len(tensors))]
 
 
 def _narrow(norm: Tensor) -> Tensor:

@@ -94,7 +94,7 @@ def rotate_moments(
         variance.clamp_(min=0.0)
     squared = change.square()
     new_sq = (matmul(squared, variance) + new_avg.square() / bias1**2).abs_().mul_(bias2)
-    unseen = squared.sum(dim=-1, keepdim=True).neg_().add_(1.0).clamp_(min=0.0)  # 1 - |Q_old^T q_i|^2 per new i
+    unseen = torch.rsub(squared.sum(dim=-1, keepdim=True), 1.0).clamp_(min=0.0)  # 1 - |Q_old^T q_i|^2 per new i
     new_sq.addcmul_(unseen, exp_avg_sq.mean(dim=-2, keepdim=True))
     return new_avg, new_sq
 

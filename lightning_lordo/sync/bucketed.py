@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import finite_flags, math_dtype, norms
+from lightning_lordo._tensors import finite_flags, math_dtype, norm_list
 from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.sync import exchange as ex
 from lightning_lordo.sync.outer import averaged_point
@@ -125,7 +125,7 @@ def _exchange(sync: Any) -> ex.Exchange:
             comm.average_temporaries(deltas, LOWRANK_PART if params[bucket[0]] in lowrank else FULLRANK_PART)
             if sources and not local_bases:  # from the average
                 seconds += _add_bases(sync, bases, sources)
-        for i, n in zip(bucket, norms(deltas).unbind(0)):
+        for i, n in zip(bucket, norm_list(deltas)):
             magnitudes[i] = n
         if several:
             _stage(staged, bucket, params, averaged_point([sync.anchor.tensors[i] for i in bucket], deltas))
@@ -161,16 +161,18 @@ def _exchange_streamed(sync: Any) -> ex.Exchange:
     local: list[Optional[Tensor]] = [None] * len(params)
     for i, d in zip(eager, sync.anchor.deltas(indices=eager) if eager else []):
         local[i] = d
-    stream = (params, lambda idx: sync.anchor.deltas(indices=idx), config.bucket_cap_mb * 2**20)
+    # a bucket: the cap, or the largest of these matrices, which is a bucket of its own anyway (fewer, larger stacks)
+    cap = max(config.bucket_cap_mb * 2**20, max(params[i].numel() * 4 for i in streamed))
+    stream = (params, lambda idx: sync.anchor.deltas(indices=idx), cap)
     averaged, rounds, payload_finite = sync.payloads.reduce(comm, local, in_place=True, stream=stream)
     magnitudes: list[Any] = [None] * len(params)
-    for i, n in zip(eager, norms([averaged[i] for i in eager]).unbind(0) if eager else []):
+    for i, n in zip(eager, norm_list([averaged[i] for i in eager])):
         magnitudes[i] = n
     bases, seconds = {}, 0.0
     for positions, phases in _streamed(sync, rounds):
         for bucket in phases.buckets:
             matrices, updates = phases.matrix_updates(bucket)
-            for j, n in zip(matrices, norms(updates).unbind(0)):
+            for j, n in zip(matrices, norm_list(updates)):
                 magnitudes[positions[j]] = n
             sources = {params[positions[j]]: u for j, u in zip(matrices, updates) if params[positions[j]] in lowrank}
             if sources:
@@ -205,26 +207,29 @@ def _streamed(sync: Any, rounds: Sequence[tuple[Any, Any]]) -> list[tuple[list[i
 def commit_streamed(sync: Any, round_: ex.Exchange) -> None:
     """The commit of a streamed round (local, unable to fail): bucket by bucket, the payloads' error feedback and the
     new synchronized point ``anchor - Q B`` into the parameters and the anchor; then the other parameters'."""
+    pending: list[int] = []  # parameters that take their anchor's new values, in one copy at the end
     for positions, phases in _streamed(sync, round_.payload_rounds):
         for bucket in phases.buckets:
             matrices, updates = phases.commit_bucket(bucket)
-            _move(sync, [positions[j] for j in matrices], updates)
+            pending += _move(sync, [positions[j] for j in matrices], updates)
             del updates
     eager = [i for i, a in enumerate(round_.averaged) if a is not None]
     if eager:
-        _move(sync, eager, [round_.averaged[i] for i in eager])
+        pending += _move(sync, eager, [round_.averaged[i] for i in eager])
+    if pending:
+        torch._foreach_copy_([sync.params[i] for i in pending], [sync.anchor.tensors[i] for i in pending])
 
 
-def _move(sync: Any, at: list[int], updates: list[Tensor]) -> None:
-    """The anchor and the parameters at positions ``at`` become ``anchor - update``: computed in the anchor where it
-    sits beside the parameters (``a - u`` is :func:`averaged_point`'s ``-(u - a)`` bit for bit), else as the general
-    path does."""
+def _move(sync: Any, at: list[int], updates: list[Tensor]) -> list[int]:
+    """The anchor at positions ``at`` becomes ``anchor - update``: in place where it sits beside the parameters
+    (``a - u`` is :func:`averaged_point`'s ``-(u - a)`` bit for bit), whose positions are returned for the caller to
+    copy; else the anchor and the parameters are set as the general path sets them."""
     anchors, params = [sync.anchor.tensors[i] for i in at], [sync.params[i] for i in at]
     if all(a.device == u.device == p.device for a, u, p in zip(anchors, updates, params)):
         torch._foreach_sub_(anchors, updates)
-        torch._foreach_copy_(params, anchors)
-    else:
-        sync.anchor.set(averaged_point(anchors, updates), indices=at)
+        return at
+    sync.anchor.set(averaged_point(anchors, updates), indices=at)
+    return []
 
 
 def _add_bases(sync: Any, bases: dict[Tensor, Tensor], sources: dict[Tensor, Tensor]) -> float:
