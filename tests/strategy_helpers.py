@@ -93,6 +93,24 @@ def gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def sync_rounds(sync: Any, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, rank: int
+                ) -> Any:
+    """Train ``steps`` steps of a :class:`Synchronizer` on random gradients (the workers apart, by ``rank``);
+    yield ``(report, the sync's peak of live bytes)`` at each sync (``benchmarks/memory.py``'s ``LiveBytes``)."""
+    import memory  # benchmarks/, on the path of the tests that call this
+
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        sync.before_optimizer_step()
+        optimizer.step()
+        with memory.LiveBytes() as live:
+            report = sync.on_optimizer_step()
+        if report is not None:
+            yield report, live.peak
+
+
 def flat_params(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from strategy_helpers import TinyRegressor, loader, lordo, trainer
+from strategy_helpers import TinyRegressor, loader, lordo, sync_rounds, trainer
 from torch import nn
 
 from lightning_lordo import LoRDO
@@ -284,7 +284,6 @@ def test_low_rank_payload_state_saved_before_the_guard_loads_into_the_split_grou
 def _transient_worker(rank: int, port: int, out: str) -> None:
     from datetime import timedelta
 
-    import memory
     import torch.distributed as dist
 
     from lightning_lordo.comm import communicator
@@ -308,19 +307,11 @@ def _transient_worker(rank: int, port: int, out: str) -> None:
         opt = LoRDO(params, rank=4, full_rank=full_rank_params(net))
         comm = Communicator(CommAccountant(), timedelta(seconds=60))
         sync = Synchronizer(params, [], opt, SyncConfig(sync_every=2, bucket_cap_mb=0.05), comm)
-        gen = torch.Generator().manual_seed(rank)  # the workers train apart
         peak, norms, grads_after = 0, [], []
-        for _ in range(6):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-            sync.before_optimizer_step()
-            opt.step()
-            with memory.LiveBytes() as live:
-                report = sync.on_optimizer_step()
-            if report is not None:
-                peak = max(peak, live.peak)
-                norms.append(report.pseudo_gradient_norm)
-                grads_after.append(all(p.grad is None for p in params))
+        for report, live_peak in sync_rounds(sync, opt, params, 6, rank):
+            peak = max(peak, live_peak)
+            norms.append(report.pseudo_gradient_norm)
+            grads_after.append(all(p.grad is None for p in params))
         state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         copies = [torch.empty_like(flat) for _ in range(2)]

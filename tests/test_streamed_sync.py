@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from strategy_helpers import sync_rounds
 
 from lightning_lordo import LoRDO
 from lightning_lordo.comm.lowrank import LowRankPayload
@@ -33,7 +34,6 @@ CASES = {
 def _worker(rank: int, port: int, out: str, case: str) -> None:
     from datetime import timedelta
 
-    import memory
     import torch.distributed as dist
 
     from lightning_lordo.comm.communicator import CommAccountant, Communicator
@@ -58,19 +58,12 @@ def _worker(rank: int, port: int, out: str, case: str) -> None:
         config = SyncConfig(sync_every=2, bucket_cap_mb=CAP_MB, payload="lowrank", **knobs)
         sync = Synchronizer(params, [], opt, config, comm)
         assert path == "general" or bucketed.streams(sync)  # the matrices pass one bucket
-        gen = torch.Generator().manual_seed(rank)  # the workers train apart
         peak, norms, errors = 0, [], []
-        for _ in range(8):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-            sync.before_optimizer_step()
-            opt.step()
-            with memory.LiveBytes() as live:
-                report = sync.on_optimizer_step()
-            if report is not None:  # the first sync also creates the payloads' state (error feedback): resident
-                peak = max(peak, live.peak if norms else 0)
-                norms.append(report.pseudo_gradient_norm)
-                errors.append(report.extra.get("sync_error_feedback_norm"))
+        for report, live_peak in sync_rounds(sync, opt, params, 8, rank):
+            # the first sync also creates the payloads' state (error feedback): resident
+            peak = max(peak, live_peak if norms else 0)
+            norms.append(report.pseudo_gradient_norm)
+            errors.append(report.extra.get("sync_error_feedback_norm"))
         state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         payload_state = [t for s in sync.payloads.state_dict().values() for ts in s.values() for t in ts]
         flat = torch.cat([p.detach().reshape(-1) for p in params])
