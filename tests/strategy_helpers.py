@@ -93,18 +93,20 @@ def gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def sync_rounds(sync: Any, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, rank: int
-                ) -> Any:
+def sync_rounds(sync: Any, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, rank: int,
+                before_sync: Callable[[int], None] = lambda step: None) -> Any:
     """Train ``steps`` steps of a :class:`Synchronizer` on random gradients (the workers apart, by ``rank``);
-    yield ``(report, the sync's peak of live bytes)`` at each sync (``benchmarks/memory.py``'s ``LiveBytes``)."""
+    yield ``(report, the sync's peak of live bytes)`` at each sync (``benchmarks/memory.py``'s ``LiveBytes``).
+    ``before_sync(step)`` runs after each optimizer step."""
     import memory  # benchmarks/, on the path of the tests that call this
 
     gen = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
+    for step in range(steps):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 1e-3
         sync.before_optimizer_step()
         optimizer.step()
+        before_sync(step)
         with memory.LiveBytes() as live:
             report = sync.on_optimizer_step()
         if report is not None:

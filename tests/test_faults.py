@@ -152,6 +152,7 @@ def _everything(model: nn.Module, opt: torch.optim.Optimizer, sync: Synchronizer
         "outer_momentum": [m.clone() for m in sync.outer.momentum_buffers()],
         "state": [{k: clone(v) for k, v in opt.state.get(p, {}).items()} for p in model.parameters()],
         "counters": (sync.syncs_done, sync.steps_since_sync, sync.optimizer_steps, sync.skipped_syncs),
+        "payloads": [t.clone() for s in sync.payloads.state_dict().values() for ts in s.values() for t in ts],
     }
 
 

@@ -57,7 +57,7 @@ class LowRankPhases:
         # the deltas' orientations and count, not the deltas: with error feedback they are free once the work is made
         self.payload, self.tall, self.count, self.source = payload, [is_tall(d) for d in deltas], len(deltas), source
         self.units = make_units(payload, deltas, cap_bytes)
-        self.shapes = [(len(idx), *sorted(deltas[idx[0]].shape)) if len(idx) > 1
+        self.shapes = [(len(idx), *sorted(deltas[idx[0]].shape)) if idx.stacked
                        else tuple(sorted(deltas[idx[0]].shape)) for idx in self.units]  # canonical
         self.buckets = _buckets(self.units, deltas, cap_bytes) if source is not None \
             else [list(range(len(self.units)))]
@@ -66,9 +66,10 @@ class LowRankPhases:
         # message 1: P_m^T = (D_m R)^T, r x a (so that each int8 scale covers one of the r directions)
         self.message: list[Tensor] = [None] * len(self.units)  # type: ignore[list-item]
         for bucket, work in self._each_bucket():
-            for n, w in zip(bucket, work):
-                self.message[n] = _rows(_p_transposed(w, rights[n].to(w.device)))
-            del work, w  # before the next bucket's is made
+            messages = [_rows(_p_transposed(w, rights[n].to(w.device))) for n, w in zip(bucket, work)]
+            for n, m in zip(bucket, messages):
+                self.message[n] = m
+            del work  # before the next bucket's is made
 
     def _each_bucket(self) -> Iterator[tuple[list[int], list[Tensor]]]:
         """``(unit numbers, their work)`` per bucket: the held work, or (streamed) made again from the source (the
@@ -92,9 +93,10 @@ class LowRankPhases:
                                           for p, s in zip(p_msg.means, self.shapes)])
         # message 2: B_m = Q^T D_m, r x b
         for bucket, work in self._each_bucket():
-            for n, w in zip(bucket, work):
-                self.message[n] = _rows(matmul(self.bases[n].mT, w))
-            del work, w  # before the next bucket's is made
+            messages = [_rows(matmul(self.bases[n].mT, w)) for n, w in zip(bucket, work)]
+            for n, m in zip(bucket, messages):
+                self.message[n] = m
+            del work  # before the next bucket's is made
 
     @torch.no_grad()
     def finish(self, b_msg: QuantizedMean, finite: Optional[Tensor] = None) -> LowRankRound:
@@ -124,7 +126,7 @@ class LowRankPhases:
         for n in bucket:
             q, b, idx = self.bases[n], self.b_means[n], self.units[n]
             tall = self.tall[idx[0]]
-            if len(idx) > 1 and tall:  # (Q B)^T as B^T Q^T: the original orientation with no transposed copy
+            if idx.stacked and tall:  # (Q B)^T as B^T Q^T: the original orientation with no transposed copy
                 out.append(torch.bmm(b.mT, q.mT))
                 continue
             update = matmul(q, b)
@@ -153,54 +155,61 @@ class LowRankPhases:
         return self.matrix_updates(bucket)
 
 
-def make_units(payload: Any, deltas: Sequence[Tensor], cap_bytes: Optional[float] = None) -> list[list[int]]:
+class Unit(list):
+    """The positions of the matrices worked on together; ``stacked``: as one stack (``n x a x b``), even of one
+    matrix (a piece of a shape's group split by the cap, whose products must round as the whole group's do)."""
+
+    def __init__(self, positions: Sequence[int], stacked: bool) -> None:
+        super().__init__(positions)
+        self.stacked = stacked
+
+
+def make_units(payload: Any, deltas: Sequence[Tensor], cap_bytes: Optional[float] = None) -> list[Unit]:
     """The matrices of ``payload`` worked on together: each alone, or (``batched``) those of one shape, rank, dtype
-    and device stacked (at most ``cap_bytes`` of float32 each, or one matrix more rather than one alone; a matrix
-    larger than half of it is alone), so that each product and QR of a round is one batched op per shape. Held, with
-    error feedback, a stack is no bound on memory: it is the round's ``D_m + e_m``, which becomes the error feedback,
-    as the matrices' own tensors do (without, it is a copy of the deltas that the matrix-by-matrix path only views)."""
+    and device stacked (at most ``cap_bytes`` of float32 each, or one matrix more rather than a stack of one, which
+    costs ops; a matrix larger than half of it is a stack of its own). Held, with error feedback, a stack is no bound
+    on memory: it is the round's ``D_m + e_m``, which becomes the error feedback, as the matrices' own tensors do
+    (without, it is a copy of the deltas that the matrix-by-matrix path only views)."""
     if not payload.batched:
-        return [[i] for i in range(len(deltas))]
+        return [Unit([i], False) for i in range(len(deltas))]
     groups: dict[tuple, list[int]] = {}
     for i, (d, r) in enumerate(zip(deltas, payload.ranks)):
         groups.setdefault((tuple(d.shape), r, math_dtype(d.dtype), d.device), []).append(i)
-    if cap_bytes is None:
-        return list(groups.values())
     units = []
     for idx in groups.values():
-        fits = max(1, int(cap_bytes // (deltas[idx[0]].numel() * 4)))
+        fits = len(idx) if cap_bytes is None else max(1, int(cap_bytes // (deltas[idx[0]].numel() * 4)))
         pieces = [idx[k:k + fits] for k in range(0, len(idx), fits)]
-        if fits > 1 and len(pieces) > 1 and len(pieces[-1]) == 1:  # no matrix alone, as a held round has none
+        if fits > 1 and len(pieces) > 1 and len(pieces[-1]) == 1:
             last = pieces.pop()
             pieces[-1] = pieces[-1] + last
-        units += pieces
+        units += [Unit(piece, len(idx) > 1) for piece in pieces]
     return units
 
 
-def make_work(payload: Any, deltas: Any, units: list[list[int]]) -> list[Tensor]:
+def make_work(payload: Any, deltas: Any, units: list[Unit]) -> list[Tensor]:
     """Per unit of ``payload``, ``D_m + e_m`` (canonical orientation, float32): new tensors, which only the error
     feedback writes to; without error feedback a float32 matrix alone is a view of its delta. ``deltas[i]``: matrix
     ``i``'s (a list, or a mapping that holds the units' matrices only)."""
-    work = [canonical(deltas[idx[0]], deltas[idx[0]]).float() if len(idx) == 1
-            else canonical(torch.stack([deltas[i] for i in idx]), deltas[idx[0]]).float() for idx in units]
+    work = [canonical(torch.stack([deltas[i] for i in idx]), deltas[idx[0]]).float() if idx.stacked
+            else canonical(deltas[idx[0]], deltas[idx[0]]).float() for idx in units]
     if not payload.error_feedback:
         return work
-    alone = [n for n, idx in enumerate(units) if len(idx) == 1]
+    alone = [n for n, idx in enumerate(units) if not idx.stacked]
     if alone:  # new tensors D_m + e_m, in one op
         summed = torch._foreach_add([work[n] for n in alone], [payload._errors[units[n][0]].to(work[n].device)
                                                                  for n in alone])
         for n, w in zip(alone, summed):
             work[n] = w
-    stacked = [(w, idx) for w, idx in zip(work, units) if len(idx) > 1]
+    stacked = [(w, idx) for w, idx in zip(work, units) if idx.stacked]
     if stacked:  # the stacks are new: add e_m in place, through one view per matrix
         torch._foreach_add_([m for w, _ in stacked for m in w.unbind(0)],
                             [payload._errors[i].to(w.device) for w, idx in stacked for i in idx])
     return work
 
 
-def _take(tensors: Sequence[Tensor], idx: Sequence[int], device: torch.device) -> Tensor:
-    """``tensors[i]`` for a unit of one matrix, else those of ``idx`` stacked; on ``device``."""
-    return tensors[idx[0]].to(device) if len(idx) == 1 else torch.stack([tensors[i] for i in idx]).to(device)
+def _take(tensors: Sequence[Tensor], idx: Unit, device: torch.device) -> Tensor:
+    """``tensors[i]`` for a matrix alone, else those of ``idx`` stacked; on ``device``."""
+    return torch.stack([tensors[i] for i in idx]).to(device) if idx.stacked else tensors[idx[0]].to(device)
 
 
 def _p_transposed(w: Tensor, r: Tensor) -> Tensor:
@@ -219,23 +228,23 @@ def _unrows(m: Tensor, shape: Sequence[int]) -> Tensor:
     return m if len(shape) == 2 else m.view(shape[0], -1, m.shape[-1])
 
 
-def _per_matrix(units: Sequence[Tensor], groups: list[list[int]], count: int) -> list[Tensor]:
+def _per_matrix(units: Sequence[Tensor], groups: list[Unit], count: int) -> list[Tensor]:
     """Per-unit tensors as one tensor per matrix, in the matrices' order (a stack's matrices are views of it)."""
     if not units:
         return []
     out: list[Tensor] = [units[0]] * count
     for u, idx in zip(units, groups):
-        for i, m in zip(idx, (u,) if len(idx) == 1 else u.unbind(0)):
+        for i, m in zip(idx, u.unbind(0) if idx.stacked else (u,)):
             out[i] = m
     return out
 
 
-def _split(unit: Tensor, idx: Sequence[int]) -> list[Tensor]:
+def _split(unit: Tensor, idx: Unit) -> list[Tensor]:
     """A unit's tensor as one per matrix (a stack's matrices are views of it)."""
-    return [unit] if len(idx) == 1 else list(unit.unbind(0))
+    return list(unit.unbind(0)) if idx.stacked else [unit]
 
 
-def _buckets(units: list[list[int]], deltas: Sequence[Tensor], cap_bytes: Optional[float]) -> list[list[int]]:
+def _buckets(units: list[Unit], deltas: Sequence[Tensor], cap_bytes: Optional[float]) -> list[list[int]]:
     """Consecutive units in buckets of at most ``cap_bytes`` of float32 (a larger unit is a bucket of its own)."""
     out: list[list[int]] = [[]]
     size = 0

@@ -20,19 +20,21 @@ averaged across the workers where it is, its norms kept, its bases computed, and
   message's error feedback) is made a bucket at a time for the P message, again for the B message, and again at the
   commit, which writes the new error feedback and the new point ``anchor - Q B`` in place, bucket by bucket (the
   averaged update ``Q B`` is also made a bucket at a time here, for the norms and the new bases). The parameters sent
-  in full (norms, biases) take the general path's messages. Three passes over the low-rank matrices instead of one:
+  in full (norms, biases; without ``fullrank_rank`` the embeddings and heads; low-rank matrices that their rank does
+  not compress) take the general path's messages, whole. Three passes over the low-rank matrices instead of one:
   more dispatched ops (on GPT-2-small's shape, per bucket and matrix shape rather than per tensor) for a transient of
   two buckets plus the messages instead of about two models of float32; a ``bucket_cap_mb`` above the matrices'
   size keeps the round whole.
 
 So the transient memory of a sync is at most two buckets (the bucket and the communicator's flat message) plus the
-bases. The result is an :class:`~lightning_lordo.sync.exchange.Exchange` like the general path's (its ``averaged`` is
-empty: nothing reads it), committed by the same :meth:`Synchronizer.land`. On the CPU it is bit for bit the general
-path's trajectory (tested, with 1 and 2 processes); on an accelerator a shape split over several buckets is stacked
-in smaller batches, whose kernels may round differently in the last bits. Used when the outer step is averaging,
-bases are refreshed at every sync (``basis_every=1``) and the sync blocks; with several processes also only when
-the bases are computed everywhere (not ``broadcast_bases``) and nothing is compressed but the low-rank messages
-(streamed).
+low-rank messages and, streamed, the parameters sent whole with their averages. The result is an
+:class:`~lightning_lordo.sync.exchange.Exchange` like the general path's (its ``averaged`` holds only the averages
+made whole), committed by the same :meth:`Synchronizer.land`. On the CPU it is bit for bit the general path's
+trajectory (tested, with 1 and 2 processes); on an accelerator a shape split over several buckets is stacked in
+smaller batches, whose kernels may round differently in the last bits. Used when the outer step is averaging, bases
+are refreshed at every sync (``basis_every=1``) and the sync blocks; with several processes also only when the bases
+are computed everywhere (not ``broadcast_bases``) and the payload is the float32 average (staged) or low-rank
+(streamed, whatever ``payload_dtype`` and ``fullrank_rank``).
 """
 
 from __future__ import annotations
@@ -115,16 +117,16 @@ def _exchange(sync: Any) -> ex.Exchange:
     lowrank = set(lordo.lowrank_params()) if lordo is not None else set()
     magnitudes: list[Any] = [None] * len(params)  # each parameter's norm, in the parameters' order
     staged: list[Optional[Tensor]] = [None] * len(params)  # several processes: each parameter's new point
-    bases, seconds = {}, 0.0
+    bases, seconds, failed = {}, 0.0, []
     for bucket in buckets(params, lowrank, config.bucket_cap_mb * 2**20):
         deltas = sync.anchor.deltas(indices=bucket)
         sources = {params[i]: d for i, d in zip(bucket, deltas) if params[i] in lowrank}
         if sources and (local_bases or not several):  # from this worker's own pseudo-gradient
-            seconds += _add_bases(sync, bases, sources)
+            seconds += _add_bases(sync, bases, sources, failed)
         if several:
             comm.average_temporaries(deltas, LOWRANK_PART if params[bucket[0]] in lowrank else FULLRANK_PART)
             if sources and not local_bases:  # from the average
-                seconds += _add_bases(sync, bases, sources)
+                seconds += _add_bases(sync, bases, sources, failed)
         for i, n in zip(bucket, norm_list(deltas)):
             magnitudes[i] = n
         if several:
@@ -141,6 +143,8 @@ def _exchange(sync: Any) -> ex.Exchange:
         if several:
             release_gradients(params)
         return ex.Exchange([], [], (floating, others), finite=False)
+    if failed:  # a finite round whose bases failed, as the general path's would: nothing has changed
+        raise failed[0]
     state, checked, state_finite = ex.average_state(comm, sync.averaged_entries(), config)
     order = [p for p in lordo.lowrank_params() if p in bases] if lordo is not None else []
     return ex.Exchange([], [], (floating, others), state, {p: bases[p] for p in order}, checked, state_finite,
@@ -168,7 +172,10 @@ def _exchange_streamed(sync: Any) -> ex.Exchange:
     magnitudes: list[Any] = [None] * len(params)
     for i, n in zip(eager, norm_list([averaged[i] for i in eager])):
         magnitudes[i] = n
-    bases, seconds = {}, 0.0
+    bases, seconds, failed = {}, 0.0, []
+    held = {params[i]: averaged[i] for i in eager if params[i] in lowrank}  # low-rank matrices sent in full
+    if held:
+        seconds += _add_bases(sync, bases, held, failed)
     for positions, phases in _streamed(sync, rounds):
         for bucket in phases.buckets:
             matrices, updates = phases.matrix_updates(bucket)
@@ -176,7 +183,7 @@ def _exchange_streamed(sync: Any) -> ex.Exchange:
                 magnitudes[positions[j]] = n
             sources = {params[positions[j]]: u for j, u in zip(matrices, updates) if params[positions[j]] in lowrank}
             if sources:
-                seconds += _add_bases(sync, bases, sources)
+                seconds += _add_bases(sync, bases, sources, failed)
             del updates, sources
     magnitudes_all = torch.stack([m.to(magnitudes[0].device) for m in magnitudes])
     floating, others = ex.average_buffers(comm, sync.buffers)
@@ -189,6 +196,8 @@ def _exchange_streamed(sync: Any) -> ex.Exchange:
         floating = ex.repair_buffers(comm, sync.buffers)
     if not ok:  # identical on all workers: they all discard the round
         return ex.Exchange(averaged, rounds, (floating, others), finite=False)
+    if failed:  # a finite round whose bases failed, as the general path's would: nothing has changed
+        raise failed[0]
     sync.payloads.resolve(rounds, True)
     state, checked, state_finite = ex.average_state(comm, sync.averaged_entries(), config)
     order = [p for p in lordo.lowrank_params() if p in bases] if lordo is not None else []
@@ -225,16 +234,23 @@ def _move(sync: Any, at: list[int], updates: list[Tensor]) -> list[int]:
     (``a - u`` is :func:`averaged_point`'s ``-(u - a)`` bit for bit), whose positions are returned for the caller to
     copy; else the anchor and the parameters are set as the general path sets them."""
     anchors, params = [sync.anchor.tensors[i] for i in at], [sync.params[i] for i in at]
-    if all(a.device == u.device == p.device for a, u, p in zip(anchors, updates, params)):
+    if all(a.device == u.device == p.device and a.dtype == u.dtype for a, u, p in zip(anchors, updates, params)):
         torch._foreach_sub_(anchors, updates)
         return at
     sync.anchor.set(averaged_point(anchors, updates), indices=at)
     return []
 
 
-def _add_bases(sync: Any, bases: dict[Tensor, Tensor], sources: dict[Tensor, Tensor]) -> float:
+def _add_bases(sync: Any, bases: dict[Tensor, Tensor], sources: dict[Tensor, Tensor], failed: list[Exception]
+               ) -> float:
+    """New bases from ``sources`` into ``bases``; the seconds taken. They come before the round is known to be
+    finite: an SVD of a non-finite source raises, which goes into ``failed``, for the caller to raise only if the
+    round is kept (the general path computes its bases after that read)."""
     begin = time.perf_counter()
-    bases.update(sync.lordo.compute_bases(sources, generation=sync.optimizer_steps))
+    try:
+        bases.update(sync.lordo.compute_bases(sources, generation=sync.optimizer_steps))
+    except torch.linalg.LinAlgError as error:
+        failed.append(error)
     return time.perf_counter() - begin
 
 
