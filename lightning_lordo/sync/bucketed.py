@@ -214,8 +214,10 @@ def _streamed(sync: Any, rounds: Sequence[tuple[Any, Any]]) -> list[tuple[list[i
 
 @torch.no_grad()
 def commit_streamed(sync: Any, round_: ex.Exchange) -> None:
-    """The commit of a streamed round (local, unable to fail): bucket by bucket, the payloads' error feedback and the
-    new synchronized point ``anchor - Q B`` into the parameters and the anchor; then the other parameters'."""
+    """The commit of a streamed round (local, no collective): bucket by bucket, the payloads' error feedback and the
+    new synchronized point ``anchor - Q B`` into the parameters and the anchor; then the other parameters'. It makes
+    each bucket's work again: out of memory here, after earlier buckets are written, the round is half committed (as
+    it is on every path if the rotation of the moments, which allocates too, runs out)."""
     pending: list[int] = []  # parameters that take their anchor's new values, in one copy at the end
     for positions, phases in _streamed(sync, round_.payload_rounds):
         for bucket in phases.buckets:
