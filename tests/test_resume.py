@@ -149,10 +149,13 @@ def _assert_resumed_exactly(tmp_path: Path, tag: str, first_step: int) -> None:
                                          "normalizer": "factored"}, {"payload": "lowrank", "payload_dtype": "int8"},
                                    {"payload": "lowrank", "payload_dtype": "int8", "fullrank_rank": 2,
                                     "moments_every": 2, "full_rank_params": [r"net\.0\.weight$"]},
+                                   {"payload": "lowrank", "payload_dtype": "int8", "fullrank_rank": 2,
+                                    "bucket_cap_mb": 0.001},
                                    {"overlap_steps": 2, "payload": "lowrank", "payload_dtype": "int8"},
                                    {"basis_every": 2}, {"basis_every": 2, "overlap_steps": 2}],
                          ids=["default", "ef-nesterov-factored", "lowrank-int8-payload", "everything-compressed",
-                              "overlapped", "basis-window", "basis-window-overlapped"])
+                              "everything-compressed-streamed", "overlapped", "basis-window",
+                              "basis-window-overlapped"])
 def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: dict[str, Any]) -> None:
     _fit(tmp_path, "full", checkpoints=True, **knobs)
     ckpt_dir = tmp_path / "ckpt"
