@@ -3,6 +3,7 @@ basis refresh alone: nothing compressed, averaged or broadcast."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -69,22 +70,42 @@ def test_a_sync_reads_back_at_most_two_values_with_two_workers() -> None:
     assert next(r for r in rows if r["preset"] == "lordo_compressed")["ops_per_tensor"] <= 2.0, rows
 
 
+@functools.cache
+def _gpt2_small_syncs() -> tuple[dict, ...]:
+    """The 2-process syncs of GPT-2-small (196 tensors) per preset, then ``lordo_compressed`` with its round held:
+    counted once for the tests below."""
+    return tuple(counts.count_syncs_two_processes(shapes=(counts.GPT2_SMALL,), held=(counts.GPT2_SMALL,)))
+
+
+class OverTarget(Exception):
+    """A measured count over its target, where the target is known not to hold yet (a strict ``xfail``)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_sync_of_gpt2_small_dispatches_at_most_two_ops_per_tensor_where_it_holds_its_round() -> None:
-    """Issue 29's target at full width (GPT-2-small, 196 tensors), 2 processes: at most 2 ops per tensor for every
-    preset where the sync holds its round (``lordo``, ``lordo_lean``; ``lordo_compressed`` with a ``bucket_cap_mb``
-    above its matrices). At the default cap the compressed sync streams its low-rank messages bucket by bucket, which
-    bounds its memory and makes the pseudo-gradient three times and ``Q B`` twice: over the target (2.31 ops per
-    tensor when this bound was set; issue 29 open). Its bound below is a guard against regressions, not the target."""
-    rows = counts.count_syncs_two_processes(shapes=(counts.GPT2_SMALL,), held=(counts.GPT2_SMALL,))
+    """Issue 29's target at full width, 2 processes: at most 2 ops per tensor for every preset where the sync holds
+    its round (``lordo``, ``lordo_lean``; ``lordo_compressed`` with a ``bucket_cap_mb`` above its matrices)."""
+    rows = _gpt2_small_syncs()
+    assert [r["preset"] for r in rows] == ["lordo", "lordo_lean", "lordo_compressed", "lordo_compressed"], rows
     assert all(r["world"] == 2 and r["reads"] <= 2 for r in rows), rows
     lordo, lean, streamed, held = rows
-    assert (lordo["preset"], lean["preset"], streamed["preset"], held["preset"]) == (
-        "lordo", "lordo_lean", "lordo_compressed", "lordo_compressed")
-    assert not (lordo["streamed"] or lean["streamed"] or held["streamed"]) and streamed["streamed"], rows
-    assert all(r["ops_per_tensor"] <= 2.0 for r in (lordo, lean, held)), rows
-    assert streamed["ops_per_tensor"] <= 2.35, streamed  # the streamed round's figure (target not met)
+    assert not (lordo["streamed"] or lean["streamed"] or held["streamed"]) and streamed["streamed"]
+    assert all(r["ops_per_tensor"] <= 2.0 for r in (lordo, lean, held)), (lordo, lean, held)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(raises=OverTarget, strict=True, reason="issue 29, open: the streamed compressed sync makes each "
+                                                          "bucket's D + e three times and its Q B twice")
+def test_a_streamed_compressed_sync_of_gpt2_small_dispatches_at_most_two_ops_per_tensor() -> None:
+    """The same target for ``lordo_compressed`` at the default ``bucket_cap_mb``, where its low-rank messages stream
+    (bounding its memory): not met yet (2.31 ops per tensor). Strict: once the target holds this test fails, to be
+    made a plain one; any other failure is a failure."""
+    streamed = _gpt2_small_syncs()[2]
+    assert streamed["preset"] == "lordo_compressed" and streamed["streamed"] and streamed["reads"] <= 2, streamed
+    if streamed["ops_per_tensor"] > 2.0:
+        raise OverTarget(f"{streamed['ops_per_tensor']} ops per tensor, over the target of 2")
 
 
 @pytest.mark.parametrize("seed", range(3))
