@@ -24,7 +24,7 @@ row coded as in its own message, each part's bytes counted under its own purpose
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -33,12 +33,13 @@ from torch import Tensor
 from lightning_lordo._tensors import finite_flags, mix_seed, norms
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.comm.lowrank import LowRankPayload
+from lightning_lordo.comm.lowrank_phases import Source
 from lightning_lordo.comm.quantization import QuantizedAverager, quantized_means, resolve_reduction
 from lightning_lordo.config import SyncConfig
 
 #: A streamed round's pseudo-gradients (:meth:`PseudoGradientPayloads.reduce`): ``(the parameters, source(positions),
 #: a bucket's bytes)``.
-Stream = tuple[Sequence[Tensor], Callable[[list[int]], list[Tensor]], float]
+Stream = tuple[Sequence[Tensor], Source, float]
 
 LOWRANK_PART = "pseudo_gradients:lowrank"
 FULLRANK_PART = "pseudo_gradients:fullrank"
