@@ -11,9 +11,6 @@ import torch
 from torch import Tensor
 
 _SEED_MODULUS = 2**63
-#: The most bytes of one stack of same-shape matrices (a float32 copy of them): larger groups go in several stacks,
-#: so that the transient memory of a batched step or sync stays bounded whatever the model's depth.
-STACK_BYTES = 64 * 2**20
 
 
 def canonical(t: Tensor, p: Tensor) -> Tensor:
@@ -73,13 +70,6 @@ class FlatLayout:
             for i, part in zip(idx, rows.split(counts)):
                 out[i] = part
         return out
-
-
-def stack_slices(count: int, numel: int) -> list[slice]:
-    """``count`` same-shape matrices of ``numel`` elements each in stacks of at most :data:`STACK_BYTES` as float32
-    (at least one matrix a stack), as slices of their list."""
-    per = max(1, STACK_BYTES // (4 * max(1, numel)))
-    return [slice(start, start + per) for start in range(0, count, per)]
 
 
 def is_tall(t: Tensor) -> bool:

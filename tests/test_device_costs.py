@@ -400,13 +400,13 @@ def test_a_stacked_step_works_in_bounded_stacks(monkeypatch: pytest.MonkeyPatch)
     on in several stacks, with the same trajectory and a transient bounded by the stack, not by the group."""
     import memory
 
-    from lightning_lordo import _tensors
+    from lightning_lordo.optim import functional
 
     torch.manual_seed(0)
     start = [torch.randn(24, 40) for _ in range(6)] + [torch.randn(40, 24) for _ in range(6)]  # wide and tall
 
     def run(stack_bytes: int) -> tuple[list[torch.Tensor], int]:
-        monkeypatch.setattr(_tensors, "STACK_BYTES", stack_bytes)
+        monkeypatch.setattr(functional, "STACK_BYTES", stack_bytes)
         params = [nn.Parameter(w.clone()) for w in start]
         opt = LoRDO(params, rank=4, lr=1e-2, layout="stacked")
         peak = 0

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_lordo import LoRDO
-from lightning_lordo.optim.error_feedback import EF_PROJECTION
+from lightning_lordo.optim.functional import EF_PROJECTION
 
 SHAPES = {"tall": (11, 5), "wide": (5, 11), "square": (7, 7)}
 RANK = 3

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_lordo import LoRDO
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.lightning.resume import reset_error_feedback
-from lightning_lordo.optim.error_feedback import EF_PROJECTION, FOLD_EVERY
+from lightning_lordo.optim.functional import EF_PROJECTION, FOLD_EVERY
 from lightning_lordo.sync.exchange import averaged_state
 
 #: Knobs where the buffer unfolds, and where it cannot (a normalizer that varies within a column with the
@@ -236,10 +236,11 @@ def test_folding_many_buffers_in_stacks_gives_what_folding_each_gives(monkeypatc
     """The accelerators' fold at a basis change (``fold_each``: one batched ``Q c`` per stack of same-shape buffers)
     against the per-matrix fold, on random inputs: two shapes, stacks bounded to two buffers, a lone buffer and a
     buffer already folded (left as it is)."""
-    from lightning_lordo import _tensors
-    from lightning_lordo.optim.error_feedback import fold_each, fold_error_feedback
+    from lightning_lordo.optim import functional
+    from lightning_lordo.optim.bases import fold_each
+    from lightning_lordo.optim.functional import fold_error_feedback
 
-    monkeypatch.setattr(_tensors, "STACK_BYTES", 2 * 6 * 10 * 4)
+    monkeypatch.setattr(functional, "STACK_BYTES", 2 * 6 * 10 * 4)
     gen = torch.Generator().manual_seed(0)
     shapes = [(6, 10)] * 5 + [(4, 7)]
     states = [{"error_feedback": torch.randn(s, generator=gen), "basis": torch.linalg.qr(

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.lightning.checkpoint import gather_to_rank_zero, to_cpu
 from lightning_lordo.optim.conversion import adamw_state_dict
-from lightning_lordo.optim.error_feedback import EF_PROJECTION
+from lightning_lordo.optim.functional import EF_PROJECTION
 from lightning_lordo.optim.loading import LORDO_KNOBS, group_knob_changes
 from lightning_lordo.optim.lordo import LoRDO
 

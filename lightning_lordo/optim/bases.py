@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import is_tall, stack_slices
-from lightning_lordo.optim.error_feedback import fold_each, fold_error_feedback
+from lightning_lordo._tensors import is_tall
+from lightning_lordo.optim.functional import EF_PROJECTION, fold_error_feedback, stack_slices
 from lightning_lordo.optim.projection import power_basis, rotate_moments, subspace_movement, svd_basis
 
 #: ``(parameter, its group, its rank)``, as :meth:`LoRDO._lowrank_entries` lists them.
@@ -60,7 +60,7 @@ def install_stacked(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]
                     ) -> dict[Tensor, Tensor]:
     """Install ``bases`` into ``states`` (one per entry) and move the moments into them (``transition``), stacked by
     shape, rank, knobs and step count; unfolded error-feedback buffers are folded first, in their old bases, stacked
-    too (:func:`~lightning_lordo.optim.error_feedback.fold_each`). Returns ``{param: movement}`` (0-d tensors, not
+    too (:func:`fold_each`). Returns ``{param: movement}`` (0-d tensors, not
     read) for the matrices that had a basis."""
     steps = torch.stack([s["step"] for s in states]).tolist() if states else []  # CPU counters: one read
     fold_each(states)
@@ -129,3 +129,24 @@ def transition_reference(state: dict[str, Tensor], group: Mapping[str, Any], old
                           clamp=group["variance_clamp"])
     state["exp_avg"].copy_(u)
     state["exp_avg_sq"].copy_(v)
+
+
+def fold_each(states: Sequence[dict[str, Tensor]]) -> None:
+    """:func:`fold_error_feedback` of every state, the buffers of one shape in stacks of at most ``STACK_BYTES``:
+    one batched product ``Q c`` and one foreach subtraction per stack (the accelerators' layout; the same values up to
+    float32 rounding)."""
+    groups: dict[tuple[object, ...], list[dict[str, Tensor]]] = defaultdict(list)
+    for s in states:
+        if EF_PROJECTION in s:
+            e = s["error_feedback"]
+            groups[(tuple(e.shape), e.dtype, e.device, tuple(s["basis"].shape))].append(s)
+    for same in groups.values():
+        for part in stack_slices(len(same), same[0]["error_feedback"].numel()):
+            stack = same[part]
+            if len(stack) == 1:
+                fold_error_feedback(stack[0])
+                continue
+            product = torch.bmm(torch.stack([s["basis"] for s in stack]), torch.stack([s.pop(EF_PROJECTION)
+                                                                                      for s in stack]))
+            torch._foreach_sub_([s["error_feedback"] for s in stack], product.unbind(0))
+

@@ -11,11 +11,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_lordo._tensors import canonical, math_dtype
-from lightning_lordo.config import ef_dtype_for
-from lightning_lordo.optim.error_feedback import EF_PROJECTION, fold_error_feedback
+from lightning_lordo.config import KNOBS_BEFORE_THEY_EXISTED, OPTIMIZER_DEFAULTS, ef_dtype_for
 from lightning_lordo.optim.fullrank import conform as conform_fullrank
 from lightning_lordo.optim.fullrank import expand_factored, is_factored
-from lightning_lordo.optim.hyper import REFRESH_COUNTERS, Hyper
+from lightning_lordo.optim.functional import EF_PROJECTION, Hyper, fold_error_feedback
+from lightning_lordo.optim.hyper import REFRESH_COUNTERS, start_counting
 
 
 @torch.no_grad()
@@ -115,3 +115,24 @@ def expand_lowrank_state(state: Mapping[str, Tensor], p: Tensor) -> dict[str, Te
     second = canonical(torch.maximum(q.square() @ v, v.mean()), p)
     return {"step": state["step"].detach().clone().float().cpu(), "exp_avg": first.to(dtype).contiguous(),
             "exp_avg_sq": second.to(dtype).contiguous()}
+
+
+def restore_saved_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
+    """After torch's ``load_state_dict``, which casts floating state to each parameter's dtype: every state tensor
+    as it was saved (LoRDO keeps its math state in float32, the error feedback in its own dtype), step counters on
+    the CPU (on the device for torch's fused AdamW), and the knobs a checkpoint older than them did not have."""
+    saved = state_dict["state"]
+    index = 0
+    for group in optimizer.param_groups:
+        for key in OPTIMIZER_DEFAULTS:  # a checkpoint older than a knob: what it ran with
+            group.setdefault(key, KNOBS_BEFORE_THEY_EXISTED.get(key, optimizer.defaults[key]))
+        start_counting(group)
+        for p in group["params"]:
+            for key, value in saved.get(index, {}).items():
+                if isinstance(value, Tensor) and key != "step":  # counters stay on the CPU
+                    optimizer.state[p][key] = value.to(device=p.device, copy=True)
+            step = optimizer.state[p].get("step") if p in optimizer.state else None
+            if step is not None and not optimizer.lowrank_rank(p, group) and optimizer._fused_for(p) \
+                    and "factored_row" not in optimizer.state[p]:
+                optimizer.state[p]["step"] = step.to(p.device)  # torch's fused AdamW keeps it on the device
+            index += 1

@@ -1,9 +1,7 @@
-"""The AdamW step of LoRDO's full-rank parameters (SPEC §3: embeddings, vectors, ``full_rank``, matrices whose rank
-would not save memory).
-
-torch's own functional AdamW (:func:`adamw_torch`, foreach or fused) where it applies; :func:`adamw_reference` (one
-parameter, readable) and :func:`adamw_grouped` (foreach) for what torch's AdamW does not cover: the quasi-hyperbolic
-mix of ``update="subspace_qh"`` (QHAdam) and low-precision parameters with float32 moments.
+"""The state of LoRDO's full-rank parameters (SPEC §3: embeddings, vectors, ``full_rank``, matrices whose rank would
+not save memory), and their step where torch's AdamW does not apply (:meth:`LoRDO._adamw_step` picks; torch's own
+functional AdamW, :func:`~lightning_lordo.optim.functional.adamw_torch`, where it does): :func:`adamw_grouped` for the
+quasi-hyperbolic mix of ``update="subspace_qh"`` (QHAdam) and low-precision parameters with float32 moments.
 
 ``fullrank_state="factored"`` keeps a quarter of AdamW's bytes for the matrices among them (embeddings, output
 heads): the first moment in bfloat16, the second factored as Adafactor's (a mean per row and per column of the
@@ -13,72 +11,21 @@ squared gradient; Shazeer & Stern, 2018), at AdamW's learning rate and bias corr
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.optim.adamw import adamw as torch_adamw
 
-from lightning_lordo._tensors import STACK_BYTES, math_dtype
-from lightning_lordo.optim.functional import Hyper, apply_update
-
-_TINY = torch.finfo(torch.float32).tiny  # floors a mean of squares that divides (after only zero gradients)
-
-
-def step(params: Sequence[Tensor], state: Mapping[Tensor, dict[str, Tensor]], h: Hyper, foreach: bool,
-         fused_for: Callable[[Tensor], bool], step_counts: Callable[[list[Tensor]], list[float]]) -> None:
-    """One step of the full-rank ``params`` (one param group's, with gradients), their state created or made to fit
-    ``fullrank_state`` first. ``foreach``: the grouped implementations, else the references; ``fused_for(p)``: whether
-    ``p`` takes torch's fused AdamW; ``step_counts(ps)``: counts this step for ``ps`` and returns their counts."""
-    for p in params:
-        fused = fused_for(p) and not is_factored(p, h)  # torch's fused AdamW keeps its step count on the device
-        if state[p]:
-            conform(p, state[p], h, fused)
-        else:
-            state[p].update(new_state(p, h, fused))
-    factored = [p for p in params if is_factored(p, h)]
-    if factored and foreach:
-        factored_step(factored, [state[p] for p in factored], h, step_counts(factored))
-    elif factored:
-        for p, t in zip(factored, step_counts(factored)):
-            factored_reference(p, state[p], h, t)
-    params = [p for p in params if not is_factored(p, h)]
-    if not foreach:
-        for p, t in zip(params, step_counts(params)):
-            adamw_reference(p, state[p], h, t)
-        return
-    # torch's own AdamW where it applies (moments in the parameter's dtype, no QH mix); ours elsewhere
-    native = [p for p in params if h.update != "subspace_qh" and math_dtype(p.dtype) == p.dtype]
-    by_kind: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = defaultdict(list)
-    for p in native:
-        by_kind[(p.device, p.dtype, fused_for(p))].append(p)
-    for (_, _, fused), bucket in by_kind.items():
-        adamw_torch(bucket, [state[p] for p in bucket], h, fused=fused)
-    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-    for p in params:
-        if not any(p is q for q in native):
-            by_device[p.device].append(p)
-    for bucket in by_device.values():
-        adamw_grouped(bucket, [state[p] for p in bucket], h, step_counts(bucket))
-
-
-def adamw_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float) -> None:
-    """AdamW (or QHAdam with ``update="subspace_qh"``) on one parameter, moments in ``state`` (float32 math)."""
-    grad = p.grad.to(state["exp_avg"].dtype)
-    state["exp_avg"].lerp_(grad, 1 - h.beta1)
-    state["exp_avg_sq"].mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
-    denom = (state["exp_avg_sq"].sqrt() / (1 - h.beta2**t) ** 0.5).add_(h.eps)
-    momentum = state["exp_avg"] / (1 - h.beta1**t)
-    if h.update == "subspace_qh":  # QHAdam: ((1 - omega) g + omega u_hat) / (sqrt(v_hat) + eps)
-        momentum = momentum.mul_(h.omega).add_(grad, alpha=1 - h.omega)
-    apply_update(p, momentum.div_(denom), h)
+from lightning_lordo._tensors import math_dtype
+from lightning_lordo.optim.functional import STACK_BYTES, TINY, Hyper, is_factored
+from lightning_lordo.optim.reference import apply_update
 
 
 def adamw_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper,
                   steps: Sequence[float]) -> None:
-    """:func:`adamw_reference` for a list of parameters of one device (``steps``: each one's step count)."""
+    """:func:`~lightning_lordo.optim.reference.adamw_reference` for a list of parameters of one device (``steps``:
+    each one's step count)."""
     grads = [p.grad.to(s["exp_avg"].dtype) for p, s in zip(params, states)]
     exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
     torch._foreach_lerp_(exp_avgs, grads, 1 - h.beta1)
@@ -97,20 +44,7 @@ def adamw_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]],
     torch._foreach_add_(list(params), [m.to(p.dtype) for m, p in zip(momentum, params)], alpha=-h.lr)
 
 
-def adamw_torch(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, fused: bool) -> None:
-    """torch's own AdamW (``foreach``, or ``fused``) on parameters whose moments have their dtype; it increments
-    the step counters itself."""
-    torch_adamw(list(params), [p.grad for p in params], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=not fused, fused=fused,
-                amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,
-                maximize=False)
-
-
 # ------------------------------------------------------------------------ fullrank_state="factored"
-def is_factored(p: Tensor, h: Hyper) -> bool:
-    """Whether the full-rank ``p`` keeps the factored state (``fullrank_state="factored"``; tensors of 2 or more
-    dimensions: a vector's AdamW moments are as small as its factors; an empty one has no mean to factor)."""
-    return h.fullrank_state == "factored" and p.ndim >= 2 and p.numel() > 0
 
 
 def new_state(p: Tensor, h: Hyper, fused: bool) -> dict[str, Tensor]:
@@ -156,7 +90,7 @@ def expand_factored(state: Mapping[str, Tensor], p: Tensor) -> dict[str, Tensor]
     the factors over the rows' mean (Adafactor's estimate)."""
     dtype = math_dtype(p.dtype)
     row, col = state["factored_row"].to(dtype), state["factored_col"].to(dtype)
-    second = torch.outer(row, col).div_(row.mean().clamp(min=_TINY)).view(p.shape)
+    second = torch.outer(row, col).div_(row.mean().clamp(min=TINY)).view(p.shape)
     # laid out as ``p`` (a channels_last weight's too), as AdamW's own moments are: torch's fused AdamW wants that
     return {"exp_avg": state["exp_avg"].to(dtype), "exp_avg_sq": torch.empty_like(p, dtype=dtype).copy_(second)}
 
@@ -172,7 +106,7 @@ def factored_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float) 
     state["factored_row"].mul_(h.beta2).add_(squared.mean(dim=1), alpha=1 - h.beta2)
     state["factored_col"].mul_(h.beta2).add_(squared.mean(dim=0), alpha=1 - h.beta2)
     row, col = state["factored_row"], state["factored_col"]
-    v_hat = torch.outer(row, col) / row.mean().clamp(min=_TINY) / (1 - h.beta2**t)
+    v_hat = torch.outer(row, col) / row.mean().clamp(min=TINY) / (1 - h.beta2**t)
     momentum = first / (1 - h.beta1**t)
     if h.update == "subspace_qh":
         momentum = momentum.mul_(h.omega).add_(grad, alpha=1 - h.omega)
@@ -194,7 +128,7 @@ def factored_step(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]],
         state["factored_row"].mul_(h.beta2).add_(row_sq, alpha=1 - h.beta2)
         state["factored_col"].mul_(h.beta2).add_(col_sq, alpha=1 - h.beta2)
         row_scale = (state["factored_row"] / (1 - h.beta2**t)).sqrt_()
-        col_scale = (state["factored_col"] / state["factored_row"].mean().clamp(min=_TINY)).sqrt_()
+        col_scale = (state["factored_col"] / state["factored_row"].mean().clamp(min=TINY)).sqrt_()
         first = state["exp_avg"]
         for rows in row_slices(a, b):  # slices along the first dimension: views whatever the layout
             g = grad[rows].to(dtype)

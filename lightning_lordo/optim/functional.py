@@ -1,12 +1,7 @@
-r"""The LoRDO update as functions of tensors (SPEC §3, §6, §6b): a readable per-matrix reference and a grouped path.
-
-:func:`lowrank_reference` is the algorithm, one matrix at a time, written to be read. :func:`lowrank_grouped` computes
-the same for a list of matrices of one canonical shape, dtype and device (and one step count): they are stacked, the
-projection and the back-projection are one batched matmul each, and the elementwise moment updates are ``foreach``
-ops, so the number of dispatched operations does not grow with the number of matrices. Tests compare the two on
-random inputs against float64 references. The AdamW parameters' step is in :mod:`lightning_lordo.optim.fullrank`.
-
-For a low-rank matrix in the canonical orientation ``a x b`` (``a <= b``) with basis ``Q`` (``a x r``)::
+r"""One LoRDO step as functions of tensors (SPEC §3, §6, §6b): the knobs it reads (:class:`Hyper`) and the grouped
+path (same-shape matrices stacked: dispatched ops do not grow with their number), whose readable twin is
+:mod:`~lightning_lordo.optim.reference`. A step runs only this and :mod:`~lightning_lordo.optim.lordo`. For a
+low-rank matrix ``a x b`` (``a <= b``; a tall one is worked on transposed) with basis ``Q`` (``a x r``)::
 
     A = G + gamma E;  g = Q^T A;  E <- A - Q g                      (error feedback, optional)
     u <- beta1 u + (1 - beta1) g;  v <- beta2 v + (1 - beta2) g^2
@@ -17,117 +12,169 @@ For a low-rank matrix in the canonical orientation ``a x b`` (``a <= b``) with b
 
 with ``In`` the full-rank input (``G``, or ``A`` with ``full_rank_input="accumulated"``) and ``S`` the normalizer of
 SPEC §6. ``stats``, when given, collects the sums behind :meth:`LoRDO.diagnostics` (only when asked for).
+
+**Unfolded error feedback** (where :func:`can_unfold`): the buffer holds ``R`` and the state ``c = Q^T R`` (key
+:data:`EF_PROJECTION`), with ``E = R - Q c``. A step updates ``R <- G + gamma R`` in place and projects it; then
+``g = c - gamma c_prev`` and ``E_new = R - Q c``, so no third matmul forms ``E``. Whatever reads or replaces the
+buffer from outside the step folds it first (:func:`fold_error_feedback`; the values do not change), and the step
+folds a bucket where ``c`` was not kept for all of it, every :data:`FOLD_EVERY`-th step (bounding the cancellation
+in ``c - gamma c_prev``) and when diagnostics are collected. Checkpoints hold ``R`` and ``c`` as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Optional
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.optim.adamw import adamw as torch_adamw
 
-from lightning_lordo._tensors import canonical, is_tall, stack_slices
 from lightning_lordo.optim.compiled import apply_tail
-from lightning_lordo.optim.error_feedback import (
-    accumulate,
-    enter_unfolded,
-    fold_error_feedback,
-    unfold_now,
-    unfolded_projection,
-)
-from lightning_lordo.optim.hyper import Hyper
 
-_TINY = torch.finfo(torch.float32).tiny
+TINY = torch.finfo(torch.float32).tiny
+#: The most bytes of one stack of same-shape matrices (a float32 copy of them): larger groups go in several stacks,
+#: so that the transient memory of a batched step or sync stays bounded whatever the model's depth.
+STACK_BYTES = 64 * 2**20
 
 
-def _add_stat(stats: Optional[dict[str, Tensor]], key: str, value: Tensor) -> None:
-    if stats is not None:
-        stats[key] = stats[key] + value if key in stats else value
+def stack_slices(count: int, numel: int) -> list[slice]:
+    """``count`` same-shape matrices of ``numel`` elements each in stacks of at most :data:`STACK_BYTES` as float32
+    (at least one matrix a stack), as slices of their list."""
+    per = max(1, STACK_BYTES // (4 * max(1, numel)))
+    return [slice(start, start + per) for start in range(0, count, per)]
 
 
-# ------------------------------------------------------------------------------------------------ reference
-def lowrank_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float,
-                      stats: Optional[dict[str, Tensor]] = None) -> None:
-    """One LoRDO step of one low-rank matrix ``p`` (its ``state`` holds ``basis``, the moments and the optional
-    ``error_feedback`` / ``factored_*`` buffers; ``t`` is the step count including this step)."""
-    bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
-    fold_error_feedback(state)  # E itself, if a grouped step left it unfolded
-    grad = canonical(p.grad, p).float()
-    q = state["basis"]
-    accumulated = grad
-    if h.error_feedback:
-        ef = state["error_feedback"]
-        accumulated = grad + ef.float() * h.ef_decay
-    projected = q.mT @ accumulated
-    if h.error_feedback:
-        ef.copy_(accumulated - q @ projected)
-        _add_stat(stats, "ef_sq", ef.float().square().sum())  # the stored buffer (maybe bf16), not the residual
-    state["exp_avg"].lerp_(projected, 1 - h.beta1)
-    state["exp_avg_sq"].mul_(h.beta2).addcmul_(projected, projected, value=1 - h.beta2)
-    v_hat = state["exp_avg_sq"] / bias2
-    u_hat = state["exp_avg"] / bias1
-    if h.update == "subspace_qh":  # the QH mix inside the subspace, no full-rank term
-        mixed = u_hat.mul_(h.omega).add_(projected, alpha=1 - h.omega)
-        apply_update(p, canonical(q @ mixed.div_(v_hat.sqrt().add_(h.eps)), p), h, h.scale(q))
-        return
-    d_low = q @ (u_hat / (v_hat.sqrt() + h.eps) if h.update == "lordo" else u_hat)
-    update = d_low  # omega == 1: pure low-rank step
-    if h.omega < 1.0:
-        full_input = accumulated if h.full_rank_input == "accumulated" else grad
-        d_full = full_input / (_normalizer(state, h, grad, v_hat, bias2) + h.eps)
-        if h.mu == "auto":  # mu = RMS(In/(S+eps)) / RMS(D_low): both terms get the same size
-            d_full.mul_(_rms(d_low) / _rms(d_full).clamp(min=_TINY))
-        else:
-            d_full.div_(h.mu)
-        d_full.mul_(1.0 - h.omega)
-        _add_stat(stats, "full_sq", d_full.square().sum())
-        update = d_full.add_(d_low, alpha=h.omega)
-    _add_stat(stats, "low_sq", d_low.square().sum() * h.omega**2)
-    apply_update(p, canonical(update, p), h, h.scale(q))
+# ------------------------------------------------------------------------------------------------ the knobs
+@dataclass(frozen=True)
+class Hyper:
+    """The knobs of one param group that one step reads."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    omega: float
+    update: str
+    mu: Union[float, str]
+    normalizer: str
+    lifted_floor: float
+    full_rank_input: str
+    error_feedback: bool
+    ef_decay: float  # "auto" resolved: :func:`auto_ef_decay`
+    update_scale: Union[float, str]
+    fullrank_state: str = "adamw"
+
+    @classmethod
+    def of(cls, group: Mapping[str, Any]) -> Hyper:
+        beta1, beta2 = group["betas"]
+        decay = group["ef_decay"]
+        return cls(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                   omega=group["omega"], update=group["update"], mu=group["mu"], normalizer=group["normalizer"],
+                   lifted_floor=group["lifted_floor"], full_rank_input=group["full_rank_input"],
+                   error_feedback=group["error_feedback"],
+                   ef_decay=auto_ef_decay(beta1, group.get("refresh_interval")) if decay == "auto" else decay,
+                   update_scale=group["update_scale"], fullrank_state=group["fullrank_state"])
+
+    def scale(self, basis: Tensor) -> float:
+        """The factor of this matrix's update (not of its weight decay): ``sqrt(a / r)`` for ``update_scale="auto"``
+        (``basis``: ``a x r``, or a stack of them), else the number given."""
+        if self.update_scale != "auto":
+            return float(self.update_scale)
+        a, r = basis.shape[-2:]
+        return math.sqrt(a / r)
 
 
-def _normalizer(state: dict[str, Tensor], h: Hyper, grad: Tensor, v_hat: Tensor, bias2: float) -> Tensor:
-    """The full-rank normalizer S of SPEC §6 for one matrix, broadcastable to ``a x b``."""
-    if h.normalizer == "col_rms":
-        return v_hat.mean(dim=0, keepdim=True).sqrt()
-    if h.normalizer == "scalar":
-        return v_hat.mean().sqrt()
-    if h.normalizer == "mean_denom":  # S + eps = mean over all entries of (sqrt(v_hat) + eps)
-        return v_hat.sqrt().mean()
-    if h.normalizer == "lifted":
-        floor = v_hat.mean().sqrt() * h.lifted_floor
-        return torch.maximum((state["basis"].square() @ v_hat).sqrt(), floor)
-    squared = grad.square()  # factored: Adafactor's row/column second moments of the gradient itself
-    state["factored_row"].mul_(h.beta2).add_(squared.mean(dim=1), alpha=1 - h.beta2)
-    state["factored_col"].mul_(h.beta2).add_(squared.mean(dim=0), alpha=1 - h.beta2)
-    row, col = state["factored_row"] / bias2, state["factored_col"] / bias2
-    return (row[:, None] * col[None, :] / row.mean().clamp(min=_TINY)).sqrt()
+#: The longest memory of ``ef_decay="auto"``, and its value while a matrix's basis has not changed yet.
+AUTO_EF_DECAY_MAX = 0.99
 
 
-def apply_update(p: Tensor, update: Tensor, h: Hyper, scale: float = 1.0) -> None:
-    """Decoupled weight decay, then ``W -= lr * scale * update`` (``update`` shaped like ``p``)."""
-    if h.weight_decay:
-        p.mul_(1 - h.lr * h.weight_decay)
-    p.add_(update.to(p.dtype), alpha=-h.lr * scale)
+def auto_ef_decay(beta1: float, refresh_interval: Optional[float]) -> float:
+    """``ef_decay="auto"``: ``1 - 1/n`` for bases refreshed every ``n`` steps, clamped to ``[beta1, 0.99]``: the
+    buffer remembers about one basis interval, what the next basis (from that interval's pseudo-gradient) can take
+    in. Remembered across several refreshes, stale directions fight each new basis (a regression with bases every 4
+    or 8 steps stalls at 10-20x the optimum with 0.95-0.99); with a fixed basis, or refreshes every 32, 0.99
+    converges."""
+    if not refresh_interval:
+        return AUTO_EF_DECAY_MAX
+    return min(AUTO_EF_DECAY_MAX, max(beta1, 1.0 - 1.0 / refresh_interval))
 
 
-def _rms(t: Tensor) -> Tensor:
-    return t.square().mean().sqrt()
+# ------------------------------------------------------------------------------------------------ error feedback
+#: The state key of an unfolded buffer's projection ``c``, and how often (in steps) the step folds it at the latest.
+EF_PROJECTION = "ef_projection"
+FOLD_EVERY = 32
 
 
-# ------------------------------------------------------------------------------------------------ grouped
+def fold_error_feedback(state: dict[str, Tensor]) -> None:
+    """Make an unfolded buffer the error feedback itself again, ``E = R - Q c``; a no-op for a folded one."""
+    c = state.pop(EF_PROJECTION, None)
+    if c is not None:
+        state["error_feedback"].addmm_(state["basis"], c, alpha=-1)
+
+
+def unfold_now(states: Sequence[dict[str, Tensor]], allowed: bool, t: float) -> bool:
+    """Whether a step at count ``t`` takes these (same-bucket) buffers unfolded; if not, they are folded first.
+    ``allowed``: the knobs allow it and no diagnostics are collected."""
+    now = allowed and t % FOLD_EVERY != 0 and all(EF_PROJECTION in s for s in states)
+    if not now:
+        for s in states:
+            fold_error_feedback(s)
+    return now
+
+
+def accumulate(sums: Sequence[Tensor], grads: Sequence[Tensor], decay: float) -> None:
+    """``R <- G + decay R`` in place (``sums``: the buffers, oriented as ``grads``)."""
+    if decay != 1.0:
+        torch._foreach_mul_(sums, decay)
+    torch._foreach_add_(sums, grads)
+
+
+def unfolded_projection(states: Sequence[dict[str, Tensor]], projected: Tensor, decay: float) -> Tensor:
+    """This step's ``c = Q^T R`` (``projected``, n x r x b) is kept in the states, and ``projected`` becomes the
+    projected gradient ``c - decay c_prev`` in place; returns ``c_prev`` (stacked)."""
+    previous = torch.stack([s[EF_PROJECTION] for s in states])
+    torch._foreach_copy_([s[EF_PROJECTION] for s in states], projected.unbind(0))
+    projected.sub_(previous, alpha=decay)
+    return previous
+
+
+def enter_unfolded(states: Sequence[dict[str, Tensor]], allowed: bool) -> None:
+    """After a step that wrote ``E`` itself: ``E = R - Q 0``, so the next steps can keep it unfolded."""
+    if allowed:
+        for s in states:
+            s[EF_PROJECTION] = torch.zeros_like(s["exp_avg"])
+
+
+# ------------------------------------------------------------------------------------------------ AdamW parameters
+def is_factored(p: Tensor, h: Hyper) -> bool:
+    """Whether the full-rank ``p`` keeps the factored state (``fullrank_state="factored"``; tensors of 2 or more
+    dimensions: a vector's AdamW moments are as small as its factors; an empty one has no mean to factor)."""
+    return h.fullrank_state == "factored" and p.ndim >= 2 and p.numel() > 0
+
+
+def adamw_torch(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, fused: bool) -> None:
+    """torch's own AdamW (``foreach``, or ``fused``) on parameters whose moments have their dtype; it increments
+    the step counters itself."""
+    torch_adamw(list(params), [p.grad for p in params], [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=not fused, fused=fused,
+                amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,
+                maximize=False)
+
+
+# ------------------------------------------------------------------------------------------------ grouped low-rank
 def lowrank_grouped(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, t: float,
                     stats: Optional[dict[str, Tensor]] = None, in_place: Optional[bool] = None,
                     compiled: bool = False) -> None:
-    """:func:`lowrank_reference` for matrices of one shape, dtype and device at step count ``t``.
-
-    Two layouts of the same math. ``in_place`` (the default on the CPU, where memory passes and not kernel launches
-    cost the time; float32 weights, a fixed ``mu``, any normalizer but ``factored``): :func:`_lowrank_in_place`, no
-    full-size tensor stacked and no full-size update materialized. Otherwise (the default on accelerators, where
-    each launch costs) the stacked layout: one batched matmul per projection, foreach math, a fixed number of ops
-    per stack (a group in stacks of at most :data:`~lightning_lordo._tensors.STACK_BYTES`, which bounds the step's
-    transient memory); ``compiled``: its last full-size pass compiled (:mod:`~lightning_lordo.optim.compiled`)."""
+    """:func:`~lightning_lordo.optim.reference.lowrank_reference` for matrices of one shape, dtype and device at
+    step count ``t``, in one of two layouts. ``in_place`` (the CPU's default, where memory passes cost the time;
+    float32 weights, a fixed ``mu``, any normalizer but ``factored``): :func:`_lowrank_in_place`, no full-size tensor
+    stacked. Otherwise (the accelerators' default, where each launch costs) stacked: one batched matmul per
+    projection, foreach math, stacks of at most :data:`STACK_BYTES` (a bounded transient); ``compiled``: its last
+    full-size pass compiled (:mod:`~lightning_lordo.optim.compiled`)."""
     if in_place is None:
         in_place = params[0].device.type == "cpu"
     if in_place and _can_write_in_place(params[0], h):
@@ -142,25 +189,21 @@ def _can_write_in_place(p: Tensor, h: Hyper) -> bool:
     return p.dtype == torch.float32 and h.mu != "auto" and h.normalizer != "factored" and h.lr * h.weight_decay != 1
 
 
-
 def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, t: float,
                       stats: Optional[dict[str, Tensor]]) -> None:
     """The grouped step with the ``r x b`` moments stacked and every full-size tensor left where it is: per matrix
     one matmul reads the gradient (the projection), one ``addmm_`` applies the weight decay and the low-rank term
     to the weights, and one ``addcdiv_`` the full-rank term: 6 full-size passes per matrix without error feedback
     (AdamW: 7). The full-rank term reads the gradient after the weights were written: a gradient sharing its
-    weight's memory is not supported (autograd never makes one).
-
-    Error feedback is kept unfolded where the knobs allow (:func:`can_unfold`;
-    :mod:`lightning_lordo.optim.error_feedback`): the buffer holds ``R`` and ``E = R - Q c``, so no third matmul
-    computes ``E``; then the full-rank term's input ``A = R - gamma Q c_prev`` (:func:`_fold_into_low`). 9 passes
-    and 2 matmuls per matrix, against 11 and 3 folded."""
-    tall = is_tall(params[0])
+    weight's memory is not supported (autograd never makes one). Unfolded error feedback (:func:`can_unfold`): the
+    full-rank term's input ``A = R - gamma Q c_prev`` (:func:`_fold_into_low`); 9 passes and 2 matmuls per matrix,
+    against 11 and 3 folded."""
+    tall = params[0].shape[0] > params[0].shape[1]  # worked on transposed (SPEC §2)
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
     allowed = can_unfold(states, h)
     unfold = h.error_feedback and unfold_now(states, allowed and stats is None, t)
     q = torch.stack([s["basis"] for s in states])  # n x a x r
-    grads = [canonical(p.grad, p) for p in params]  # a x b views
+    grads = [p.grad.mT if tall else p.grad for p in params]  # a x b views
     accumulated = grads
     if h.error_feedback:
         errors = [s["error_feedback"] for s in states]  # canonical
@@ -181,7 +224,7 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
             else:  # a low-precision buffer
                 e.copy_(torch.addmm(a, qi, g, alpha=-1))
         if stats is not None:
-            _add_stat(stats, "ef_sq", sum(e.float().square().sum() for e in errors))
+            add_stat(stats, "ef_sq", sum(e.float().square().sum() for e in errors))
         enter_unfolded(states, allowed)
     u_hat, v_hat = _moments_grouped(states, projected.unbind(0), h, bias1, bias2)
     full_term = h.update != "subspace_qh" and h.omega < 1.0
@@ -191,21 +234,21 @@ def _lowrank_in_place(params: Sequence[Tensor], states: Sequence[dict[str, Tenso
         low = u_hat / (v_hat.sqrt() + h.eps) if h.update == "lordo" else u_hat
         low.mul_(h.omega)
         if stats is not None:
-            _add_stat(stats, "low_sq", torch.bmm(q, low).square().sum())
+            add_stat(stats, "low_sq", torch.bmm(q, low).square().sum())
     value = (1.0 - h.omega) / h.mu
     if full_term:
         denom = _normalizer_grouped(states, q, h, None, v_hat, bias2, tall).add_(h.eps)  # in the weights' orientation
         _fold_into_low(low, previous, denom, h, tall)
     lr = h.lr * h.scale(q)  # the update's (not the weight decay's)
     for p, qi, li in zip(params, bases, low.unbind(0)):  # W <- W (1 - lr lambda) - lr Q (omega D_low)
-        canonical(p, p).addmm_(qi, li, beta=1 - h.lr * h.weight_decay, alpha=-lr)
+        (p.mT if tall else p).addmm_(qi, li, beta=1 - h.lr * h.weight_decay, alpha=-lr)
     if not full_term:
         return
-    full_inputs = [canonical(a, p) for a, p in zip(accumulated, params)] if h.full_rank_input == "accumulated" \
+    full_inputs = [a.mT if tall else a for a in accumulated] if h.full_rank_input == "accumulated" \
         else [p.grad for p in params]
     denoms = denom.unbind(0)
     if stats is not None:
-        _add_stat(stats, "full_sq", sum((x / d).square().sum() for x, d in zip(full_inputs, denoms)) * value**2)
+        add_stat(stats, "full_sq", sum((x / d).square().sum() for x, d in zip(full_inputs, denoms)) * value**2)
     for p, x, d in zip(params, full_inputs, denoms):  # ... - lr (1 - omega) In / (mu (S + eps))
         p.addcdiv_(x, d, value=-lr * value)
 
@@ -237,7 +280,7 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
     full-rank term are folded into its (small) normalizer, so each full-size tensor is read or written as few times
     as the algorithm needs: the gradient stacked, read by the projection and by the full-rank term; the update
     written by the back-projection, completed in place, and added to the weights."""
-    tall = is_tall(params[0])
+    tall = params[0].shape[0] > params[0].shape[1]  # worked on transposed (SPEC §2)
     bias1, bias2 = 1 - h.beta1**t, 1 - h.beta2**t
     allowed = can_unfold(states, h)
     unfold = h.error_feedback and unfold_now(states, allowed and stats is None, t)  # as in the in-place layout
@@ -261,7 +304,7 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
         residual = torch.baddbmm(accumulated, *_back(q, projected, tall), alpha=-1)
         torch._foreach_copy_(errors, [r.mT if tall else r for r in residual.unbind(0)])
         if stats is not None:
-            _add_stat(stats, "ef_sq", torch.stack(errors).float().square().sum())
+            add_stat(stats, "ef_sq", torch.stack(errors).float().square().sum())
         enter_unfolded(states, allowed)
     u_hat, v_hat = _moments_grouped(states, rows, h, bias1, bias2)
     if h.update == "subspace_qh":
@@ -272,7 +315,7 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
     if h.omega == 1.0:
         update = torch.bmm(*_back(q, low, tall))
         if stats is not None:
-            _add_stat(stats, "low_sq", update.square().sum())
+            add_stat(stats, "low_sq", update.square().sum())
         _apply_grouped(params, update, h, h.scale(q))
         return
     denom = _normalizer_grouped(states, q, h, grad, v_hat, bias2, tall).add_(h.eps)  # S + eps, orientation of W
@@ -280,17 +323,17 @@ def _lowrank_stacked(params: Sequence[Tensor], states: Sequence[dict[str, Tensor
     if h.mu == "auto":  # both terms the same RMS: needs the full-rank term's RMS first
         d_low = torch.bmm(*_back(q, low, tall))
         d_full = full_input / denom
-        d_full.mul_(_rms_each(d_low) / _rms_each(d_full).clamp(min=_TINY)).mul_(1.0 - h.omega)
+        d_full.mul_(_rms_each(d_low) / _rms_each(d_full).clamp(min=TINY)).mul_(1.0 - h.omega)
         if stats is not None:
-            _add_stat(stats, "full_sq", d_full.square().sum())
-            _add_stat(stats, "low_sq", d_low.square().sum() * h.omega**2)
+            add_stat(stats, "full_sq", d_full.square().sum())
+            add_stat(stats, "low_sq", d_low.square().sum() * h.omega**2)
         _apply_grouped(params, d_full.add_(d_low, alpha=h.omega), h, h.scale(q))
         return
     _fold_into_low(low.mul_(h.omega), previous, denom, h, tall)
     update = torch.bmm(*_back(q, low, tall))  # omega D_low, then + (1 - omega) In / (mu (S + eps))
     if stats is not None:
-        _add_stat(stats, "low_sq", update.square().sum())
-        _add_stat(stats, "full_sq", (full_input / denom).square().sum() * ((1.0 - h.omega) / h.mu) ** 2)
+        add_stat(stats, "low_sq", update.square().sum())
+        add_stat(stats, "full_sq", (full_input / denom).square().sum() * ((1.0 - h.omega) / h.mu) ** 2)
     coef, scale = (1.0 - h.omega) / h.mu, h.scale(q)
     if not (compiled and apply_tail(params, update, full_input, denom, coef, 1 - h.lr * h.weight_decay, h.lr * scale)):
         update.addcdiv_(full_input, denom, value=coef)
@@ -336,7 +379,7 @@ def _normalizer_grouped(states: Sequence[dict[str, Tensor]], q: Tensor, h: Hyper
     torch._foreach_mul_(cols, h.beta2)
     torch._foreach_add_(cols, squared.mean(dim=2 if tall else 1).unbind(0), alpha=1 - h.beta2)
     row, col = torch.stack(rows).div_(bias2), torch.stack(cols).div_(bias2)
-    scale = row.mean(dim=1, keepdim=True).clamp(min=_TINY)
+    scale = row.mean(dim=1, keepdim=True).clamp(min=TINY)
     s = (row[:, :, None] * col[:, None, :] / scale[:, :, None]).sqrt_()
     return s.mT if tall else s
 
@@ -346,7 +389,12 @@ def _rms_each(t: Tensor) -> Tensor:
 
 
 def _apply_grouped(params: Sequence[Tensor], update: Tensor, h: Hyper, scale: float) -> None:
-    """:func:`apply_update` for every matrix at once (``update``: the stack, in the parameters' orientation)."""
+    """:func:`~lightning_lordo.optim.reference.apply_update` for a stack (``update``: the parameters' orientation)."""
     if h.weight_decay:
         torch._foreach_mul_(list(params), 1 - h.lr * h.weight_decay)
     torch._foreach_add_(list(params), update.to(params[0].dtype).unbind(0), alpha=-h.lr * scale)
+
+
+def add_stat(stats: Optional[dict[str, Tensor]], key: str, value: Tensor) -> None:
+    if stats is not None:
+        stats[key] = stats[key] + value if key in stats else value

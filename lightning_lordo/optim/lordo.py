@@ -16,9 +16,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_lordo._tensors import canonical, math_dtype, mix_seed
+from lightning_lordo._tensors import canonical, mix_seed
 from lightning_lordo.config import (
-    KNOBS_BEFORE_THEY_EXISTED,
     OPTIMIZER_DEFAULTS,
     check_knob_combinations,
     check_optimizer_knobs,
@@ -26,8 +25,8 @@ from lightning_lordo.config import (
     resolve_rank,
 )
 from lightning_lordo.optim import bases as bases_module
-from lightning_lordo.optim import conversion, fullrank, functional, report
-from lightning_lordo.optim.error_feedback import fold_error_feedback
+from lightning_lordo.optim import conversion, fullrank, functional, reference, report
+from lightning_lordo.optim.functional import fold_error_feedback, is_factored
 from lightning_lordo.optim.hyper import record_refresh, start_counting
 from lightning_lordo.optim.projection import compute_basis, random_basis
 
@@ -127,6 +126,7 @@ class LoRDO(Optimizer):
         self._warned: set[tuple[tuple[int, ...], int]] = set()
         self._stats: dict[str, Tensor] = {}
         self._record = False  # request_diagnostics: collect the diagnostics' sums during the next step
+        self._ranks: dict[tuple[int, Any], int] = {}  # (id(p), the group's rank) -> p's resolved rank
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -152,8 +152,11 @@ class LoRDO(Optimizer):
         """The rank this parameter runs at in this group, or 0 when it takes the AdamW step."""
         if p.ndim != 2 or group["rank"] == 0 or id(p) in self._full_rank:
             return 0
-        r = resolve_rank(group["rank"], min(p.shape))
-        return r if r <= min(p.shape) else 0
+        key = (id(p), group["rank"])
+        if key not in self._ranks:  # resolved once per parameter and configured rank, not at every step
+            r = resolve_rank(group["rank"], min(p.shape))
+            self._ranks[key] = r if r <= min(p.shape) else 0
+        return self._ranks[key]
 
     def lowrank_params(self) -> list[Tensor]:
         """All parameters that take the low-rank step, in param-group order."""
@@ -205,7 +208,7 @@ class LoRDO(Optimizer):
         counts = self._step_counts(params)
         if not self.foreach:
             for p, t in zip(params, counts):
-                functional.lowrank_reference(p, self.state[p], h, t, stats)
+                reference.lowrank_reference(p, self.state[p], h, t, stats)
             return
         buckets: dict[tuple[Any, ...], list[Tensor]] = defaultdict(list)
         for p, t in zip(params, counts):  # one bucket: one shape, dtype, device and step count
@@ -217,7 +220,37 @@ class LoRDO(Optimizer):
                                        not self.stacked_layout(bucket[0]), self.layout == "compiled")
 
     def _adamw_step(self, params: list[Tensor], h: functional.Hyper) -> None:
-        fullrank.step(params, self.state, h, self.foreach, self._fused_for, self._step_counts)
+        """The full-rank ``params``' step (state created or fit to ``fullrank_state`` first): torch's own AdamW where
+        it applies, :mod:`~lightning_lordo.optim.fullrank` for the factored state, the QH mix, low-precision weights."""
+        for p in params:
+            state, factored = self.state[p], is_factored(p, h)
+            if not state:  # torch's fused AdamW keeps its step count on the device
+                state.update(fullrank.new_state(p, h, self._fused_for(p) and not factored))
+            elif ("exp_avg_sq" if factored else "factored_row") in state:  # fullrank_state changed
+                fullrank.conform(p, state, h, self._fused_for(p) and not factored)
+        factored = [p for p in params if is_factored(p, h)]
+        counts = self._step_counts(factored)
+        if self.foreach and factored:
+            fullrank.factored_step(factored, [self.state[p] for p in factored], h, counts)
+        elif factored:
+            for p, t in zip(factored, counts):
+                fullrank.factored_reference(p, self.state[p], h, t)
+        params = [p for p in params if not is_factored(p, h)]
+        if not self.foreach:
+            for p, t in zip(params, self._step_counts(params)):
+                reference.adamw_reference(p, self.state[p], h, t)
+            return
+        native: dict[tuple[Any, ...], list[Tensor]] = defaultdict(list)  # moments in p's dtype, no QH mix
+        ours: dict[torch.device, list[Tensor]] = defaultdict(list)
+        for p in params:
+            if h.update != "subspace_qh" and p.dtype in (torch.float32, torch.float64):
+                native[(p.device, p.dtype, self._fused_for(p))].append(p)
+            else:
+                ours[p.device].append(p)
+        for (_, _, fused), bucket in native.items():
+            functional.adamw_torch(bucket, [self.state[p] for p in bucket], h, fused=fused)
+        for bucket in ours.values():
+            fullrank.adamw_grouped(bucket, [self.state[p] for p in bucket], h, self._step_counts(bucket))
 
     def stacked_layout(self, p: Tensor) -> bool:
         """Whether ``p``'s matrices take the stacked layout (``layout``, else by device: stacked off the CPU)."""
@@ -225,7 +258,7 @@ class LoRDO(Optimizer):
 
     def _fused_for(self, p: Tensor) -> bool:
         """Whether ``p`` (an AdamW parameter) takes torch's fused AdamW: ``fused=True``, or ``None`` on the CPU."""
-        if not self.foreach or math_dtype(p.dtype) != p.dtype:
+        if not self.foreach or p.dtype not in (torch.float32, torch.float64):  # moments in another dtype
             return False
         return self.fused if self.fused is not None else p.device.type == "cpu"
 
@@ -354,21 +387,7 @@ class LoRDO(Optimizer):
         error-feedback buffer in its own dtype), so for bf16 parameters that cast would lose precision.
         """
         super().load_state_dict(state_dict)
-        saved = state_dict["state"]
-        index = 0
-        for group in self.param_groups:
-            for key in OPTIMIZER_DEFAULTS:  # a checkpoint older than a knob: what it ran with
-                group.setdefault(key, KNOBS_BEFORE_THEY_EXISTED.get(key, self.defaults[key]))
-            start_counting(group)
-            for p in group["params"]:
-                for key, value in saved.get(index, {}).items():
-                    if isinstance(value, Tensor) and key != "step":  # counters stay on the CPU
-                        self.state[p][key] = value.to(device=p.device, copy=True)
-                step = self.state[p].get("step") if p in self.state else None
-                if step is not None and not self.lowrank_rank(p, group) and self._fused_for(p) \
-                        and "factored_row" not in self.state[p]:
-                    self.state[p]["step"] = step.to(p.device)  # torch's fused AdamW keeps it on the device
-                index += 1
+        conversion.restore_saved_state(self, state_dict)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of optimizer state by category (SPEC §8), and AdamW's for the same parameters

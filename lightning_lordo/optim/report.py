@@ -10,8 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_lordo.config import resolve_rank
-from lightning_lordo.optim.error_feedback import EF_PROJECTION
-from lightning_lordo.optim.functional import Hyper, can_unfold
+from lightning_lordo.optim.functional import EF_PROJECTION, Hyper, can_unfold
 
 if TYPE_CHECKING:  # the optimizer passes itself in
     from torch.optim import Optimizer

@@ -21,7 +21,7 @@ from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.comm.quantization import quantized_mean
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.fullrank import is_factored
-from lightning_lordo.optim.hyper import Hyper
+from lightning_lordo.optim.functional import Hyper
 from lightning_lordo.optim.lordo import LoRDO
 
 #: ``(parameter, its state tensors, their averages)`` for one purpose of :func:`average_state`.
