@@ -1,7 +1,17 @@
 """How many files of the package one training step and one synchronization pass through (issue 32's target: at most
-6 each). Two CPU processes (fork) train the test suite's small regressor; in each, a profiler notes the package files
-whose functions run during one optimizer step without a sync and during the step that syncs (the sync's own files are
-that step's minus the plain step's). Prints the files on rank 0 and writes ``--json``.
+6 each). Two CPU processes (fork) train the test suite's small regressor under a Trainer as a user runs one: a CSV
+logger writing every step, a progress bar, the strategy's monitor. In each process a profiler notes the package files
+whose functions run
+
+- ``step``: in ``LightningModule.optimizer_step`` of a plain optimizer step (step 2): the LightningOptimizer
+  wrapper, the strategy's hooks, the core, the synchronizer's bookkeeping and the optimizer;
+- ``sync step``: the same for the step that syncs (step K); ``sync``: in the sync itself (the core's
+  ``after_step`` of that step, which runs the round);
+- ``batch``: from the start of batch 2 to the start of batch 3, every hook of it (the monitor, the logging,
+  Lightning's per-batch SIGTERM check, which the strategy replaces with a pipelined all-reduce).
+
+Both layouts of the step are measured: ``in_place`` (the CPU's default: the user's AdamW, converted) and ``stacked``
+(the accelerators': the user's own ``LoRDO(layout="stacked")``). Prints the files on rank 0 and writes ``--json``.
 
     python benchmarks/files_per_step.py --json benchmarks/results/files_per_step.json
 """
@@ -11,11 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_lordo import LoRDO, LoRDOStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -23,48 +40,110 @@ from strategy_helpers import TinyRegressor, loader, lordo  # noqa: E402
 
 PACKAGE = str(ROOT / "lightning_lordo")
 K = 4
+STEPS = {2: "step", K: "sync step"}  # the optimizer step (1-based) each measured batch takes
 
 
-class Trace(L.Callback):
-    """Profiles optimizer step 2 (local) and step K (the sync) on every rank."""
+class Profiled:
+    """Notes the package files whose functions run while :meth:`record` is on, per label."""
 
-    def __init__(self, out: Path) -> None:
-        self.out, self.files, self.current = out, {}, None
+    def __init__(self) -> None:
+        self.files: dict[str, set[str]] = {}
+        self.current: list[str] = []
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
-            self.files.setdefault(self.current, set()).add(frame.f_code.co_filename[len(PACKAGE) + 1:])
+            for label in self.current:
+                self.files.setdefault(label, set()).add(frame.f_code.co_filename[len(PACKAGE) + 1:])
+
+    @contextmanager
+    def record(self, label: Optional[str]) -> Iterator[None]:
+        if label is None:
+            yield
+            return
+        self.current.append(label)
+        sys.setprofile(self._profile)
+        try:
+            yield
+        finally:
+            self.current.remove(label)
+            if not self.current:
+                sys.setprofile(None)
+
+
+PROFILE = Profiled()
+
+
+class Trace(L.Callback):
+    """Batch 2, from its start to the next batch's start (this callback comes first, so every other hook of the batch
+    is inside); the sync itself, in the core's ``after_step`` of step K."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.batch = out, None
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        core = trainer.strategy.core
+        after_step = core.after_step
+
+        def traced(*a: Any, **kw: Any) -> Any:
+            with PROFILE.record("sync" if trainer.global_step + 1 == K else None):
+                return after_step(*a, **kw)
+
+        core.after_step = traced
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        step = trainer.global_step + 1
-        self.current = {2: "step", K: "sync step"}.get(step)
-        if self.current:
-            sys.setprofile(self._profile)
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        sys.setprofile(None)
-        if trainer.global_step == K:
-            step, synced = self.files["step"], self.files["sync step"]
-            found = {"step": sorted(step), "sync": sorted(synced - step), "sync step": sorted(synced)}
+        if self.batch is not None:
+            self.batch.__exit__(None, None, None)
+            self.batch = None
+        if trainer.global_step + 1 == 2:
+            self.batch = PROFILE.record("batch")
+            self.batch.__enter__()
+        if trainer.global_step == K + 1:  # every measurement done
+            found = {name: sorted(files) for name, files in PROFILE.files.items()}
             (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(found))
+
+
+class Regressor(TinyRegressor):
+    """The user's model: the optimizer steps of :data:`STEPS` are profiled. ``layout="stacked"``: it returns its own
+    ``LoRDO(layout="stacked")``."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        self.layout = layout
+
+    def configure_optimizers(self) -> Any:
+        if self.layout == "in_place":
+            return super().configure_optimizers()
+        return LoRDO(self.parameters(), lr=1e-2, rank=4, layout="stacked")
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        with PROFILE.record(STEPS.get(self.trainer.global_step + 1)):
+            super().optimizer_step(*args, **kwargs)
+
+
+def measure(layout: str, out: Path) -> dict[str, list[str]]:
+    torch.manual_seed(0)
+    strategy = lordo(sync_every=K) if layout == "in_place" else \
+        LoRDOStrategy(sync_every=K, start_method="fork", timeout=timedelta(seconds=60))  # no knobs: the user's LoRDO
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=K + 2, logger=CSVLogger(out),
+                        log_every_n_steps=1, enable_checkpointing=False, enable_model_summary=False,
+                        callbacks=[Trace(out)])
+    trainer.fit(Regressor(layout), loader())
+    return json.loads((out / "rank0.json").read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    out = Path("/tmp/files_per_step")
-    out.mkdir(exist_ok=True)
-    torch.manual_seed(0)
-    L.Trainer(strategy=lordo(sync_every=K), accelerator="cpu", devices=2, max_steps=K + 1, logger=False,
-              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-              callbacks=[Trace(out)]).fit(TinyRegressor(), loader())
-    found = json.loads((out / "rank0.json").read_text())
-    for name in ("step", "sync", "sync step"):
-        print(f"{name}: {len(found[name])} files: {', '.join(found[name])}")
+    results = {}
+    for layout in ("in_place", "stacked"):
+        with tempfile.TemporaryDirectory() as tmp:
+            found = measure(layout, Path(tmp))
+        results[layout] = {name: {"files": files, "count": len(files)} for name, files in found.items()}
+        for name in ("step", "sync step", "sync", "batch"):
+            print(f"{layout}, {name}: {len(found[name])} files: {', '.join(found[name])}")
     if args.json:
-        Path(args.json).write_text(json.dumps({name: {"files": files, "count": len(files)}
-                                               for name, files in found.items()}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import functools
 import inspect
 import re
 import warnings
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -184,18 +183,18 @@ def scale_base_lrs(scheduler: Any, scale: float) -> None:
 def track_step_calls(optimizer: Optimizer) -> None:
     """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does (``_opt_called``,
     ``_wrapped_by_lr_sched``: torch's private flags, the one private API outside ``lightning/_compat.py``), so that
-    re-pointed schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``."""
-    step = type(optimizer).step
-    ref = weakref.ref(optimizer)
+    re-pointed schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``. The step stays
+    the optimizer's own (a ``functools.partial`` carries the mark; a hook notes the first step, then removes
+    itself): nothing of this module runs at later steps."""
+    step = functools.partial(type(optimizer).step, optimizer)
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = step  # type: ignore[method-assign]
 
-    @functools.wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt = ref()
-        opt._opt_called = True  # type: ignore[union-attr]
-        return step(opt, *args, **kwargs)
+    def first_step(opt: Optimizer, args: Any, kwargs: Any) -> None:
+        opt._opt_called = True  # type: ignore[attr-defined]
+        handle.remove()
 
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign]
+    handle = optimizer.register_step_post_hook(first_step)
 
 
 def several_optimizers_message(module: Any) -> str:

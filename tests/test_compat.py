@@ -4,6 +4,7 @@ installed versions, so that an upgrade that moves one fails here, by name, and n
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import lightning as L
 import torch
@@ -33,5 +34,7 @@ def test_the_hooks_are_installed_on_a_fit() -> None:
     fit.fit(TinyRegressor(), loader())
     assert fit.fit_loop.epoch_loop._broadcast_sigterm_tensor == strategy._sigterm_check
     assert fit._signal_connector._sigterm_notifier_fn == strategy._sigterm_notifier
-    assert _compat.strategy_of(strategy._lightning_optimizers[0]).sync_config is strategy.sync_config  # a weak proxy
+    wrapper = strategy._lightning_optimizers[0]
+    assert wrapper._strategy.sync_config is strategy.sync_config  # Lightning's binding, as for its own wrapper
+    assert wrapper.driver.sync_config is strategy.sync_config and isinstance(wrapper.driver, weakref.ProxyType)
     assert _compat.batches_that_stepped(fit) == 2

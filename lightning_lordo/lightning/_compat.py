@@ -61,7 +61,3 @@ def lightning_optimizer(cls: type[LightningOptimizer], optimizer: Optimizer, str
     (``LightningOptimizer._to_lightning_optimizer``)."""
     return cls._to_lightning_optimizer(optimizer, strategy)
 
-
-def strategy_of(optimizer: LightningOptimizer) -> Any:
-    """The strategy a LightningOptimizer is bound to (``_strategy``)."""
-    return optimizer._strategy

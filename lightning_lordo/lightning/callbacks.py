@@ -22,7 +22,8 @@ logs, under ``lordo/`` (per worker; Lightning's loggers write from rank 0):
 
 The figures are logged at Lightning's own step (the ``step`` of ``self.log``'s rows): in the row Lightning writes
 for that batch when it writes one (``log_every_n_steps``), in a row of their own at that step otherwise. With a
-progress bar, ``lordo/saving_vs_ddp`` (the current ``bytes_saving_vs_ddp``) is shown in it.
+progress bar, ``lordo/saving_vs_ddp`` (``bytes_saving_vs_ddp`` as of the last sync) is shown in it. A batch without
+a sync runs none of the monitor's code but the check that there is nothing new.
 
 Cumulative totals live in the strategy and are saved in checkpoints. At the end of ``fit`` rank 0 prints
 a rich table of the same figures.
@@ -65,18 +66,23 @@ class CommunicationMonitor(Callback):
         self._logged = 0
         self._show_progress = False
         self._added_by_strategy = False
+        self._joined_row = False  # figures went into Lightning's row of the last batch: forget them at the next
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._logged = len(_lordo_strategy(trainer).sync_reports)
+        self._logged, self._joined_row = len(_lordo_strategy(trainer).sync_reports), False
         has_bar = trainer.progress_bar_callback is not None
         self._show_progress = has_bar if self.progress_bar is None else self.progress_bar
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        _forget_logged(trainer, self.prefix, keep=self.prefix + "saving_vs_ddp")
+        if self._joined_row:
+            self._joined_row = False
+            _forget_logged(trainer, self.prefix, keep=self.prefix + "saving_vs_ddp")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         strategy = _lordo_strategy(trainer)
         new = strategy.sync_reports[self._logged :]
+        if not new:
+            return
         self._logged = len(strategy.sync_reports)
         joins_row = bool(trainer.loggers) and _lightning_writes_this_batch(trainer)
         for i, report in enumerate(new):
@@ -85,6 +91,7 @@ class CommunicationMonitor(Callback):
                 for name, value in metrics.items():
                     pl_module.log(name, torch.tensor(float(value), dtype=torch.float64), on_step=True,
                                   on_epoch=False, logger=True, batch_size=1)
+                self._joined_row = True
             else:
                 _write(trainer, metrics, _lightning_step(trainer))
         if self._show_progress:

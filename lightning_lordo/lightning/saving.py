@@ -35,11 +35,7 @@ class SynchronizedState:
     checkpoint_shards: bool = True  # per-rank shards next to the file (False: gathered into the file)
     _plugin_warnings: PluginWarnings  # warnings once, on rank 0, at the user's line
     _overlap_to_redo: Optional[dict[str, Any]] = None  # the copies of a round in flight at the save
-
-    @property
-    def _trainer(self) -> Optional[Trainer]:
-        """The Trainer of the module being run (``None`` before one is attached)."""
-        return self.lightning_module.trainer if self.lightning_module is not None else None
+    _trainer: Optional[Trainer]  # the strategy's: the Trainer of the module being run
 
     # ------------------------------------------------------------------ one model for evaluation and checkpoints
     def _mid_round(self) -> bool:

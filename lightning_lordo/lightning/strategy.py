@@ -12,10 +12,13 @@ since the launch of the last round that landed). ``strategy.synchronizer.synchro
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -35,7 +38,6 @@ from lightning_lordo.lightning._compat import install_sigterm_hooks, lightning_o
 from lightning_lordo.lightning.callbacks import add_monitor
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
-from lightning_lordo.lightning.lightning_optimizer import LoRDOLightningOptimizer
 from lightning_lordo.lightning.saving import SynchronizedState
 from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.strategy_knobs import (
@@ -51,6 +53,33 @@ DEFAULT_TIMEOUT = SyncConfig().timeout.total_seconds()
 #: The arguments of Lightning's ``DDPStrategy`` this strategy passes on (through ``**ddp``).
 DDP_ARGUMENTS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                  "process_group_backend")
+
+
+class LoRDOLightningOptimizer(LightningOptimizer):
+    """The LightningOptimizer the strategy puts around the user's optimizer: it drives LoRDO around each step.
+
+    Lightning calls its ``step`` once per optimizer step (after gradient accumulation, inside
+    ``LightningModule.optimizer_step``). The closure it receives runs the forward and backward passes; Lightning's
+    precision plugin then calls the ``on_before_optimizer_step`` hooks and clips the gradients. Right after the
+    backward pass the strategy's :meth:`~LoRDOStrategy.before_optimizer_step` runs, so clipping and those hooks see
+    what the optimizer will use (in the synchronous phase the averaged gradient, as with DDP; the first bases are in
+    place before the first update); after the step, :meth:`~LoRDOStrategy.after_optimizer_step` (every K steps the
+    sync). ``driver`` is the strategy, set when the strategy wraps the optimizer.
+    """
+
+    driver: LoRDOStrategy  # a weak proxy
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        driver = self.driver
+
+        def backward_then_prepare() -> Any:
+            output = closure() if closure is not None else None
+            driver.before_optimizer_step()  # gradient average (synchronous phase), first bases
+            return output
+
+        output = super().step(backward_then_prepare, **kwargs)  # the local step (SPEC §3)
+        driver.after_optimizer_step()  # counts the step; every K steps the sync
+        return output
 
 
 class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrategy):
@@ -165,6 +194,8 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         # Lightning wraps optimizers in LightningOptimizer here; ours counts steps and synchronizes.
         self._optimizers = optimizers
         self._lightning_optimizers = [lightning_optimizer(LoRDOLightningOptimizer, o, self) for o in optimizers]
+        for wrapper in self._lightning_optimizers:
+            wrapper.driver = weakref.proxy(self)  # as Lightning holds the strategy: no reference cycle
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -248,6 +279,11 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
             self.core.after_step(last)
             if last:
                 self._finish_training()
+
+    @property
+    def _trainer(self) -> Optional[Trainer]:
+        """The Trainer of the module being run (``None`` before one is attached)."""
+        return self.lightning_module.trainer if self.lightning_module is not None else None
 
     @property
     def final_sync_done(self) -> bool:

@@ -140,7 +140,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         synchronous, lordo, k = self.synchronous_now, self.lordo, self.config.sync_every
         # a checkpoint of the synchronous phase resumed with local steps has no anchor yet: switch now, before this
         # step, while the replicas are still identical
-        if not synchronous and not self.anchor and self.params:
+        if not synchronous and not self.anchor.tensors and self.params:
             self.switch_to_local()
         if synchronous:
             self.comm.context = f"gradient average (optimizer step {self.optimizer_steps + 1})"
