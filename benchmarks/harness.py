@@ -43,7 +43,7 @@ import torch
 from peers import HOOKS, HookedDDP
 
 from lightning_lordo import LoRDO, LoRDOStrategy
-from lightning_lordo.comm.wire import ddp_wire_bytes
+from lightning_lordo.comm.accounting import ddp_wire_bytes
 from lightning_lordo.config import LEAN_KNOBS
 from lightning_lordo.convert import track_step_calls
 from lightning_lordo.models import ByteDataModule, GPTLightningModule

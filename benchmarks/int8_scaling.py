@@ -3,7 +3,7 @@
 One message of ``--numel`` numbers (default 2^20, a 1024 x 1024 matrix: per-row int8 scales for the all-gather,
 per-block ones for the reduce-scatter) is averaged once by each reduction, with M gloo worker processes (fork) on
 this machine. For each, the payload bytes (what a worker hands to the collectives) and the wire bytes (what it puts
-on the network by the collective's algorithm, :mod:`lightning_lordo.comm.wire`) are read from the communicator's
+on the network by the collective's algorithm, :mod:`lightning_lordo.comm.accounting`) are read from the communicator's
 accountant, checked equal on every rank, with the relative error of the result against the float64 mean and the
 median wall time of ``--repeats`` rounds (a shared machine: indicative only). Writes
 ``benchmarks/results/int8_scaling.json`` with its provenance and prints the ratios measured in this run.
@@ -154,7 +154,7 @@ def main() -> None:
     record = {"provenance": provenance(command), "numel": args.numel, "repeats": args.repeats,
               "by_workers": {str(m): f for m, f in by_world.items()}, "ratios": ratios,
               "notes": "payload bytes: numel x itemsize of what a worker hands to the collectives; wire bytes: the "
-                       "ring/direct models of lightning_lordo.comm.wire; seconds: median wall time on a shared "
+                       "ring/direct models of lightning_lordo.comm.accounting; seconds: median wall time on a shared "
                        "machine, indicative only"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")

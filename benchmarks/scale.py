@@ -64,7 +64,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 
 import lightning_lordo  # noqa: F401  (registers the strategy names)
 from lightning_lordo import LoRDOStrategy
-from lightning_lordo.comm.wire import ddp_wire_bytes
+from lightning_lordo.comm.accounting import ddp_wire_bytes
 from lightning_lordo.models import ByteDataModule
 from lightning_lordo.strategy_knobs import strategy_kwargs
 

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_lordo._tensors import nbytes
+from lightning_lordo.comm.accounting import ddp_wire_bytes
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
-from lightning_lordo.comm.wire import ddp_wire_bytes
 from lightning_lordo.convert import (
     compile_patterns,
     convert_optimizer,

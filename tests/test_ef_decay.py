@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from lightning_lordo import LoRDO
+from lightning_lordo.optim.bases import REFRESH_COUNTERS
 from lightning_lordo.optim.conversion import adamw_state_dict
 from lightning_lordo.optim.functional import Hyper
-from lightning_lordo.optim.hyper import REFRESH_COUNTERS
 from lightning_lordo.optim.loading import LORDO_KNOBS
 
 

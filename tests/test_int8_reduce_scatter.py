@@ -18,12 +18,12 @@ from strategy_helpers import gloo_worker, run_fork_job
 from torch import Tensor
 
 import lightning_lordo.comm.communicator as communicator_module
+from lightning_lordo.comm.accounting import ddp_wire_bytes, wire_bytes
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.comm.int8 import quantize_int8
 from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.comm.quantization import QuantizedAverager, quantized_mean, resolve_reduction
 from lightning_lordo.comm.reduce_scatter import chunk_layout, reduce_scatter_bytes
-from lightning_lordo.comm.wire import ddp_wire_bytes, wire_bytes
 
 pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
 

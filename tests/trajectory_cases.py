@@ -23,7 +23,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from lightning_lordo.optim.hyper import REFRESH_COUNTERS
+from lightning_lordo.optim.bases import REFRESH_COUNTERS
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "trajectories.pt"

@@ -3,7 +3,7 @@
 Every byte the plugin puts on the wire goes through :class:`Communicator`, which counts the tensors it
 passes to ``torch.distributed`` (numel x itemsize, per worker) under a *purpose* (``pseudo_gradients``,
 ``moments``, ``bases``, ``buffers``, ``setup_broadcast``, ...). Beside these *payload* bytes it counts *wire*
-bytes, what the worker puts on the network by each collective's algorithm (:mod:`lightning_lordo.comm.wire`).
+bytes, what the worker puts on the network by each collective's algorithm (:mod:`lightning_lordo.comm.accounting`).
 With one process nothing travels, so nothing is sent and nothing is counted.
 
 Failure semantics of :class:`Communicator` (checked on gloo, torch 2.13, see ``tests/test_faults.py``):
@@ -41,8 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_lordo._tensors import FlatLayout, digest
-from lightning_lordo.comm.accounting import CommAccountant
-from lightning_lordo.comm.wire import wire_bytes
+from lightning_lordo.comm.accounting import CommAccountant, wire_bytes
 
 __all__ = ["CollectiveTimeout", "CommAccountant", "Communicator", "side_communicator", "translate"]
 

@@ -53,7 +53,7 @@ all-gather wins for ``M < 8`` (about; ``(1 + 4/cols) < 8/M``) and a bfloat16 all
 bfloat16 all-gather costs the same as a bfloat16 all-reduce. The int8 reduce-scatter
 (:mod:`lightning_lordo.comm.reduce_scatter`: each worker sums one chunk, requantizes it, and the int8 chunks are
 all-gathered) costs about a quarter of the float32 all-reduce at every M, and is ``"auto"``'s int8 reduction for
-M > 2. The communicator counts both figures (payload and wire, :mod:`lightning_lordo.comm.wire`); each round also
+M > 2. The communicator counts both figures (payload and wire, :mod:`lightning_lordo.comm.accounting`); each round also
 reports its payload bytes by collective kind (``traffic``).
 """
 

@@ -54,7 +54,7 @@ all ranks see a non-finite round without a message.
 
 Bytes (counted = what the worker passes; C = 4 k + L bytes, one chunk with its scales)::
 
-    collective     payload bytes per worker        wire bytes per worker (lightning_lordo.comm.wire)
+    collective     payload bytes per worker        wire bytes per worker (lightning_lordo.comm.accounting)
     all-to-all     (M - 1) C  (foreign chunks)     (M - 1) C
     all-gather     C          (its own chunk)      (M - 1) C
     total          M C  ~ n (1 + 4 / b)            2 (M - 1) C  ~ 2 (M-1)/M * n (1 + 4 / b)

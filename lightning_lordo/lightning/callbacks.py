@@ -10,7 +10,7 @@ logs, under ``lordo/`` (per worker; Lightning's loggers write from rank 0):
   ``bytes_saving_vs_ddp``: their ratio (DDP / LoRDO), 1.0 while neither has sent anything (one device), never NaN;
 * ``wire_bytes_sync``, ``wire_bytes_total``, ``ddp_equivalent_wire_bytes``, ``wire_saving_vs_ddp``: what a worker
   puts on the network by each collective's algorithm (ring all-reduce 2(M-1)/M x the tensor, all-gather (M-1) x
-  its chunk; :mod:`lightning_lordo.comm.wire`), DDP priced by the same ring model;
+  its chunk; :mod:`lightning_lordo.comm.accounting`), DDP priced by the same ring model;
 * ``bytes_sync/<category>`` and ``wire_bytes_sync/<category>``: the bytes since the previous sync by category
   (``lowrank_pseudo_gradients``, ``fullrank_pseudo_gradients``, ``moments``, ``control`` flags, ``buffers``, ...:
   :func:`lightning_lordo.sync.report.breakdown`), so what dominates on a model is visible;

@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from lightning_lordo.comm.wire import wire_bytes
+from lightning_lordo.comm.accounting import wire_bytes
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO, CorruptCheckpointError, describe, unreadable
 
 PURPOSE = "checkpoint"

@@ -5,7 +5,8 @@ Matrices of one shape (and rank, projection and device) are stacked, so a power 
 one batched QR for the whole stack, and the rotation of the moments one batched product: the number of dispatched
 operations of a sync grows with the number of distinct shapes, not with the number of matrices (a GPT has three).
 The per-matrix functions of :mod:`lightning_lordo.optim.projection` are the readable reference; tests compare both.
-Nothing here reads a value back to the host but the CPU step counters (one stacked read per call).
+Nothing here reads a value back to the host but the CPU step counters (one stacked read per call). Each param
+group counts the steps between its bases (:func:`record_refresh`), which ``ef_decay="auto"`` reads.
 """
 
 from __future__ import annotations
@@ -149,4 +150,24 @@ def fold_each(states: Sequence[dict[str, Tensor]]) -> None:
             product = torch.bmm(torch.stack([s["basis"] for s in stack]), torch.stack([s.pop(EF_PROJECTION)
                                                                                       for s in stack]))
             torch._foreach_sub_([s["error_feedback"] for s in stack], product.unbind(0))
+
+
+#: A param group's counters (Python ints, saved with its knobs): its steps since its low-rank bases last changed,
+#: and the steps between its last two changes (0: fewer than two seen), which ``ef_decay="auto"`` reads.
+REFRESH_COUNTERS = ("since_refresh", "refresh_interval")
+
+
+
+def start_counting(group: dict[str, Any]) -> None:
+    """Give ``group`` its :data:`REFRESH_COUNTERS` (a new group, or one from a checkpoint older than them)."""
+    for key in REFRESH_COUNTERS:
+        group.setdefault(key, 0)
+
+
+
+def record_refresh(groups: Sequence[dict[str, Any]]) -> None:
+    """New bases in ``groups`` (each group once): the steps since the previous ones become its refresh interval."""
+    for group in {id(g): g for g in groups}.values():
+        if group["since_refresh"]:
+            group["refresh_interval"], group["since_refresh"] = group["since_refresh"], 0
 

@@ -12,10 +12,10 @@ from torch.optim import Optimizer
 
 from lightning_lordo._tensors import canonical, math_dtype
 from lightning_lordo.config import KNOBS_BEFORE_THEY_EXISTED, OPTIMIZER_DEFAULTS, ef_dtype_for
+from lightning_lordo.optim.bases import REFRESH_COUNTERS, start_counting
 from lightning_lordo.optim.fullrank import conform as conform_fullrank
 from lightning_lordo.optim.fullrank import expand_factored, is_factored
 from lightning_lordo.optim.functional import EF_PROJECTION, Hyper, fold_error_feedback
-from lightning_lordo.optim.hyper import REFRESH_COUNTERS, start_counting
 
 
 @torch.no_grad()

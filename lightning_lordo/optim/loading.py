@@ -14,8 +14,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_lordo.config import OPTIMIZER_DEFAULTS
+from lightning_lordo.optim.bases import REFRESH_COUNTERS
 from lightning_lordo.optim.conversion import adamw_entry
-from lightning_lordo.optim.hyper import REFRESH_COUNTERS
 from lightning_lordo.optim.lordo import LoRDO
 
 #: The knobs LoRDO keeps in its param groups (lr, betas, eps, weight_decay come from the user's optimizer and are

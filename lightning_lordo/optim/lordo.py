@@ -26,8 +26,8 @@ from lightning_lordo.config import (
 )
 from lightning_lordo.optim import bases as bases_module
 from lightning_lordo.optim import conversion, fullrank, functional, reference, report
+from lightning_lordo.optim.bases import record_refresh, start_counting
 from lightning_lordo.optim.functional import fold_error_feedback, is_factored
-from lightning_lordo.optim.hyper import record_refresh, start_counting
 from lightning_lordo.optim.projection import compute_basis, random_basis
 
 
