@@ -36,6 +36,8 @@ from lightning_lordo import LoRDO, LoRDOStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import provenance  # noqa: E402
 from strategy_helpers import TinyRegressor, loader, lordo  # noqa: E402
 
 PACKAGE = str(ROOT / "lightning_lordo")
@@ -135,7 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    results = {}
+    results: dict[str, Any] = {"provenance": provenance("python benchmarks/files_per_step.py" +
+                                                     (f" --json {args.json}" if args.json else ""))}
     for layout in ("in_place", "stacked"):
         with tempfile.TemporaryDirectory() as tmp:
             found = measure(layout, Path(tmp))
