@@ -8,6 +8,7 @@ import functools
 import inspect
 import re
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -186,7 +187,7 @@ def track_step_calls(optimizer: Optimizer) -> None:
     re-pointed schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``. The step stays
     the optimizer's own (a ``functools.partial`` carries the mark; a hook notes the first step, then removes
     itself): nothing of this module runs at later steps."""
-    step = functools.partial(type(optimizer).step, optimizer)
+    step = functools.partial(type(optimizer).step, weakref.proxy(optimizer))  # no reference cycle, as torch's
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = step  # type: ignore[method-assign]
 

@@ -48,13 +48,23 @@ def test_the_progress_bar_shows_the_saving(bar: bool, strategy_knob: Any, callba
 
 
 class BarChecker(L.Callback):
-    """In each worker: the bar shows DDP's bytes per byte sent, the figure logged as bytes_saving_vs_ddp."""
+    """In each worker: the bar shows DDP's bytes per byte sent, the figure logged as bytes_saving_vs_ddp, and follows
+    it at every batch, between syncs too (DDP's equivalent grows at each step, LoRDO's bytes only at a sync)."""
+
+    def __init__(self) -> None:
+        self.between_syncs: list[float] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if 1 <= trainer.global_step < 4:  # after steps 1-3, before the first sync (sync_every=4)
+            self.between_syncs.append(trainer.progress_bar_metrics[BAR])
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         strategy = trainer.strategy
         expected = strategy.ddp_equivalent_bytes / strategy.accountant.total_bytes
         assert expected > 1
         assert trainer.progress_bar_metrics[BAR] == pytest.approx(expected, rel=1e-6)
+        values = self.between_syncs
+        assert len(values) == 3 and all(a < b for a, b in zip(values, values[1:])), values
 
 
 def test_the_progress_bar_shows_the_saving_on_two_processes() -> None:

@@ -127,7 +127,6 @@ class CommAccountant:
 KINDS = ("all_reduce", "all_gather", "all_to_all", "broadcast")
 
 
-
 def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
     """Wire bytes per worker of one collective call of ``kind`` (module docstring) on ``nbytes`` (the tensor for an
     all-reduce and a broadcast, this worker's chunk for an all-gather, the foreign chunks for an all-to-all).
@@ -150,7 +149,6 @@ def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
     if kind == "all_to_all":
         return nbytes
     return (m - 1) * nbytes // m
-
 
 
 def ddp_wire_bytes(gradient_bytes_per_step: int, world_size: int, steps: int = 1) -> int:

@@ -22,8 +22,7 @@ logs, under ``lordo/`` (per worker; Lightning's loggers write from rank 0):
 
 The figures are logged at Lightning's own step (the ``step`` of ``self.log``'s rows): in the row Lightning writes
 for that batch when it writes one (``log_every_n_steps``), in a row of their own at that step otherwise. With a
-progress bar, ``lordo/saving_vs_ddp`` (``bytes_saving_vs_ddp`` as of the last sync) is shown in it. A batch without
-a sync runs none of the monitor's code but the check that there is nothing new.
+progress bar, ``lordo/saving_vs_ddp`` (the current ``bytes_saving_vs_ddp``) is shown in it.
 
 Cumulative totals live in the strategy and are saved in checkpoints. At the end of ``fit`` rank 0 prints
 a rich table of the same figures.
@@ -81,10 +80,8 @@ class CommunicationMonitor(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         strategy = _lordo_strategy(trainer)
         new = strategy.sync_reports[self._logged :]
-        if not new:
-            return
         self._logged = len(strategy.sync_reports)
-        joins_row = bool(trainer.loggers) and _lightning_writes_this_batch(trainer)
+        joins_row = bool(new) and bool(trainer.loggers) and _lightning_writes_this_batch(trainer)
         for i, report in enumerate(new):
             metrics = {self.prefix + k: v for k, v in figures(strategy, report).items()}
             if joins_row and i == len(new) - 1:  # into Lightning's own row for this batch, exactly (float64)

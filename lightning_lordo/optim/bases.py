@@ -157,12 +157,10 @@ def fold_each(states: Sequence[dict[str, Tensor]]) -> None:
 REFRESH_COUNTERS = ("since_refresh", "refresh_interval")
 
 
-
 def start_counting(group: dict[str, Any]) -> None:
     """Give ``group`` its :data:`REFRESH_COUNTERS` (a new group, or one from a checkpoint older than them)."""
     for key in REFRESH_COUNTERS:
         group.setdefault(key, 0)
-
 
 
 def record_refresh(groups: Sequence[dict[str, Any]]) -> None:

@@ -358,8 +358,8 @@ def _back(q: Tensor, x: Tensor, tall: bool) -> tuple[Tensor, Tensor]:
 
 def _normalizer_grouped(states: Sequence[dict[str, Tensor]], q: Tensor, h: Hyper, grad: Optional[Tensor],
                         v_hat: Tensor, bias2: float, tall: bool) -> Tensor:
-    """:func:`_normalizer` for a stack (``n x r x b`` moments), broadcastable to the stacked parameters (a new
-    tensor: the caller adds ``eps`` in place)."""
+    """:func:`~.reference._normalizer` for a stack (``n x r x b`` moments), broadcastable to the stacked parameters
+    (a new tensor: the caller adds ``eps`` in place)."""
     if h.normalizer == "col_rms":
         s = v_hat.mean(dim=1, keepdim=True).sqrt_()
         return s.mT if tall else s

@@ -126,7 +126,7 @@ class LoRDO(Optimizer):
         self._warned: set[tuple[tuple[int, ...], int]] = set()
         self._stats: dict[str, Tensor] = {}
         self._record = False  # request_diagnostics: collect the diagnostics' sums during the next step
-        self._ranks: dict[tuple[int, Any], int] = {}  # (id(p), the group's rank) -> p's resolved rank
+        self._ranks: dict[tuple[Any, ...], int] = {}  # (id(p), the group's rank, p's shape) -> p's rank
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -152,9 +152,10 @@ class LoRDO(Optimizer):
         """The rank this parameter runs at in this group, or 0 when it takes the AdamW step."""
         if p.ndim != 2 or group["rank"] == 0 or id(p) in self._full_rank:
             return 0
-        key = (id(p), group["rank"])
-        if key not in self._ranks:  # resolved once per parameter and configured rank, not at every step
-            r = resolve_rank(group["rank"], min(p.shape))
+        rank = group["rank"]
+        key = (id(p), type(rank), rank, p.shape)  # 1 and 1.0 differ (a rank, a fraction); p.data may change shape
+        if key not in self._ranks:  # resolved once, not at every step
+            r = resolve_rank(rank, min(p.shape))
             self._ranks[key] = r if r <= min(p.shape) else 0
         return self._ranks[key]
 
@@ -367,7 +368,7 @@ class LoRDO(Optimizer):
         return movement
 
     def fold_error_feedback(self, params: Iterable[Tensor]) -> None:
-        """Fold the error-feedback buffers of ``params`` (:mod:`~lightning_lordo.optim.error_feedback`)."""
+        """Fold the error-feedback buffers of ``params`` (:func:`~.functional.fold_error_feedback`)."""
         for p in params:
             if p in self.state:
                 fold_error_feedback(self.state[p])
@@ -390,8 +391,7 @@ class LoRDO(Optimizer):
         conversion.restore_saved_state(self, state_dict)
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of optimizer state by category (SPEC §8), and AdamW's for the same parameters
-        (:func:`lightning_lordo.optim.report.memory_report`)."""
+        """Bytes of optimizer state by category (SPEC §8), and AdamW's for the same parameters (:mod:`.report`)."""
         return report.memory_report(self)
 
 

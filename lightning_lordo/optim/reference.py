@@ -54,7 +54,6 @@ def lowrank_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float,
     apply_update(p, canonical(update, p), h, h.scale(q))
 
 
-
 def _normalizer(state: dict[str, Tensor], h: Hyper, grad: Tensor, v_hat: Tensor, bias2: float) -> Tensor:
     """The full-rank normalizer S of SPEC §6 for one matrix, broadcastable to ``a x b``."""
     if h.normalizer == "col_rms":
@@ -73,7 +72,6 @@ def _normalizer(state: dict[str, Tensor], h: Hyper, grad: Tensor, v_hat: Tensor,
     return (row[:, None] * col[None, :] / row.mean().clamp(min=TINY)).sqrt()
 
 
-
 def apply_update(p: Tensor, update: Tensor, h: Hyper, scale: float = 1.0) -> None:
     """Decoupled weight decay, then ``W -= lr * scale * update`` (``update`` shaped like ``p``)."""
     if h.weight_decay:
@@ -81,10 +79,8 @@ def apply_update(p: Tensor, update: Tensor, h: Hyper, scale: float = 1.0) -> Non
     p.add_(update.to(p.dtype), alpha=-h.lr * scale)
 
 
-
 def _rms(t: Tensor) -> Tensor:
     return t.square().mean().sqrt()
-
 
 
 def adamw_reference(p: Tensor, state: dict[str, Tensor], h: Hyper, t: float) -> None:

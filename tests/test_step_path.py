@@ -1,0 +1,64 @@
+"""What a step no longer re-computes or wraps, still right: the resolved ranks LoRDO keeps, and the converted
+optimizer's own ``step`` with torch's scheduler mark (no wrapper function, no reference cycle)."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+from lightning_lordo import LoRDO
+from lightning_lordo.convert import track_step_calls
+
+
+def test_a_resolved_rank_follows_the_groups_rank_and_the_parameters_shape() -> None:
+    p = nn.Parameter(torch.zeros(8, 12))
+    opt = LoRDO([p], rank=1)
+    group = opt.param_groups[0]
+    assert opt.lowrank_rank(p, group) == 1
+    group["rank"] = 1.0  # a fraction of the smaller side, not rank 1 (1 == 1.0 in Python)
+    assert opt.lowrank_rank(p, group) == 8
+    group["rank"] = 0.5
+    assert opt.lowrank_rank(p, group) == 4
+    p.data = torch.zeros(4, 12)  # the same parameter, another shape
+    assert opt.lowrank_rank(p, group) == 2
+    group["rank"] = 9  # above the smaller side: AdamW
+    assert opt.lowrank_rank(p, group) == 0
+
+
+def _converted() -> tuple[torch.optim.Optimizer, nn.Parameter]:
+    p = nn.Parameter(torch.ones(3, 4))
+    opt = LoRDO([p], lr=0.1, rank=2)
+    track_step_calls(opt)
+    return opt, p
+
+
+def test_the_marked_step_is_freed_with_its_optimizer_by_reference_counting() -> None:
+    opt, _ = _converted()
+    alive = weakref.ref(opt)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del opt
+        assert alive() is None  # no cycle through the marked step: torch's own mark avoids one too
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_schedulers_on_the_converted_optimizer_do_not_warn_and_the_step_is_its_own() -> None:
+    opt, p = _converted()
+    assert getattr(opt.step, "_wrapped_by_lr_sched", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" would raise
+        later = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # made after the conversion
+        before = p.detach().clone()
+        p.grad = torch.ones_like(p)
+        opt.step()
+        later.step()
+    assert getattr(opt, "_opt_called", False) and not torch.equal(p, before)
+    assert not opt._optimizer_step_post_hooks  # the hook that noted the first step removed itself
+    assert opt.param_groups[0]["lr"] == 0.05
