@@ -39,8 +39,6 @@ class CommAccountant:
     ``totals`` / ``round``: *payload* bytes, the tensors this worker hands to collectives (numel x itemsize).
     ``wire_totals`` / ``wire_round``: *wire* bytes, what it puts on the network by each collective's algorithm
     (:func:`wire_bytes`). ``last_round_wire``: the wire bytes of the round :meth:`end_round` ended.
-    ``wire_complete``: ``False`` after loading a state dict saved before wire bytes were kept (its wire totals then
-    count from the resume only).
 
     A purpose may name a part after a colon (``"pseudo_gradients:lowrank"``): the totals and rounds count it under
     the purpose before the colon, and ``parts`` / ``wire_parts`` count every label as given, from the end of one round
@@ -58,7 +56,6 @@ class CommAccountant:
         self.wire_parts: dict[str, int] = defaultdict(int)
         self.last_parts: dict[str, int] = {}
         self.last_wire_parts: dict[str, int] = {}
-        self.wire_complete = True
         self._lock = threading.Lock()  # an overlapped round counts from its own thread
 
     def add(self, purpose: str, nbytes: int, in_round: bool = True, wire: Optional[int] = None) -> None:
@@ -112,15 +109,11 @@ class CommAccountant:
         return sum(self.wire_totals.values())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"totals": dict(self.totals), "wire_totals": dict(self.wire_totals),
-                "wire_complete": self.wire_complete}
+        return {"totals": dict(self.totals), "wire_totals": dict(self.wire_totals)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; one saved before wire bytes were kept (``totals`` only) loads with wire
-        totals from zero and ``wire_complete = False``."""
         self.totals = defaultdict(int, state["totals"])
-        self.wire_totals = defaultdict(int, state.get("wire_totals", {}))
-        self.wire_complete = "wire_totals" in state and bool(state.get("wire_complete", True))
+        self.wire_totals = defaultdict(int, state["wire_totals"])
 
 
 #: the collective kinds the accountant prices (``Communicator`` passes these names)

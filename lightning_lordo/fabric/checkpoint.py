@@ -147,7 +147,7 @@ class SynchronizedCheckpoints:
         synchronizer.skipped_syncs = saved["skipped_syncs"]
         synchronizer.consecutive_skips = saved["consecutive_skips"]
         synchronizer.outer.load_state_dict(saved["outer"])
-        synchronizer.window.load_state_dict(saved.get("basis_window", []))
+        synchronizer.window.load_state_dict(saved["basis_window"])
         self.accountant.load_state_dict(saved["communication"])
 
     def _drop_round_in_flight(self) -> None:

@@ -378,17 +378,14 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.anchor.load_state_dict(state["anchor"])
-        # before the outer step was torch's SGD its momentum was saved as a list, "outer_momentum"
-        self.outer.load_state_dict(state["outer"] if "outer" in state else {"momentum": state["outer_momentum"]})
+        self.outer.load_state_dict(state["outer"])
         self.steps_since_sync = state["steps_since_sync"]
         self.optimizer_steps = state["optimizer_steps"]
         self.syncs_done = state["syncs_done"]
         self.skipped_syncs = state["skipped_syncs"]
-        self.consecutive_skips = state.get("consecutive_skips", 0)
-        self.window.load_state_dict(state.get("basis_window", []))
-        # saved before it was kept: the last sync's step by the schedule (wrong by K for a round in flight at the
-        # save, and after a discarded round)
-        self._anchor_step = state.get("anchor_step", self.optimizer_steps - self.steps_since_sync)
+        self.consecutive_skips = state["consecutive_skips"]
+        self.window.load_state_dict(state["basis_window"])
+        self._anchor_step = state["anchor_step"]
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of synchronization buffers (SPEC §8): the anchor, the outer momentum, the payload's state."""
