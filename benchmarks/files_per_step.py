@@ -11,7 +11,9 @@ whose functions run
   Lightning's per-batch SIGTERM check, which the strategy replaces with a pipelined all-reduce).
 
 Both layouts of the step are measured: ``in_place`` (the CPU's default: the user's AdamW, converted) and ``stacked``
-(the accelerators': the user's own ``LoRDO(layout="stacked")``). Prints the files on rank 0 and writes ``--json``.
+(the accelerators': the user's own ``LoRDO(layout="stacked")``); and Fabric's ``optimizer.step()`` (``fabric``: the
+user's AdamW converted by ``Fabric(strategy="lordo")``, the same loop by hand). Prints the files on rank 0 and
+writes ``--json``.
 
     python benchmarks/files_per_step.py --json benchmarks/results/files_per_step.json
 """
@@ -30,9 +32,10 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_lordo import LoRDO, LoRDOStrategy
+from lightning_lordo import LoRDO, LoRDOFabricStrategy, LoRDOStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -133,17 +136,49 @@ def measure(layout: str, out: Path) -> dict[str, list[str]]:
     return json.loads((out / "rank0.json").read_text())
 
 
+def measure_fabric(out: Path) -> dict[str, list[str]]:
+    """Fabric's loop by hand: ``optimizer.step()`` of step 2 and of step K, and the core's ``after_step`` of step K."""
+    def work(fabric: Fabric) -> None:
+        torch.manual_seed(0)
+        model = TinyRegressor()
+        model, optimizer = fabric.setup(model.net, model.configure_optimizers())
+        core = fabric.strategy.core
+        after_step = core.after_step
+        step = 0
+
+        def traced(*a: Any, **kw: Any) -> Any:
+            with PROFILE.record("sync" if step == K else None):
+                return after_step(*a, **kw)
+
+        core.after_step = traced
+        for step, (x, y) in enumerate(loader(), start=1):
+            fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+            with PROFILE.record(STEPS.get(step)):
+                optimizer.step()
+            optimizer.zero_grad()
+            if step == K + 1:
+                break
+        found = {name: sorted(files) for name, files in PROFILE.files.items()}
+        (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(found))
+
+    strategy = LoRDOFabricStrategy(sync_every=K, start_method="fork", timeout=60, optimizer={"rank": 4})
+    Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(work)
+    return json.loads((out / "rank0.json").read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results: dict[str, Any] = {"provenance": provenance("python benchmarks/files_per_step.py" +
                                                      (f" --json {args.json}" if args.json else ""))}
-    for layout in ("in_place", "stacked"):
+    for layout in ("in_place", "stacked", "fabric"):
         with tempfile.TemporaryDirectory() as tmp:
-            found = measure(layout, Path(tmp))
+            found = measure(layout, Path(tmp)) if layout != "fabric" else measure_fabric(Path(tmp))
         results[layout] = {name: {"files": files, "count": len(files)} for name, files in found.items()}
         for name in ("step", "sync step", "sync", "batch"):
+            if name not in found:
+                continue
             print(f"{layout}, {name}: {len(found[name])} files: {', '.join(found[name])}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
