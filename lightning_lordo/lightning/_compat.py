@@ -14,7 +14,6 @@ import lightning
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from torch.optim import Optimizer
 
 LIGHTNING_VERSION = lightning.__version__
 #: Fabric's hook for ``fabric.no_backward_sync`` (its base class is private).
@@ -56,8 +55,10 @@ def logged_results(trainer: Trainer) -> dict[str, Any]:
     return getattr(trainer, "_results", None) or {}
 
 
-def lightning_optimizer(cls: type[LightningOptimizer], optimizer: Optimizer, strategy: Any) -> LightningOptimizer:
-    """``optimizer`` in the LightningOptimizer subclass ``cls``, bound to ``strategy`` as Lightning binds its own
-    (``LightningOptimizer._to_lightning_optimizer``)."""
-    return cls._to_lightning_optimizer(optimizer, strategy)
-
+def wrap_optimizers(strategy: Any, cls: type[LightningOptimizer]) -> list[LightningOptimizer]:
+    """The strategy's optimizers in the LightningOptimizer subclass ``cls``, bound as Lightning binds its own
+    (``LightningOptimizer._to_lightning_optimizer``), installed where Lightning keeps its wrappers
+    (``strategy._lightning_optimizers``); returns them."""
+    wrappers = [cls._to_lightning_optimizer(o, strategy) for o in strategy.optimizers]
+    strategy._lightning_optimizers = wrappers
+    return wrappers

@@ -34,7 +34,7 @@ from lightning_lordo.convert import (
     several_optimizers_message,
 )
 from lightning_lordo.core import HoldsCore, LoRDOCore
-from lightning_lordo.lightning._compat import install_sigterm_hooks, lightning_optimizer
+from lightning_lordo.lightning._compat import install_sigterm_hooks, wrap_optimizers
 from lightning_lordo.lightning.callbacks import add_monitor
 from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
@@ -185,17 +185,13 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
             super().setup_distributed()
 
     # ------------------------------------------------------------------ optimizers
-    @property
-    def optimizers(self) -> list[Optimizer]:
-        return self._optimizers
-
-    @optimizers.setter
-    def optimizers(self, optimizers: list[Optimizer]) -> None:
-        # Lightning wraps optimizers in LightningOptimizer here; ours counts steps and synchronizes.
-        self._optimizers = optimizers
-        self._lightning_optimizers = [lightning_optimizer(LoRDOLightningOptimizer, o, self) for o in optimizers]
-        for wrapper in self._lightning_optimizers:
+    def _set_optimizers(self, optimizers: list[Optimizer]) -> None:
+        """Lightning's setter, then our LightningOptimizer wrappers in place of its own (they drive LoRDO)."""
+        DDPStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
+        for wrapper in wrap_optimizers(self, LoRDOLightningOptimizer):
             wrapper.driver = weakref.proxy(self)  # as Lightning holds the strategy: no reference cycle
+
+    optimizers = property(DDPStrategy.optimizers.fget, _set_optimizers)  # the getter is Lightning's own
 
     @override
     def setup(self, trainer: Trainer) -> None:
