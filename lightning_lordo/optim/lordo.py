@@ -223,20 +223,21 @@ class LoRDO(Optimizer):
     def _adamw_step(self, params: list[Tensor], h: functional.Hyper) -> None:
         """The full-rank ``params``' step (state created or fit to ``fullrank_state`` first): torch's own AdamW where
         it applies, :mod:`~lightning_lordo.optim.fullrank` for the factored state, the QH mix, low-precision weights."""
-        for p in params:
-            state, factored = self.state[p], is_factored(p, h)
+        kinds = [is_factored(p, h) for p in params]
+        for p, factored in zip(params, kinds):
+            state = self.state[p]
             if not state:  # torch's fused AdamW keeps its step count on the device
                 state.update(fullrank.new_state(p, h, self._fused_for(p) and not factored))
             elif ("exp_avg_sq" if factored else "factored_row") in state:  # fullrank_state changed
                 fullrank.conform(p, state, h, self._fused_for(p) and not factored)
-        factored = [p for p in params if is_factored(p, h)]
+        factored = [p for p, f in zip(params, kinds) if f]
         counts = self._step_counts(factored)
         if self.foreach and factored:
             fullrank.factored_step(factored, [self.state[p] for p in factored], h, counts)
         elif factored:
             for p, t in zip(factored, counts):
                 fullrank.factored_reference(p, self.state[p], h, t)
-        params = [p for p in params if not is_factored(p, h)]
+        params = [p for p, f in zip(params, kinds) if not f]
         if not self.foreach:
             for p, t in zip(params, self._step_counts(params)):
                 reference.adamw_reference(p, self.state[p], h, t)
@@ -382,11 +383,9 @@ class LoRDO(Optimizer):
 
     # ------------------------------------------------------------------ state and accounting
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As :meth:`torch.optim.Optimizer.load_state_dict`, but keeps each state tensor's saved dtype.
-
-        PyTorch casts floating state to the parameter's dtype; LoRDO keeps its math state in float32 (and the
-        error-feedback buffer in its own dtype), so for bf16 parameters that cast would lose precision.
-        """
+        """As :meth:`torch.optim.Optimizer.load_state_dict`, but keeps each state tensor's saved dtype: PyTorch casts
+        floating state to the parameter's dtype, LoRDO keeps its math state in float32 (and the error-feedback buffer
+        in its own dtype), so for bf16 parameters that cast would lose precision."""
         super().load_state_dict(state_dict)
         conversion.restore_saved_state(self, state_dict)
 
