@@ -171,13 +171,13 @@ def count_sync(preset: str, steps: int = 6, sync_every: int = 2, shape: tuple[in
 
 
 def _worker(rank: int, world: int, port: int, out: str, shapes: Sequence[tuple[int, int, int, int]],
-            held: Sequence[tuple[int, int, int, int]]) -> None:
+            held: Sequence[tuple[int, int, int, int]], steps: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        rows = [count_sync(name, shape=shape) for shape in shapes for name in SYNC_PRESETS]
-        rows += [count_sync("lordo_compressed", shape=shape, bucket_cap_mb=HELD_CAP_MB) for shape in held]
+        rows = [count_sync(name, steps=steps, shape=shape) for shape in shapes for name in SYNC_PRESETS]
+        rows += [count_sync("lordo_compressed", steps=steps, shape=shape, bucket_cap_mb=HELD_CAP_MB) for shape in held]
         with open(f"{out}.{rank}", "w") as f:
             json.dump(rows, f)
     finally:
@@ -185,16 +185,17 @@ def _worker(rank: int, world: int, port: int, out: str, shapes: Sequence[tuple[i
 
 
 def count_syncs_two_processes(shapes: Sequence[tuple[int, int, int, int]] = (SCALED_12,),
-                              held: Sequence[tuple[int, int, int, int]] = ()) -> list[dict[str, Any]]:
+                              held: Sequence[tuple[int, int, int, int]] = (), steps: int = 6) -> list[dict[str, Any]]:
     """:func:`count_sync` for every preset on each of ``shapes`` with 2 processes (fork, gloo), then
     ``"lordo_compressed"`` on each of ``held`` with a ``bucket_cap_mb`` that holds its low-rank round whole; rank 0's
-    counts (rank 1's are checked to be the same)."""
+    counts (rank 1's are checked to be the same). ``steps``: each run's (the counted sync is its last)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "counts")
-        mp.start_processes(_worker, args=(2, port, out, tuple(shapes), tuple(held)), nprocs=2, start_method="fork")
+        mp.start_processes(_worker, args=(2, port, out, tuple(shapes), tuple(held), steps), nprocs=2,
+                           start_method="fork")
         ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
     assert ranks[0] == ranks[1], f"the ranks counted differently: {ranks}"
     return ranks[0]
