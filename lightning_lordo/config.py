@@ -388,11 +388,3 @@ def ef_dtype_for(ef_dtype: str, device: torch.device) -> torch.dtype:
     if ef_dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return EF_DTYPES[ef_dtype]
-
-
-def resolve_rank(rank: Union[int, float], smaller_side: int) -> int:
-    """The integer rank a matrix with ``smaller_side`` gets for a configured ``rank`` (0 means full-rank)."""
-    if isinstance(rank, float):
-        return max(1, int(math.floor(rank * smaller_side)))
-    return rank
-

@@ -1,4 +1,4 @@
-"""What a step no longer re-computes or wraps, still right: the resolved ranks LoRDO keeps, and the converted
+"""The step's own pieces: each parameter's rank resolved from its group's knob as it is now, and the converted
 optimizer's own ``step`` with torch's scheduler mark (no wrapper function, no reference cycle)."""
 
 from __future__ import annotations

@@ -16,9 +16,8 @@ SPEC §6. ``stats``, when given, collects the sums behind :meth:`LoRDO.diagnosti
 **Unfolded error feedback** (where :func:`can_unfold`): the buffer holds ``R`` and the state ``c = Q^T R`` (key
 :data:`EF_PROJECTION`), with ``E = R - Q c``. A step updates ``R <- G + gamma R`` in place and projects it; then
 ``g = c - gamma c_prev`` and ``E_new = R - Q c``, so no third matmul forms ``E``. Whatever reads or replaces the
-buffer from outside the step folds it first (:func:`fold_error_feedback`; the values do not change), and the step
-folds a bucket where ``c`` was not kept for all of it, every :data:`FOLD_EVERY`-th step (bounding the cancellation
-in ``c - gamma c_prev``) and when diagnostics are collected. Checkpoints hold ``R`` and ``c`` as they are.
+buffer from outside the step folds it first (:func:`fold_error_feedback`), as does the step where ``c`` is missing,
+every :data:`FOLD_EVERY`-th step (bounding the cancellation) and with diagnostics. Checkpoints hold ``R`` and ``c``.
 """
 
 from __future__ import annotations
@@ -35,19 +34,22 @@ from torch.optim.adamw import adamw as torch_adamw
 from lightning_lordo.optim.compiled import apply_tail
 
 TINY = torch.finfo(torch.float32).tiny
-#: The most bytes of one stack of same-shape matrices (a float32 copy of them): larger groups go in several stacks,
-#: so that the transient memory of a batched step or sync stays bounded whatever the model's depth.
+#: The most bytes of one stack of same-shape matrices (a float32 copy): a bounded transient whatever the depth.
 STACK_BYTES = 64 * 2**20
 
 
 def stack_slices(count: int, numel: int) -> list[slice]:
-    """``count`` same-shape matrices of ``numel`` elements each in stacks of at most :data:`STACK_BYTES` as float32
-    (at least one matrix a stack), as slices of their list."""
+    """Slices of ``count`` matrices of ``numel`` each, in stacks of at most :data:`STACK_BYTES` as float32 (>= 1)."""
     per = max(1, STACK_BYTES // (4 * max(1, numel)))
     return [slice(start, start + per) for start in range(0, count, per)]
 
 
 # ------------------------------------------------------------------------------------------------ the knobs
+def resolve_rank(rank: Union[int, float], smaller_side: int) -> int:
+    """The integer rank of a matrix with ``smaller_side`` for a configured ``rank`` (a float: a fraction of it)."""
+    return max(1, int(math.floor(rank * smaller_side))) if isinstance(rank, float) else rank
+
+
 @dataclass(frozen=True)
 class Hyper:
     """The knobs of one param group that one step reads."""
@@ -151,14 +153,12 @@ def enter_unfolded(states: Sequence[dict[str, Tensor]], allowed: bool) -> None:
 
 # ------------------------------------------------------------------------------------------------ AdamW parameters
 def is_factored(p: Tensor, h: Hyper) -> bool:
-    """Whether the full-rank ``p`` keeps the factored state (``fullrank_state="factored"``; tensors of 2 or more
-    dimensions: a vector's AdamW moments are as small as its factors; an empty one has no mean to factor)."""
+    """Whether the full-rank ``p`` keeps the factored state (``fullrank_state="factored"``, 2-D or more, not empty)."""
     return h.fullrank_state == "factored" and p.ndim >= 2 and p.numel() > 0
 
 
 def adamw_torch(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, fused: bool) -> None:
-    """torch's own AdamW (``foreach``, or ``fused``) on parameters whose moments have their dtype; it increments
-    the step counters itself."""
+    """torch's own AdamW (foreach or ``fused``) for moments in the parameters' dtype; it counts the steps itself."""
     torch_adamw(list(params), [p.grad for p in params], [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=not fused, fused=fused,
                 amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,

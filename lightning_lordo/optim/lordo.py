@@ -22,12 +22,11 @@ from lightning_lordo.config import (
     check_knob_combinations,
     check_optimizer_knobs,
     ef_dtype_for,
-    resolve_rank,
 )
 from lightning_lordo.optim import bases as bases_module
 from lightning_lordo.optim import conversion, fullrank, functional, reference, report
 from lightning_lordo.optim.bases import record_refresh, start_counting
-from lightning_lordo.optim.functional import fold_error_feedback, is_factored
+from lightning_lordo.optim.functional import fold_error_feedback, is_factored, resolve_rank
 from lightning_lordo.optim.projection import compute_basis, random_basis
 
 
@@ -126,7 +125,6 @@ class LoRDO(Optimizer):
         self._warned: set[tuple[tuple[int, ...], int]] = set()
         self._stats: dict[str, Tensor] = {}
         self._record = False  # request_diagnostics: collect the diagnostics' sums during the next step
-        self._ranks: dict[tuple[Any, ...], int] = {}  # (id(p), the group's rank, p's shape) -> p's rank
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -152,12 +150,8 @@ class LoRDO(Optimizer):
         """The rank this parameter runs at in this group, or 0 when it takes the AdamW step."""
         if p.ndim != 2 or group["rank"] == 0 or id(p) in self._full_rank:
             return 0
-        rank = group["rank"]
-        key = (id(p), type(rank), rank, p.shape)  # 1 and 1.0 differ (a rank, a fraction); p.data may change shape
-        if key not in self._ranks:  # resolved once, not at every step
-            r = resolve_rank(rank, min(p.shape))
-            self._ranks[key] = r if r <= min(p.shape) else 0
-        return self._ranks[key]
+        r = resolve_rank(group["rank"], min(p.shape))
+        return r if r <= min(p.shape) else 0
 
     def lowrank_params(self) -> list[Tensor]:
         """All parameters that take the low-rank step, in param-group order."""

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_lordo.config import resolve_rank
-from lightning_lordo.optim.functional import EF_PROJECTION, Hyper, can_unfold
+from lightning_lordo.optim.functional import EF_PROJECTION, Hyper, can_unfold, resolve_rank
 
 if TYPE_CHECKING:  # the optimizer passes itself in
     from torch.optim import Optimizer
