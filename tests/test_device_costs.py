@@ -78,35 +78,20 @@ def _gpt2_small_syncs() -> tuple[dict, ...]:
     return tuple(counts.count_syncs_two_processes(shapes=(counts.GPT2_SMALL,), held=(counts.GPT2_SMALL,), steps=4))
 
 
-class OverTarget(Exception):
-    """A measured count over its target, where the target is known not to hold yet (a strict ``xfail``)."""
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_sync_of_gpt2_small_dispatches_at_most_two_ops_per_tensor_where_it_holds_its_round() -> None:
-    """Issue 29's target at full width, 2 processes: at most 2 ops per tensor for every preset where the sync holds
-    its round (``lordo``, ``lordo_lean``; ``lordo_compressed`` with a ``bucket_cap_mb`` above its matrices)."""
+def test_a_sync_of_gpt2_small_dispatches_at_most_two_ops_per_tensor() -> None:
+    """Issue 29's target at full width, 2 processes: at most 2 ops per tensor for every preset, where the sync holds
+    its round (``lordo``, ``lordo_lean``; ``lordo_compressed`` with a ``bucket_cap_mb`` above its matrices) and where
+    ``lordo_compressed``'s low-rank messages stream at the default ``bucket_cap_mb`` (bounding its memory). The
+    streamed sync made 2.31 ops per tensor while it made ``Q B`` for its norms and recomputed the bases from it; the
+    payload's own ``Q`` and ``|B|`` (B6) leave ``Q B`` to the commit."""
     rows = _gpt2_small_syncs()
     assert [r["preset"] for r in rows] == ["lordo", "lordo_lean", "lordo_compressed", "lordo_compressed"], rows
     assert all(r["world"] == 2 and r["reads"] <= 2 for r in rows), rows
     lordo, lean, streamed, held = rows
     assert not (lordo["streamed"] or lean["streamed"] or held["streamed"]) and streamed["streamed"]
-    assert all(r["ops_per_tensor"] <= 2.0 for r in (lordo, lean, held)), (lordo, lean, held)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.xfail(raises=OverTarget, strict=True, reason="issue 29, open: the streamed compressed sync makes each "
-                                                          "bucket's D + e three times and its Q B twice")
-def test_a_streamed_compressed_sync_of_gpt2_small_dispatches_at_most_two_ops_per_tensor() -> None:
-    """The same target for ``lordo_compressed`` at the default ``bucket_cap_mb``, where its low-rank messages stream
-    (bounding its memory): not met yet (2.31 ops per tensor). Strict: once the target holds this test fails, to be
-    made a plain one; any other failure is a failure."""
-    streamed = _gpt2_small_syncs()[2]
-    assert streamed["preset"] == "lordo_compressed" and streamed["streamed"] and streamed["reads"] <= 2, streamed
-    if streamed["ops_per_tensor"] > 2.0:
-        raise OverTarget(f"{streamed['ops_per_tensor']} ops per tensor, over the target of 2")
+    assert all(r["ops_per_tensor"] <= 2.0 for r in rows), rows
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import FlatLayout
+from lightning_lordo._tensors import FlatLayout, are_finite
 
 INT8_LEVELS = 127  # symmetric: q in [-127, 127]
 
@@ -46,7 +46,7 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
         return torch.zeros(rows.shape, dtype=torch.int8, device=x.device), torch.zeros(rows.shape[0],
                                                                                       device=x.device)
     amax = rows.abs().amax(dim=1, keepdim=True)
-    finite = amax.isfinite()  # a row holding NaN or Inf has a non-finite largest magnitude
+    finite = are_finite(amax)  # a row holding NaN or Inf has a non-finite largest magnitude
     scales = torch.where(finite, amax / INT8_LEVELS, math.nan)
     safe = torch.where(scales > 0, scales, 1.0)  # zero rows (and NaN scales): divide by 1
     q = torch.where(finite, rows / safe, 0.0).round_().clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)

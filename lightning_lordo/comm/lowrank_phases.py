@@ -36,6 +36,8 @@ class LowRankRound:
         right: per matrix, the right factor ``R = orth(B^T)`` (``b x r``) ``commit`` installs.
         streamed: a streamed round's phases (:meth:`LowRankPayload.phases`): ``averaged`` and ``errors`` are empty,
             and :meth:`LowRankPhases.commit_bucket` makes them, bucket by bucket, before ``commit``.
+        norms: per matrix, the norm of its applied update, ``|Q B| = |B|`` (``Q`` orthonormal): float32 0-d
+            tensors, not read, and made without ``Q B``.
     """
 
     finite: Union[bool, Tensor]
@@ -46,6 +48,7 @@ class LowRankRound:
     right: list[Tensor] = field(default_factory=list)
     version: int = -1
     streamed: Optional[LowRankPhases] = None
+    norms: list[Tensor] = field(default_factory=list)
 
 
 class LowRankPhases:
@@ -110,15 +113,16 @@ class LowRankPhases:
         self.b_means = [_unrows(b, s) for b, s in zip(b_msg.means, self.shapes)]
         self.sent = [_unrows(b, s) for b, s in zip(b_msg.sent, self.shapes)]
         right = _per_matrix(orthonormalize_each([b.mT for b in self.b_means]), units, count)
+        norms = torch._foreach_norm(_per_matrix(self.b_means, units, count), 2, torch.float32) if count else []
         if self.work is None:
             return LowRankRound(finite, [], _per_matrix(bases, units, count), traffic, [], right, payload._version,
-                                streamed=self)
+                                streamed=self, norms=list(norms))
         averaged = self.updates(range(len(units)))
         errors = []
         if payload.error_feedback and self.work:  # e_m = D_m + e_m - Q B_m, in place
             errors = self._fold(range(len(units)), self.work)
         return LowRankRound(finite, _per_matrix(averaged, units, count), _per_matrix(bases, units, count), traffic,
-                            _per_matrix(errors, units, count), right, payload._version)
+                            _per_matrix(errors, units, count), right, payload._version, norms=list(norms))
 
     def updates(self, bucket: Sequence[int]) -> list[Tensor]:
         """The applied averaged update ``Q B`` of each unit of ``bucket`` (float32, original orientation)."""

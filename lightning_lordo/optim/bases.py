@@ -33,6 +33,16 @@ def batchable(group: Mapping[str, Any], warm: Any) -> bool:
     return group["projection"] == "svd" or (group["projection"] == "power" and warm is not None)
 
 
+def spanned(entries: Sequence[Entry], spans: Mapping[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+    """``{param: Q}`` for the ``entries`` whose new basis is their ``spans[param]`` as it is: an orthonormal basis
+    ``Q`` (``a x r``, canonical) of the column space of the matrix the basis is computed from, as a low-rank
+    payload's round gives for its averaged update ``Q B`` (SPEC §5: the new basis is ``orth(P)``). It applies with
+    the ``power`` projection at ``Q``'s rank, whose warm-started step on ``Q B`` would only turn the basis within
+    ``span(Q)``, at the cost of a dense ``Q B`` and a QR per matrix; the other projections compute theirs."""
+    return {p: spans[p] for p, group, r in entries
+            if p in spans and group["projection"] == "power" and spans[p].shape[-1] == r}
+
+
 def compute_stacked(entries: Sequence[Entry], sources: Mapping[Tensor, Tensor], warm: Mapping[Tensor, Any]
                     ) -> dict[Tensor, Tensor]:
     """``{param: basis}`` for ``entries`` (all :func:`batchable`), one stack per shape, rank, projection, power steps

@@ -330,14 +330,16 @@ class LoRDO(Optimizer):
             self._init_lowrank_state(p, group, r)["basis"] = basis
 
     @torch.no_grad()
-    def compute_bases(self, sources: Mapping[Tensor, Tensor], generation: Optional[int] = None) -> dict[Tensor, Tensor]:
+    def compute_bases(self, sources: Mapping[Tensor, Tensor], generation: Optional[int] = None,
+                      spans: Optional[Mapping[Tensor, Tensor]] = None) -> dict[Tensor, Tensor]:
         """New bases, without changing anything: ``{param: basis}`` (float32, ``a x r``, canonical orientation)
         for each low-rank parameter in ``sources`` (``{param: matrix}``, e.g. the averaged pseudo-gradient, whose
         top-r left singular subspace becomes the basis; warm-started from the current basis). With ``foreach``,
-        same-shape matrices are stacked (:mod:`~lightning_lordo.optim.bases`)."""
-        bases, stacked, warms = {}, [], {}
+        same-shape matrices are stacked (:mod:`~lightning_lordo.optim.bases`). ``spans``: bases of some sources'
+        column spaces, taken as they are where they apply (:func:`~lightning_lordo.optim.bases.spanned`)."""
+        bases, stacked, warms = bases_module.spanned(self._lowrank_entries(), spans or {}), [], {}
         for index, (p, group, r) in enumerate(self._lowrank_entries()):
-            if p not in sources:
+            if p not in sources or p in bases:
                 continue
             warm = warms[p] = self.state.get(p, {}).get("basis")
             if self.stacked_layout(p) and bases_module.batchable(group, warm):

@@ -47,7 +47,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import finite_flags, math_dtype, norm_list
+from lightning_lordo._tensors import are_finite, finite_flags, math_dtype, norm_list
 from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.sync import exchange as ex
 from lightning_lordo.sync.outer import averaged_point
@@ -134,7 +134,7 @@ def _exchange(sync: Any) -> ex.Exchange:
         del deltas, sources
     magnitudes_all = torch.stack([m.to(magnitudes[0].device) for m in magnitudes])  # summed as the general path
     floating, others = ex.average_buffers(comm, sync.buffers)
-    finite = magnitudes_all.isfinite().all()
+    finite = are_finite(magnitudes_all).all()
     buffers_finite = finite_flags(floating).all().to(finite.device) if floating else torch.ones_like(finite)
     ok, buffers_ok = torch.stack([finite, buffers_finite]).tolist()  # the one read before the commit
     if not buffers_ok:  # identical on all workers: all repair them together
@@ -169,25 +169,23 @@ def _exchange_streamed(sync: Any) -> ex.Exchange:
     cap = max(config.bucket_cap_mb * 2**20, max(params[i].numel() * 4 for i in streamed))
     stream = (params, lambda idx: sync.anchor.deltas(indices=idx), cap)
     averaged, rounds, payload_finite = sync.payloads.reduce(comm, local, in_place=True, stream=stream)
-    magnitudes: list[Any] = [None] * len(params)
-    for i, n in zip(eager, norm_list([averaged[i] for i in eager])):
-        magnitudes[i] = n
-    bases, seconds, failed = {}, 0.0, []
+    magnitudes_all = sync.payloads.norms(averaged, rounds)  # the streamed matrices' from their rounds, not Q B
     held = {params[i]: averaged[i] for i in eager if params[i] in lowrank}  # low-rank matrices sent in full
-    if held:
-        seconds += _add_bases(sync, bases, held, failed)
+    bases, seconds, failed = {}, 0.0, []
+    if lordo is not None:  # the payload's Q where it is the new basis, else (bucket by bucket) from Q B
+        seconds += _add_bases(sync, bases, held, failed, sync.payloads.spans(params, rounds))
     for positions, phases in _streamed(sync, rounds):
         for bucket in phases.buckets:
+            if not any(params[positions[j]] in lowrank and params[positions[j]] not in bases
+                       for n in bucket for j in phases.units[n]):
+                continue
             matrices, updates = phases.matrix_updates(bucket)
-            for j, n in zip(matrices, norm_list(updates)):
-                magnitudes[positions[j]] = n
-            sources = {params[positions[j]]: u for j, u in zip(matrices, updates) if params[positions[j]] in lowrank}
-            if sources:
-                seconds += _add_bases(sync, bases, sources, failed)
+            sources = {params[positions[j]]: u for j, u in zip(matrices, updates)
+                       if params[positions[j]] in lowrank and params[positions[j]] not in bases}
+            seconds += _add_bases(sync, bases, sources, failed)
             del updates, sources
-    magnitudes_all = torch.stack([m.to(magnitudes[0].device) for m in magnitudes])
     floating, others = ex.average_buffers(comm, sync.buffers)
-    finite = magnitudes_all.isfinite().all()
+    finite = are_finite(magnitudes_all).all()
     if payload_finite is not None:
         finite = finite & payload_finite.to(finite.device)
     buffers_finite = finite_flags(floating).all().to(finite.device) if floating else torch.ones_like(finite)
@@ -243,14 +241,15 @@ def _move(sync: Any, at: list[int], updates: list[Tensor]) -> list[int]:
     return []
 
 
-def _add_bases(sync: Any, bases: dict[Tensor, Tensor], sources: dict[Tensor, Tensor], failed: list[Exception]
-               ) -> float:
-    """New bases from ``sources`` into ``bases``; the seconds taken. They come before the round is known to be
-    finite: an SVD of a non-finite source raises, which goes into ``failed``, for the caller to raise only if the
-    round is kept (the general path computes its bases after that read)."""
+def _add_bases(sync: Any, bases: dict[Tensor, Tensor], sources: dict[Tensor, Tensor], failed: list[Exception],
+               spans: Optional[dict[Tensor, Tensor]] = None) -> float:
+    """New bases from ``sources`` (and ``spans``: :meth:`~lightning_lordo.optim.lordo.LoRDO.compute_bases`') into
+    ``bases``; the seconds taken. They come before the round is known to be finite: an SVD of a non-finite source
+    raises, which goes into ``failed``, for the caller to raise only if the round is kept (the general path computes
+    its bases after that read)."""
     begin = time.perf_counter()
     try:
-        bases.update(sync.lordo.compute_bases(sources, generation=sync.optimizer_steps))
+        bases.update(sync.lordo.compute_bases(sources, generation=sync.optimizer_steps, spans=spans))
     except torch.linalg.LinAlgError as error:
         failed.append(error)
     return time.perf_counter() - begin

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import finite_flags, mix_seed, norms
+from lightning_lordo._tensors import finite_flags, mix_seed, norm_list, norms
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.comm.lowrank_phases import Source
@@ -155,6 +155,31 @@ class PseudoGradientPayloads:
                     else result.averaged[n]
         finite = joint if joint is not None else torch.stack(flags).all() if flags else None
         return averaged, rounds, finite
+
+    def norms(self, averaged: Sequence[Optional[Tensor]], rounds: Sequence[tuple[Any, Any]]) -> Tensor:
+        """Each parameter's averaged pseudo-gradient's norm, stacked in the parameters' order (not read): a low-rank
+        message's from its round (``|Q B| = |B|``, so that a streamed round need not make ``Q B`` for it), the
+        others' from ``averaged``."""
+        found: list[Optional[Tensor]] = [None] * self.size
+        positions = {id(message): at for _, at, message, _ in self.groups}
+        for message, result in rounds:
+            if isinstance(message, LowRankPayload):
+                for i, n in zip(positions[id(message)], result.norms, strict=True):
+                    found[i] = n
+        rest = [i for i, n in enumerate(found) if n is None]
+        for i, n in zip(rest, norm_list([averaged[i] for i in rest])):  # type: ignore[misc]
+            found[i] = n
+        first = found[0].device  # type: ignore[union-attr]
+        return torch.stack([n.to(first) for n in found])  # type: ignore[union-attr]
+
+    def spans(self, params: Sequence[Tensor], rounds: Sequence[tuple[Any, Any]]) -> dict[Tensor, Tensor]:
+        """``{param: Q}``: the new bases of the low-rank matrices that the ``lowrank`` payload sent, each an
+        orthonormal basis of the column space of its averaged update ``Q B`` (SPEC §5), identical on every worker
+        (:meth:`~lightning_lordo.optim.lordo.LoRDO.compute_bases`' ``spans``)."""
+        lowrank = self.lowrank_payload
+        at = next((at for name, at, message, _ in self.groups if message is lowrank), [])
+        result = next((r for message, r in rounds if message is lowrank), None)
+        return {} if result is None else {params[i]: q for i, q in zip(at, result.bases, strict=True)}
 
     @staticmethod
     def resolve(rounds: Sequence[tuple[Any, Any]], finite: bool) -> None:

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_lordo._tensors import finite_flags, nbytes, norms
+from lightning_lordo._tensors import are_finite, finite_flags, nbytes
 from lightning_lordo.comm.communicator import Communicator
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.lordo import LoRDO
@@ -197,9 +197,10 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
             lordo.set_bases(self._bases(ex.average_first_gradients(self.comm, missing, self.config)))
 
     def _bases(self, sources: dict[Tensor, Tensor], comm: Optional[Communicator] = None,
-               generation: Optional[int] = None) -> dict[Tensor, Tensor]:
+               generation: Optional[int] = None, spans: Optional[dict[Tensor, Tensor]] = None) -> dict[Tensor, Tensor]:
         """New bases from ``sources`` identical on every worker: computed everywhere from identical inputs, or with
-        ``broadcast_bases`` computed on rank 0 and sent (a collective: every worker calls this together)."""
+        ``broadcast_bases`` computed on rank 0 and sent (a collective: every worker calls this together);
+        ``spans``: :meth:`~lightning_lordo.optim.lordo.LoRDO.compute_bases`'."""
         lordo = self.lordo
         assert lordo is not None
         comm = comm or self.comm
@@ -207,9 +208,9 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         lowrank = [p for p in lordo.lowrank_params() if p in sources]
         sources = {p: sources[p] for p in lowrank}
         if not self.config.broadcast_bases:
-            return lordo.compute_bases(sources, generation=generation)
+            return lordo.compute_bases(sources, generation=generation, spans=spans)
         if comm.rank == 0:  # contiguous, as the receivers' copies: the same layout rounds the same way later
-            computed = lordo.compute_bases(sources, generation=generation)
+            computed = lordo.compute_bases(sources, generation=generation, spans=spans)
             bases = {p: q.contiguous() for p, q in computed.items()}
         else:  # only rank 0 computes; the others receive
             ranks = lordo.lowrank_ranks()
@@ -279,8 +280,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         # the local pseudo-gradients are needed after their average only for local bases
         averaged, rounds, payload_finite = self.payloads.reduce(comm, local, self.config.basis_scope == "global")
         floating, others = ex.average_buffers(comm, buffers)
-        magnitudes = norms(averaged)
-        finite = magnitudes.isfinite().all()
+        magnitudes = self.payloads.norms(averaged, rounds)
+        finite = are_finite(magnitudes).all()
         if payload_finite is not None:
             finite = finite & payload_finite.to(finite.device)
         buffers_finite = finite_flags(floating).all() if floating else torch.ones((), dtype=torch.bool,
@@ -298,7 +299,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
             shared = self.config.basis_scope == "global"
             sources = {p: s for p, s in zip(self.params, averaged if shared else local)}
             sources = self.window.sources(sources) if self.window else sources
-            bases = self._bases(sources, comm, generation) if shared else \
+            spans = self.payloads.spans(self.params, rounds) if shared and not self.window else {}
+            bases = self._bases(sources, comm, generation, spans) if shared else \
                 self.lordo.compute_bases(sources, generation)
         return ex.Exchange(averaged, rounds, (floating, others), state, bases, checked, state_finite,
                            torch.linalg.vector_norm(magnitudes), time.perf_counter() - basis_start)
