@@ -66,6 +66,21 @@ def apply_tail(params: Sequence[Tensor], low: Tensor, full_input: Tensor, denom:
     return True
 
 
+def chosen(layout: Optional[str], p: Tensor) -> bool:
+    """Whether the stacked step of ``p``'s matrices compiles its last pass: ``layout="compiled"``, or by device
+    (``layout=None``) on CUDA where Triton, torch.compile's backend there, is installed (a failed compilation still
+    falls back, with the warning). The CPU keeps the eager ``"in_place"`` layout: its inductor gains little there."""
+    return layout == "compiled" or (layout is None and p.device.type == "cuda" and _has_triton())
+
+
+def _has_triton() -> bool:
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:  # pragma: no cover - a torch without it has no Triton backend we know of
+        return False
+    return bool(has_triton())
+
+
 def _stack_key(params: Sequence[Tensor], *stacked: Tensor) -> tuple[object, ...]:
     """What a compiled graph is specialized on: the number, dtype and device of the weights, and each stacked input's
     shape, strides and dtype (the normalizer's broadcast shape too)."""

@@ -24,7 +24,7 @@ from lightning_lordo.config import (
     ef_dtype_for,
 )
 from lightning_lordo.optim import bases as bases_module
-from lightning_lordo.optim import conversion, fullrank, functional, reference, report
+from lightning_lordo.optim import compiled, conversion, fullrank, functional, reference, report
 from lightning_lordo.optim.bases import record_refresh, start_counting
 from lightning_lordo.optim.functional import fold_error_feedback, is_factored, resolve_rank
 from lightning_lordo.optim.projection import compute_basis, random_basis
@@ -73,7 +73,8 @@ class LoRDO(Optimizer):
             (:mod:`lightning_lordo.optim.functional`), which tests compare the grouped one with.
         layout: the grouped step's (:func:`functional.lowrank_grouped`): ``"in_place"`` (matrix by matrix, the CPU's
             cost model), ``"stacked"`` (one batched op per shape, the accelerators'), ``"compiled"`` (stacked, its
-            last full-size pass compiled: :mod:`~lightning_lordo.optim.compiled`) or ``None``: by device.
+            last full-size pass compiled: :mod:`~lightning_lordo.optim.compiled`) or ``None``: by device (compiled
+            on CUDA where Triton is installed, :func:`~lightning_lordo.optim.compiled.chosen`).
         fused: for the AdamW parameters (with ``foreach``): torch's fused AdamW (``True``) or its foreach AdamW
             (``False``); ``None`` takes the fused one on the CPU and foreach elsewhere.
 
@@ -212,7 +213,7 @@ class LoRDO(Optimizer):
             buckets[(tuple(p.shape), p.dtype, p.device, t, ef.dtype if ef is not None else None)].append(p)
         for (_, _, _, t, _), bucket in buckets.items():
             functional.lowrank_grouped(bucket, [self.state[p] for p in bucket], h, t, stats,
-                                       not self.stacked_layout(bucket[0]), self.layout == "compiled")
+                                       not self.stacked_layout(bucket[0]), compiled.chosen(self.layout, bucket[0]))
 
     def _adamw_step(self, params: list[Tensor], h: functional.Hyper) -> None:
         """The full-rank ``params``' step (state created or fit to ``fullrank_state`` first): torch's own AdamW where

@@ -50,7 +50,6 @@ from torch import Tensor
 from lightning_lordo._tensors import are_finite, finite_flags, math_dtype, norm_list
 from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.sync import exchange as ex
-from lightning_lordo.sync.outer import averaged_point
 from lightning_lordo.sync.payloads import FULLRANK_PART, LOWRANK_PART
 
 
@@ -97,6 +96,21 @@ def buckets(params: Sequence[Tensor], lowrank: set[Tensor], cap_bytes: float) ->
     return out
 
 
+def first_bucket(sync: Any) -> list[int]:
+    """The positions whose pseudo-gradients this path makes first (:meth:`Anchor.prefetch` stages them ahead)."""
+    if streams(sync):
+        return _eager(sync)
+    lowrank = set(sync.lordo.lowrank_params()) if sync.lordo is not None else set()
+    return buckets(sync.params, lowrank, sync.config.bucket_cap_mb * 2**20)[0]
+
+
+def _eager(sync: Any) -> list[int]:
+    """Streamed: the positions whose messages take their pseudo-gradients whole (not streamed)."""
+    streamed = {i for _, positions, message, _ in sync.payloads.groups if isinstance(message, LowRankPayload)
+                for i in positions}
+    return [i for i in range(len(sync.params)) if i not in streamed]
+
+
 @torch.no_grad()
 def exchange(sync: Any) -> ex.Exchange:
     """The round, bucket by bucket (module docstring); one host read before the commit (whether it is finite). With
@@ -118,8 +132,14 @@ def _exchange(sync: Any) -> ex.Exchange:
     magnitudes: list[Any] = [None] * len(params)  # each parameter's norm, in the parameters' order
     staged: list[Optional[Tensor]] = [None] * len(params)  # several processes: each parameter's new point
     bases, seconds, failed = {}, 0.0, []
-    for bucket in buckets(params, lowrank, config.bucket_cap_mb * 2**20):
-        deltas = sync.anchor.deltas(indices=bucket)
+    order = buckets(params, lowrank, config.bucket_cap_mb * 2**20)
+    for n, bucket in enumerate(order):
+        # an anchor in host memory: the next bucket's copy runs while this one is worked on, once this one's staged
+        # anchor is released (two buckets on the device: the pseudo-gradient and a staged anchor)
+        following = order[n + 1] if n + 1 < len(order) else []
+        deltas = sync.anchor.deltas(indices=bucket, keep=several)
+        if not several:
+            sync.anchor.prefetch(following)
         sources = {params[i]: d for i, d in zip(bucket, deltas) if params[i] in lowrank}
         if sources and (local_bases or not several):  # from this worker's own pseudo-gradient
             seconds += _add_bases(sync, bases, sources, failed)
@@ -130,7 +150,8 @@ def _exchange(sync: Any) -> ex.Exchange:
         for i, n in zip(bucket, norm_list(deltas)):
             magnitudes[i] = n
         if several:
-            _stage(staged, bucket, params, averaged_point([sync.anchor.tensors[i] for i in bucket], deltas))
+            _stage(staged, bucket, params, sync.anchor.new_point(bucket, deltas))
+            sync.anchor.prefetch(following)
         del deltas, sources
     magnitudes_all = torch.stack([m.to(magnitudes[0].device) for m in magnitudes])  # summed as the general path
     floating, others = ex.average_buffers(comm, sync.buffers)
@@ -159,14 +180,12 @@ def _exchange_streamed(sync: Any) -> ex.Exchange:
     messages (norms, biases) take their pseudo-gradients whole, as the general path does."""
     lordo, params, comm, config = sync.lordo, sync.params, sync.comm, sync.config
     lowrank = set(lordo.lowrank_params()) if lordo is not None else set()
-    streamed = {i for _, positions, message, _ in sync.payloads.groups if isinstance(message, LowRankPayload)
-                for i in positions}
-    eager = [i for i in range(len(params)) if i not in streamed]
+    eager = _eager(sync)
     local: list[Optional[Tensor]] = [None] * len(params)
     for i, d in zip(eager, sync.anchor.deltas(indices=eager) if eager else []):
         local[i] = d
     # a bucket: the cap, or the largest of these matrices, which is a bucket of its own anyway (fewer, larger stacks)
-    cap = max(config.bucket_cap_mb * 2**20, max(params[i].numel() * 4 for i in streamed))
+    cap = max(config.bucket_cap_mb * 2**20, max(params[i].numel() for i in range(len(params)) if i not in eager) * 4)
     stream = (params, lambda idx: sync.anchor.deltas(indices=idx), cap)
     averaged, rounds, payload_finite = sync.payloads.reduce(comm, local, in_place=True, stream=stream)
     magnitudes_all = sync.payloads.norms(averaged, rounds)  # the streamed matrices' from their rounds, not Q B
@@ -233,11 +252,13 @@ def _move(sync: Any, at: list[int], updates: list[Tensor]) -> list[int]:
     """The anchor at positions ``at`` becomes ``anchor - update``: in place where it sits beside the parameters
     (``a - u`` is :func:`averaged_point`'s ``-(u - a)`` bit for bit), whose positions are returned for the caller to
     copy; else the anchor and the parameters are set as the general path sets them."""
-    anchors, params = [sync.anchor.tensors[i] for i in at], [sync.params[i] for i in at]
-    if all(a.device == u.device == p.device and a.dtype == u.dtype for a, u, p in zip(anchors, updates, params)):
-        torch._foreach_sub_(anchors, updates)
-        return at
-    sync.anchor.set(averaged_point(anchors, updates), indices=at)
+    anchor = sync.anchor
+    if not anchor.staged:
+        anchors, params = [anchor.tensors[i] for i in at], [sync.params[i] for i in at]
+        if all(a.device == u.device == p.device and a.dtype == u.dtype for a, u, p in zip(anchors, updates, params)):
+            torch._foreach_sub_(anchors, updates)
+            return at
+    anchor.set(anchor.new_point(at, updates), indices=at)
     return []
 
 

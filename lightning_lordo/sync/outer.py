@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_lordo._tensors import math_dtype, nbytes
+from lightning_lordo.sync.staging import SideStream
 
 
 class Anchor:
@@ -30,14 +31,34 @@ class Anchor:
             parameters are on an accelerator (on the CPU that is the parameters' own device).
     """
 
-    def __init__(self, params: Sequence[Tensor], device: str = "auto") -> None:
+    def __init__(self, params: Sequence[Tensor], device: str = "auto", side: Optional[SideStream] = None) -> None:
         self.params = list(params)
         self.device = device
-        self.tensors: list[Tensor] = []
+        self._tensors: list[Tensor] = []
         self._saved: Optional[list[Tensor]] = None  # the local replicas while the anchor is in the model
+        # in host memory beside an accelerator: its copies on a stream of their own (tests pass a stand-in)
+        accelerator = next((p.device for p in self.params if p.device.type != "cpu"), None)
+        self._side = side if side is not None else SideStream(accelerator) if (
+            accelerator is not None and device != "param" and accelerator.type == "cuda") else None
+        self._staged: dict[int, list[Any]] = {}  # index -> [its copy on the device, the copy's event until joined]
+
+    @property
+    def tensors(self) -> list[Tensor]:
+        """The anchor's tensors, once the copies between host and device issued so far are done (the reader may be
+        the host)."""
+        if self._side is not None:
+            self._side.settle()
+        return self._tensors
+
+    @tensors.setter
+    def tensors(self, values: list[Tensor]) -> None:
+        if self._side is not None:
+            self._side.settle()
+        self._staged.clear()
+        self._tensors = values
 
     def __bool__(self) -> bool:
-        return bool(self.tensors)
+        return bool(self._tensors)
 
     def _storage(self, p: Tensor) -> Tensor:
         if self.device == "param" or p.device.type == "cpu":
@@ -47,9 +68,51 @@ class Anchor:
     @torch.no_grad()
     def take(self) -> None:
         """The anchor becomes the parameters as they are now (allocated on first use)."""
-        if not self.tensors:
+        if not self._tensors:
             self.tensors = [self._storage(p) for p in self.params]
-        _copy(self.tensors, self.params)
+        self._write(self._tensors, self.params, sources_change=True)
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Start copying the anchor at ``indices`` to the parameters' device on the side stream (host memory beside
+        an accelerator; else nothing), for :meth:`deltas` and :meth:`new_point` of those indices."""
+        if self._side is None or not self._tensors or not indices:
+            return
+        indices = [i for i in indices if i not in self._staged]
+        copies, done = self._side.prefetch([self._tensors[i] for i in indices],
+                                           [math_dtype(self.params[i].dtype) for i in indices])
+        self._staged.update((i, [c, done]) for i, c in zip(indices, copies))
+
+    def _on_device(self, indices: Sequence[int], keep: bool = False) -> list[Tensor]:
+        """The anchor at ``indices`` on the parameters' device, in the dtype LoRDO computes in: the staged copies
+        (the compute stream waits for them once), else copied now on the compute stream; ``keep``: they stay staged
+        (for :meth:`new_point`), else the staged ones are released."""
+        assert self._side is not None
+        entries = []
+        for i in indices:
+            entry = self._staged.get(i) if keep else self._staged.pop(i, None)
+            if entry is None:
+                p = self.params[i]
+                entry = [self._tensors[i].to(device=p.device, dtype=math_dtype(p.dtype), non_blocking=True), None]
+                if keep:
+                    self._staged[i] = entry
+            entries.append(entry)
+        waiting: dict[int, tuple[Any, list[list[Any]]]] = {}
+        for entry in entries:
+            if entry[1] is not None:
+                waiting.setdefault(id(entry[1]), (entry[1], []))[1].append(entry)
+        for done, joined in waiting.values():
+            self._side.join([copy for copy, _ in joined], done)
+            for entry in joined:
+                entry[1] = None
+        return [copy for copy, _ in entries]
+
+    def _write(self, targets: Sequence[Tensor], sources: Sequence[Tensor], sources_change: bool = False) -> None:
+        """Copy ``sources`` into anchor tensors ``targets`` (their staged copies are stale from now on)."""
+        self._staged.clear()
+        if self._side is not None:
+            self._side.write(targets, sources, sources_change)
+            return
+        _copy(targets, sources)
 
     @staticmethod
     def _beside(anchors: Sequence[Tensor], params: Sequence[Tensor]) -> bool:
@@ -58,15 +121,19 @@ class Anchor:
         return all(a.device == p.device and a.dtype == p.dtype == math_dtype(p.dtype) for a, p in zip(anchors, params))
 
     @torch.no_grad()
-    def deltas(self, params: Optional[Sequence[Tensor]] = None, indices: Optional[Sequence[int]] = None
-               ) -> list[Tensor]:
+    def deltas(self, params: Optional[Sequence[Tensor]] = None, indices: Optional[Sequence[int]] = None,
+               keep: bool = False) -> list[Tensor]:
         """Each worker's pseudo-gradient ``anchor - params`` (old minus new, as DiLoCo), on the parameters'
         device, in float32 (float64 for float64 parameters); ``params``: copies of them to use instead;
-        ``indices``: only those parameters' (a bucket)."""
+        ``indices``: only those parameters' (a bucket); ``keep``: the anchor's staged copies stay for
+        :meth:`new_point` (host memory beside an accelerator)."""
         params = self.params if params is None else list(params)
-        anchors = self.tensors
-        if indices is not None:
-            params, anchors = [params[i] for i in indices], [anchors[i] for i in indices]
+        indices = range(len(params)) if indices is None else indices
+        params = [params[i] for i in indices]
+        if self._side is not None:  # one tensor at a time, as below, from the staged copies where there are some
+            return [a - p.detach().to(a.dtype) for i, p in zip(indices, params)
+                    for a in self._on_device([i], keep)]
+        anchors = [self.tensors[i] for i in indices]
         if self._beside(anchors, params):
             return list(torch._foreach_sub(anchors, params))
         out = []
@@ -79,11 +146,23 @@ class Anchor:
     def set(self, values: Sequence[Tensor], indices: Optional[Sequence[int]] = None) -> None:
         """Anchor and parameters become ``values`` (the new synchronized point); ``indices``: only those
         parameters'."""
-        if self.tensors:
-            anchors, params = (self.tensors, self.params) if indices is None else \
-                ([self.tensors[i] for i in indices], [self.params[i] for i in indices])
-            _copy(anchors, list(values))
+        if self._tensors:
+            anchors, params = (self._tensors, self.params) if indices is None else \
+                ([self._tensors[i] for i in indices], [self.params[i] for i in indices])
             _copy(params, list(values))
+            self._write(anchors, list(values))
+
+    @property
+    def staged(self) -> bool:
+        """Whether the anchor is in host memory beside an accelerator: its copies go through a side stream."""
+        return self._side is not None
+
+    @torch.no_grad()
+    def new_point(self, indices: Sequence[int], delta: Sequence[Tensor]) -> list[Tensor]:
+        """Plain averaging's new synchronized point ``anchor - delta`` at ``indices`` (:func:`averaged_point`, into
+        ``delta``), from the staged copies of those anchors where the anchor is in host memory."""
+        anchors = self._on_device(indices) if self._side is not None else [self.tensors[i] for i in indices]
+        return averaged_point(anchors, delta)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -127,7 +206,7 @@ class Anchor:
         self.tensors = [self._storage(p).copy_(a) for p, a in zip(self.params, saved)]
 
     def nbytes(self) -> int:
-        return nbytes(self.tensors)
+        return nbytes(self._tensors)  # sizes only: no wait for pending copies
 
 
 def averaged_point(anchors: Sequence[Tensor], delta: Sequence[Tensor]) -> list[Tensor]:

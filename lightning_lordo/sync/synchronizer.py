@@ -140,7 +140,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         synchronous, lordo, k = self.synchronous_now, self.lordo, self.config.sync_every
         # a checkpoint of the synchronous phase resumed with local steps has no anchor yet: switch now, before this
         # step, while the replicas are still identical
-        if not synchronous and not self.anchor.tensors and self.params:
+        if not synchronous and not self.anchor and self.params:
             self.switch_to_local()
         if synchronous:
             self.comm.context = f"gradient average (optimizer step {self.optimizer_steps + 1})"
@@ -155,6 +155,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         next_step = (self.optimizer_steps + 1) if synchronous else (self.steps_since_sync + 1)
         if lordo is not None and next_step % k == 0:
             lordo.request_diagnostics()
+        if not synchronous and next_step % k == 0 and not self.config.overlap_steps and bucketed.applies(self):
+            self.anchor.prefetch(bucketed.first_bucket(self))  # in host memory: copied during this step's update
         if synchronous:
             self._round["seconds"] += time.perf_counter() - start
 

@@ -1,0 +1,183 @@
+"""An anchor in host memory beside an accelerator copies on a side stream (``sync/staging.py``, issue 29): the next
+bucket is read while this one is worked on, and the new anchor is written back without the host waiting for it.
+
+There is no accelerator here, so the copies are exercised with a stand-in stream module on the CPU: the values must
+be the unstaged anchor's bit for bit (a stream changes when a copy runs, never what it computes), and the stand-in
+checks the order a device would need: the compute stream waits for a staged copy before it uses it, a write-back
+waits for the compute stream's work, and the host waits for the writes before it reads the anchor."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from strategy_helpers import sync_rounds
+
+from lightning_lordo import LoRDO
+from lightning_lordo.config import SyncConfig
+from lightning_lordo.sync.outer import Anchor, averaged_point
+from lightning_lordo.sync.staging import SideStream
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+
+
+class _Event:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def synchronize(self) -> None:
+        self.log.append(f"host waits {self.name}")
+
+
+class _Stream:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name, self.events = log, name, 0
+
+    def record_event(self) -> _Event:
+        self.events += 1
+        return _Event(self.log, f"{self.name}#{self.events}")
+
+    def wait_event(self, event: _Event) -> None:
+        self.log.append(f"{self.name} waits {event.name}")
+
+    def synchronize(self) -> None:
+        self.log.append(f"host waits {self.name}")
+
+
+class Streams:
+    """A stand-in for ``torch.cuda``'s streams: it logs what a device would order."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.compute = _Stream(self.log, "compute")
+        self.current = self.compute
+
+    def Stream(self, device: Any) -> _Stream:  # noqa: N802 (torch.cuda's name)
+        return _Stream(self.log, "side")
+
+    def current_stream(self, device: Any) -> _Stream:
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, stream: _Stream) -> Any:
+        previous, self.current = self.current, stream
+        self.log.append(f"on {stream.name}")
+        try:
+            yield
+        finally:
+            self.current = previous
+
+
+def _stage(sync: Any) -> Streams:
+    """Give ``sync`` an anchor of the same values that copies through the stand-in side stream."""
+    streams = Streams()
+    saved = sync.anchor.state_dict()
+    sync.anchor = Anchor(sync.params, "auto", side=SideStream(torch.device("cpu"), streams))
+    sync.anchor.load_state_dict(saved)
+    streams.log.clear()
+    return streams
+
+
+def _run(world: int, rank: int, staged: bool, knobs: dict[str, Any]) -> tuple[list[torch.Tensor], list[str]]:
+    from lightning_lordo.comm.communicator import CommAccountant, Communicator
+    from lightning_lordo.sync.synchronizer import Synchronizer
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                              torch.nn.Linear(64, 8))
+    params = list(net.parameters())
+    opt = LoRDO(params, lr=1e-2, rank=4)
+    comm = Communicator(CommAccountant(), timedelta(seconds=60))
+    config = SyncConfig(**{"sync_every": 3, "synchronous": False, "bucket_cap_mb": 0.01, **knobs})
+    sync = Synchronizer(params, [], opt, config, comm)
+    streams = _stage(sync) if staged else None
+    reports = [r for r, _ in sync_rounds(sync, opt, params, 10, rank)]
+    assert len(reports) == 3
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return [p.detach().clone() for p in params] + sync.anchor.state_dict() + state, streams.log if streams else []
+
+
+def _check(log: list[str], streamed_reads: bool = True) -> None:
+    assert "on side" in log
+    # every staged copy is joined by the compute stream before use, and each write waits for the compute stream
+    joins = [line for line in log if line.startswith("compute waits side#")]
+    writes = [n for n, line in enumerate(log) if line.startswith("side waits compute#")]
+    assert writes, log
+    if streamed_reads:
+        assert joins, log
+    assert log.index("host waits side") > writes[0]  # the host reads the anchor only after the writes
+
+
+@pytest.mark.parametrize("knobs", [{}, {"outer_optimizer": "nesterov"}], ids=["bucketed", "general"])
+def test_alone_a_staged_anchor_gives_the_unstaged_values(knobs: dict[str, Any]) -> None:
+    plain, _ = _run(1, 0, False, knobs)
+    staged, log = _run(1, 0, True, knobs)
+    assert all(torch.equal(a, b) for a, b in zip(plain, staged, strict=True))
+    assert "on side" in log and any(line.startswith("side waits compute#") for line in log)
+    if not knobs:  # averaging alone: the commit takes the parameters as the anchor, and the compute stream waits for
+        # that copy on the device before the next update writes them; the host does not wait for it
+        first_write = next(n for n, line in enumerate(log) if line.startswith("side waits compute#"))
+        assert log[first_write + 2].startswith("compute waits side#"), log[first_write:first_write + 3]
+        assert not any(line.startswith("host waits") for line in log[first_write:first_write + 3])
+
+
+def _worker(rank: int, port: int, out: str, knobs: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        plain, _ = _run(2, rank, False, knobs)
+        staged, log = _run(2, rank, True, knobs)
+        torch.save({"plain": plain, "staged": staged, "log": log}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("knobs", [{}, {"payload": "lowrank", "payload_dtype": "int8"},
+                                   {"outer_optimizer": "nesterov"}], ids=["bucketed", "streamed", "general"])
+def test_two_workers_with_a_staged_anchor_get_the_unstaged_values(tmp_path: Path, knobs: dict[str, Any]) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(port, str(tmp_path / "run"), knobs), nprocs=2, start_method="fork")
+    for rank in range(2):
+        run = torch.load(tmp_path / f"run.{rank}", weights_only=False)
+        assert all(torch.equal(a, b) for a, b in zip(run["plain"], run["staged"], strict=True))
+        _check(run["log"], streamed_reads=knobs.get("outer_optimizer") != "nesterov")
+        if not knobs:  # the bucketed path stages the next bucket ahead of its use, more than one a sync
+            assert sum(line == "on side" for line in run["log"]) > 2 * 3, run["log"]
+        if knobs.get("payload") == "lowrank":  # streamed: the bucket without low-rank messages, during the step
+            assert run["log"][0] == "on side" and run["log"][1].startswith("compute waits side#"), run["log"][:3]
+
+
+def test_a_staged_copy_is_released_once_used_and_dropped_when_the_anchor_changes() -> None:
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)]
+    streams = Streams()
+    anchor = Anchor(params, "auto", side=SideStream(torch.device("cpu"), streams))
+    anchor.take()
+    anchor.prefetch([0, 1])
+    assert sorted(anchor._staged) == [0, 1]
+    anchor.deltas(indices=[0])
+    assert sorted(anchor._staged) == [1]  # used: released
+    anchor.deltas(indices=[1], keep=True)
+    assert sorted(anchor._staged) == [1]  # kept for the new point
+    with torch.no_grad():
+        params[1].add_(1.0)
+    point = anchor.new_point([1], anchor.deltas(indices=[1], keep=True))
+    assert not anchor._staged  # used by the new point: released
+    expected = averaged_point([anchor.tensors[1]], [anchor.tensors[1] - params[1].detach()])
+    assert torch.equal(point[0], expected[0]) and not torch.equal(point[0], anchor.tensors[1])
+    anchor.set([p.detach() * 2 for p in params])
+    assert not anchor._staged  # stale after a write
+    assert torch.equal(anchor.tensors[2], params[2].detach())
