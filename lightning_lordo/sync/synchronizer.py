@@ -200,9 +200,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
 
     def _bases(self, sources: dict[Tensor, Tensor], comm: Optional[Communicator] = None,
                generation: Optional[int] = None, spans: Optional[dict[Tensor, Tensor]] = None) -> dict[Tensor, Tensor]:
-        """New bases from ``sources`` identical on every worker: computed everywhere from identical inputs, or with
-        ``broadcast_bases`` computed on rank 0 and sent (a collective: every worker calls this together);
-        ``spans``: :meth:`~lightning_lordo.optim.lordo.LoRDO.compute_bases`'."""
+        """New bases from ``sources`` (and ``spans``, as :meth:`LoRDO.compute_bases`) identical on every worker:
+        computed everywhere from identical inputs, or with ``broadcast_bases`` on rank 0 and sent (a collective)."""
         lordo = self.lordo
         assert lordo is not None
         comm = comm or self.comm
