@@ -94,8 +94,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         self.window = BasisWindow([p for p in self.params if p in lowrank], config.basis_every)
         self.switch_callbacks: list[Callable[[], None]] = []  # run after the switch (the strategy's LR schedulers)
         self._round = {"seconds": 0.0, "basis_seconds": 0.0, "movement": None}  # synchronous rounds
-        # torch's optimizers create a parameter's state at its first step, so clearing it gives fresh state;
-        # one that already holds state now (eager, e.g. Adagrad) gets its tensors zeroed instead (faults module)
+        # a state made at the first step (torch's optimizers) is fresh once cleared; one made eagerly is zeroed
         self._clear_to_reset = not any(optimizer.state.get(p) for p in self.params)
         self.comm.accountant.start_round(parts=True)  # the setup broadcast is in no sync's breakdown
         self.payloads = PseudoGradientPayloads(self.params, self.lordo.lowrank_ranks() if self.lordo else None, config,
@@ -155,7 +154,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         next_step = (self.optimizer_steps + 1) if synchronous else (self.steps_since_sync + 1)
         if lordo is not None and next_step % k == 0:
             lordo.request_diagnostics()
-        if not synchronous and next_step % k == 0 and not self.config.overlap_steps and bucketed.applies(self):
+        if self.anchor.staged and next_step % k == 0 and not (synchronous or self.config.overlap_steps) \
+                and bucketed.applies(self):
             self.anchor.prefetch(bucketed.first_bucket(self))  # in host memory: copied during this step's update
         if synchronous:
             self._round["seconds"] += time.perf_counter() - start
