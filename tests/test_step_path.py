@@ -68,13 +68,11 @@ def test_schedulers_on_the_converted_optimizer_do_not_warn_and_the_step_is_its_o
 def test_the_compiled_step_is_the_default_on_cuda_where_triton_is(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 29: ``layout=None`` compiles the stacked step's last pass on CUDA when Triton (torch.compile's backend
     there) is installed; the CPU keeps its eager layout, and an explicit layout is kept everywhere."""
-    from types import SimpleNamespace
-
     from lightning_lordo.optim import compiled
 
-    cuda, cpu = SimpleNamespace(device=torch.device("cuda", 0)), torch.zeros(2, 2)
     monkeypatch.setattr(compiled, "_has_triton", lambda: True)
-    assert compiled.chosen(None, cuda) and not compiled.chosen(None, cpu)
-    assert compiled.chosen("compiled", cpu) and not compiled.chosen("stacked", cuda)
+    assert compiled.on_cuda(None) and compiled.on_cuda("compiled") and not compiled.on_cuda("stacked")
+    assert LoRDO([nn.Parameter(torch.zeros(4, 4))])._compiled_on_cuda  # looked for once, at the start
     monkeypatch.setattr(compiled, "_has_triton", lambda: False)
-    assert not compiled.chosen(None, cuda) and compiled.chosen("compiled", cuda)
+    assert not compiled.on_cuda(None) and compiled.on_cuda("compiled")
+    assert not LoRDO([nn.Parameter(torch.zeros(4, 4))])._compiled_on_cuda

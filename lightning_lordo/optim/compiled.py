@@ -66,11 +66,11 @@ def apply_tail(params: Sequence[Tensor], low: Tensor, full_input: Tensor, denom:
     return True
 
 
-def chosen(layout: Optional[str], p: Tensor) -> bool:
-    """Whether the stacked step of ``p``'s matrices compiles its last pass: ``layout="compiled"``, or by device
-    (``layout=None``) on CUDA where Triton, torch.compile's backend there, is installed (a failed compilation still
-    falls back, with the warning). The CPU keeps the eager ``"in_place"`` layout: its inductor gains little there."""
-    return layout == "compiled" or (layout is None and p.device.type == "cuda" and _has_triton())
+def on_cuda(layout: Optional[str]) -> bool:
+    """Whether the stacked step compiles its last pass on CUDA: with ``layout="compiled"``, or by device
+    (``layout=None``) where Triton, torch.compile's backend there, is installed (a failed compilation still falls
+    back, with the warning). The CPU keeps its eager ``"in_place"`` layout by device: its inductor gains little."""
+    return layout == "compiled" or (layout is None and _has_triton())
 
 
 def _has_triton() -> bool:

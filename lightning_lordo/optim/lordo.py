@@ -74,7 +74,7 @@ class LoRDO(Optimizer):
         layout: the grouped step's (:func:`functional.lowrank_grouped`): ``"in_place"`` (matrix by matrix, the CPU's
             cost model), ``"stacked"`` (one batched op per shape, the accelerators'), ``"compiled"`` (stacked, its
             last full-size pass compiled: :mod:`~lightning_lordo.optim.compiled`) or ``None``: by device (compiled
-            on CUDA where Triton is installed, :func:`~lightning_lordo.optim.compiled.chosen`).
+            on CUDA where Triton is installed, :func:`~lightning_lordo.optim.compiled.on_cuda`).
         fused: for the AdamW parameters (with ``foreach``): torch's fused AdamW (``True``) or its foreach AdamW
             (``False``); ``None`` takes the fused one on the CPU and foreach elsewhere.
 
@@ -121,6 +121,7 @@ class LoRDO(Optimizer):
                              "'stacked', 'compiled'.")
         self.seed = seed
         self.foreach, self.fused, self.layout = foreach, fused, layout
+        self._compiled_on_cuda = compiled.on_cuda(layout)  # Triton looked for once: a step compares devices only
         self._full_rank = {id(p): reasons.get(id(p), "listed in full_rank") for p in full_rank}  # id -> why
         self._random_bases = False  # set by init_random_bases: later bases are seeded random ones too
         self._warned: set[tuple[tuple[int, ...], int]] = set()
@@ -213,7 +214,8 @@ class LoRDO(Optimizer):
             buckets[(tuple(p.shape), p.dtype, p.device, t, ef.dtype if ef is not None else None)].append(p)
         for (_, _, _, t, _), bucket in buckets.items():
             functional.lowrank_grouped(bucket, [self.state[p] for p in bucket], h, t, stats,
-                                       not self.stacked_layout(bucket[0]), compiled.chosen(self.layout, bucket[0]))
+                                       not self.stacked_layout(bucket[0]), self.layout == "compiled" or (
+                                           self._compiled_on_cuda and bucket[0].device.type == "cuda"))
 
     def _adamw_step(self, params: list[Tensor], h: functional.Hyper) -> None:
         """The full-rank ``params``' step (state created or fit to ``fullrank_state`` first): torch's own AdamW where

@@ -253,7 +253,7 @@ def _move(sync: Any, at: list[int], updates: list[Tensor]) -> list[int]:
     (``a - u`` is :func:`averaged_point`'s ``-(u - a)`` bit for bit), whose positions are returned for the caller to
     copy; else the anchor and the parameters are set as the general path sets them."""
     anchor = sync.anchor
-    if not anchor.staged:
+    if not anchor.on_side:
         anchors, params = [anchor.tensors[i] for i in at], [sync.params[i] for i in at]
         if all(a.device == u.device == p.device and a.dtype == u.dtype for a, u, p in zip(anchors, updates, params)):
             torch._foreach_sub_(anchors, updates)

@@ -41,6 +41,8 @@ class Anchor:
         self._side = side if side is not None else SideStream(accelerator) if (
             accelerator is not None and device != "param" and accelerator.type == "cuda") else None
         self._staged: dict[int, list[Any]] = {}  # index -> [its copy on the device, the copy's event until joined]
+        self.on_side = self._side is not None  # in host memory beside an accelerator (plain attributes: read per step)
+        self.taken = False  # whether there are tensors (taken or loaded)
 
     @property
     def tensors(self) -> list[Tensor]:
@@ -55,7 +57,7 @@ class Anchor:
         if self._side is not None:
             self._side.settle()
         self._staged.clear()
-        self._tensors = values
+        self._tensors, self.taken = values, bool(values)
 
     def __bool__(self) -> bool:
         return bool(self._tensors)
@@ -151,11 +153,6 @@ class Anchor:
                 ([self._tensors[i] for i in indices], [self.params[i] for i in indices])
             _copy(params, list(values))
             self._write(anchors, list(values))
-
-    @property
-    def staged(self) -> bool:
-        """Whether the anchor is in host memory beside an accelerator: its copies go through a side stream."""
-        return self._side is not None
 
     @torch.no_grad()
     def new_point(self, indices: Sequence[int], delta: Sequence[Tensor]) -> list[Tensor]:

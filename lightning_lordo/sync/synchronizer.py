@@ -139,7 +139,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         synchronous, lordo, k = self.synchronous_now, self.lordo, self.config.sync_every
         # a checkpoint of the synchronous phase resumed with local steps has no anchor yet: switch now, before this
         # step, while the replicas are still identical
-        if not synchronous and not self.anchor and self.params:
+        if not synchronous and not self.anchor.taken and self.params:
             self.switch_to_local()
         if synchronous:
             self.comm.context = f"gradient average (optimizer step {self.optimizer_steps + 1})"
@@ -154,7 +154,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         next_step = (self.optimizer_steps + 1) if synchronous else (self.steps_since_sync + 1)
         if lordo is not None and next_step % k == 0:
             lordo.request_diagnostics()
-        if self.anchor.staged and next_step % k == 0 and not (synchronous or self.config.overlap_steps) \
+        if self.anchor.on_side and next_step % k == 0 and not (synchronous or self.config.overlap_steps) \
                 and bucketed.applies(self):
             self.anchor.prefetch(bucketed.first_bucket(self))  # in host memory: copied during this step's update
         if synchronous:
