@@ -41,7 +41,9 @@ class _Stream:
 
     def record_event(self) -> _Event:
         self.events += 1
-        return _Event(self.log, f"{self.name}#{self.events}")
+        event = _Event(self.log, f"{self.name}#{self.events}")
+        self.log.append(f"{self.name} records {event.name}")
+        return event
 
     def wait_event(self, event: _Event) -> None:
         self.log.append(f"{self.name} waits {event.name}")
@@ -74,11 +76,21 @@ class Streams:
             self.current = previous
 
 
+class _LoggedSide(SideStream):
+    """The side stream, logging each copy made on the compute stream (the stand-in cannot see ``Tensor.to``)."""
+
+    def fetch(self, source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        copy = super().fetch(source, dtype)
+        self.streams.log.append("compute copies")
+        return copy
+
+
 def _stage(sync: Any) -> Streams:
-    """Give ``sync`` an anchor of the same values that copies through the stand-in side stream."""
+    """Give ``sync`` an anchor of the same values that copies through the stand-in side stream (real copies on the
+    CPU: a stale staged copy would show in the values)."""
     streams = Streams()
     saved = sync.anchor.state_dict()
-    sync.anchor = Anchor(sync.params, "auto", side=SideStream(torch.device("cpu"), streams))
+    sync.anchor = Anchor(sync.params, "auto", side=_LoggedSide(torch.device("cpu"), streams))
     sync.anchor.load_state_dict(saved)
     streams.log.clear()
     return streams
@@ -103,15 +115,22 @@ def _run(world: int, rank: int, staged: bool, knobs: dict[str, Any]) -> tuple[li
     return [p.detach().clone() for p in params] + sync.anchor.state_dict() + state, streams.log if streams else []
 
 
-def _check(log: list[str], streamed_reads: bool = True) -> None:
-    assert "on side" in log
-    # every staged copy is joined by the compute stream before use, and each write waits for the compute stream
-    joins = [line for line in log if line.startswith("compute waits side#")]
+def _check(log: list[str]) -> None:
+    """A device would need this order: each write to the host waits for the compute stream's work so far; a copy
+    made on the compute stream comes after the compute stream (or the host) waited for every earlier write; every
+    staged copy is waited for before its use."""
     writes = [n for n, line in enumerate(log) if line.startswith("side waits compute#")]
     assert writes, log
-    if streamed_reads:
-        assert joins, log
-    assert log.index("host waits side") > writes[0]  # the host reads the anchor only after the writes
+    pending = None  # the event of the last write that nothing has waited for yet
+    for n, line in enumerate(log):
+        if line.startswith("side waits compute#"):
+            pending = "write"
+        elif pending == "write" and line.startswith("side records "):
+            pending = line.split()[-1]
+        elif pending is not None and line in (f"compute waits {pending}", "host waits side"):
+            pending = None
+        elif line == "compute copies":
+            assert pending is None, (n, log[max(0, n - 8):n + 1])
 
 
 @pytest.mark.parametrize("knobs", [{}, {"outer_optimizer": "nesterov"}], ids=["bucketed", "general"])
@@ -119,12 +138,12 @@ def test_alone_a_staged_anchor_gives_the_unstaged_values(knobs: dict[str, Any]) 
     plain, _ = _run(1, 0, False, knobs)
     staged, log = _run(1, 0, True, knobs)
     assert all(torch.equal(a, b) for a, b in zip(plain, staged, strict=True))
-    assert "on side" in log and any(line.startswith("side waits compute#") for line in log)
+    _check(log)
     if not knobs:  # averaging alone: the commit takes the parameters as the anchor, and the compute stream waits for
         # that copy on the device before the next update writes them; the host does not wait for it
         first_write = next(n for n, line in enumerate(log) if line.startswith("side waits compute#"))
-        assert log[first_write + 2].startswith("compute waits side#"), log[first_write:first_write + 3]
-        assert not any(line.startswith("host waits") for line in log[first_write:first_write + 3])
+        assert log[first_write + 3].startswith("compute waits side#"), log[first_write:first_write + 4]
+        assert not any(line.startswith("host waits") for line in log[first_write:first_write + 4])
 
 
 def _worker(rank: int, port: int, out: str, knobs: dict[str, Any]) -> None:
@@ -154,30 +173,44 @@ def test_two_workers_with_a_staged_anchor_get_the_unstaged_values(tmp_path: Path
     for rank in range(2):
         run = torch.load(tmp_path / f"run.{rank}", weights_only=False)
         assert all(torch.equal(a, b) for a, b in zip(run["plain"], run["staged"], strict=True))
-        _check(run["log"], streamed_reads=knobs.get("outer_optimizer") != "nesterov")
-        if not knobs:  # the bucketed path stages the next bucket ahead of its use, more than one a sync
-            assert sum(line == "on side" for line in run["log"]) > 2 * 3, run["log"]
-        if knobs.get("payload") == "lowrank":  # streamed: the bucket without low-rank messages, during the step
-            assert run["log"][0] == "on side" and run["log"][1].startswith("compute waits side#"), run["log"][:3]
+        _check(run["log"])
+        staged = sum(line.startswith("side records") for line in run["log"]) - sum(
+            line.startswith("side waits compute#") for line in run["log"])
+        if not knobs:  # the bucketed path stages the next bucket ahead of its use, several a sync
+            assert staged > 2 * 3, run["log"]
+        else:  # streamed and general: their pseudo-gradients are copied on the compute stream, nothing staged
+            assert staged == 0 and "compute copies" in run["log"], run["log"]
 
 
 def test_a_staged_copy_is_released_once_used_and_dropped_when_the_anchor_changes() -> None:
     params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)]
     streams = Streams()
-    anchor = Anchor(params, "auto", side=SideStream(torch.device("cpu"), streams))
+    anchor = Anchor(params, "auto", side=_LoggedSide(torch.device("cpu"), streams))
     anchor.take()
     anchor.prefetch([0, 1])
     assert sorted(anchor._staged) == [0, 1]
+    staged = anchor._staged[1][0]
+    assert staged is not anchor.tensors[1] and torch.equal(staged, anchor.tensors[1])  # a copy, as on a device
     anchor.deltas(indices=[0])
     assert sorted(anchor._staged) == [1]  # used: released
-    anchor.deltas(indices=[1], keep=True)
-    assert sorted(anchor._staged) == [1]  # kept for the new point
     with torch.no_grad():
         params[1].add_(1.0)
-    point = anchor.new_point([1], anchor.deltas(indices=[1], keep=True))
-    assert not anchor._staged  # used by the new point: released
+    point = anchor.new_point([1], anchor.deltas(indices=[1]))  # the new point copies the anchor again
+    assert not anchor._staged and streams.log[-1] == "compute copies"
     expected = averaged_point([anchor.tensors[1]], [anchor.tensors[1] - params[1].detach()])
     assert torch.equal(point[0], expected[0]) and not torch.equal(point[0], anchor.tensors[1])
+    anchor.prefetch([2])
     anchor.set([p.detach() * 2 for p in params])
     assert not anchor._staged  # stale after a write
     assert torch.equal(anchor.tensors[2], params[2].detach())
+    assert streams.log[-1] == "host waits side"  # the host read the anchor: it waited for the write first
+    anchor.set([p.detach() * 3 for p in params])
+    anchor.deltas(indices=[0])  # a copy on the compute stream after a write: the compute stream waits for it first
+    _check(streams.log)
+    assert streams.log[-2].startswith("compute waits side#") and streams.log[-1] == "compute copies"
+
+
+def test_on_the_cpu_the_anchor_sits_beside_the_parameters_without_a_side_stream() -> None:
+    params = [torch.nn.Parameter(torch.randn(2, 2))]
+    assert not Anchor(params, "auto").on_side  # the CPU: the anchor sits beside the parameters
+    assert Anchor(params, "auto", side=SideStream(torch.device("cpu"), Streams())).on_side

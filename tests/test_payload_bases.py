@@ -79,3 +79,73 @@ def test_a_rounds_norms_are_its_updates_norms(batched: bool) -> None:
             want = torch.linalg.vector_norm(update.double())
             assert abs(n.double() - want) <= 1e-5 * want
         payload.commit(result)
+
+
+CASES = {  # knobs -> whether a refresh takes the payload's bases
+    "default": ({}, True),
+    "broadcast_bases": ({"broadcast_bases": True}, True),
+    "basis_every": ({"basis_every": 2}, False),  # the window's summed pseudo-gradients are no Q B
+    "local_scope": ({"basis_scope": "local", "average_moments": False}, False),  # each worker's own
+}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from strategy_helpers import sync_rounds
+
+    from lightning_lordo.config import SyncConfig
+    from lightning_lordo.sync.synchronizer import Synchronizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    seen: dict[str, list[int]] = {}
+    original = LoRDO.compute_bases
+    try:
+        for name, (knobs, _) in CASES.items():
+            calls: list[int] = []
+
+            def compute_bases(self, sources, generation=None, spans=None, calls=calls):  # noqa: ANN001, ANN202
+                calls.append(len(spans or {}))
+                return original(self, sources, generation, spans)
+
+            LoRDO.compute_bases = compute_bases  # type: ignore[method-assign]
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48))
+            params = list(net.parameters())
+            opt = LoRDO(params, lr=1e-2, rank=4)
+            comm = Communicator(CommAccountant(), timedelta(seconds=60))
+            config = SyncConfig(sync_every=2, synchronous=False, payload="lowrank", **knobs)
+            sync = Synchronizer(params, [], opt, config, comm)
+            assert len(list(sync_rounds(sync, opt, params, 8, rank))) == 4
+            seen[name] = calls
+    finally:
+        LoRDO.compute_bases = original  # type: ignore[method-assign]
+        dist.destroy_process_group()
+    torch.save(seen, f"{out}.{rank}")
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_passes_the_payloads_bases_only_where_they_are_this_rounds_average(tmp_path) -> None:  # noqa: ANN001
+    """The wiring of B6 with 2 workers: a refresh from this round's average gets the payload's bases (also with
+    ``broadcast_bases``), one from a window of rounds or from each worker's own pseudo-gradient does not."""
+    import socket
+    import sys
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))  # strategy_helpers' memory module
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(port, str(tmp_path / "run")), nprocs=2, start_method="fork")
+    for rank in range(2):
+        seen = torch.load(tmp_path / f"run.{rank}", weights_only=False)
+        for name, (_, takes) in CASES.items():
+            if name == "broadcast_bases" and rank == 1:  # rank 0 computes the bases and sends them
+                assert seen[name] == [], seen[name]
+                continue
+            refreshes = [n for n in seen[name] if n] if takes else seen[name]
+            assert refreshes, (name, seen[name])
+            assert all(n == 2 for n in refreshes) if takes else not any(seen[name]), (name, seen[name])

@@ -97,9 +97,10 @@ def buckets(params: Sequence[Tensor], lowrank: set[Tensor], cap_bytes: float) ->
 
 
 def first_bucket(sync: Any) -> list[int]:
-    """The positions whose pseudo-gradients this path makes first (:meth:`Anchor.prefetch` stages them ahead)."""
+    """The positions whose pseudo-gradients this path makes first, for :meth:`Anchor.prefetch` to stage during the
+    syncing step's update: a bucket (none when streamed, whose first pseudo-gradients, taken whole, are no bucket)."""
     if streams(sync):
-        return _eager(sync)
+        return []
     lowrank = set(sync.lordo.lowrank_params()) if sync.lordo is not None else set()
     return buckets(sync.params, lowrank, sync.config.bucket_cap_mb * 2**20)[0]
 
@@ -134,10 +135,10 @@ def _exchange(sync: Any) -> ex.Exchange:
     bases, seconds, failed = {}, 0.0, []
     order = buckets(params, lowrank, config.bucket_cap_mb * 2**20)
     for n, bucket in enumerate(order):
-        # an anchor in host memory: the next bucket's copy runs while this one is worked on, once this one's staged
-        # anchor is released (two buckets on the device: the pseudo-gradient and a staged anchor)
+        # an anchor in host memory: the next bucket's copy runs while this one is worked on, staged once the device
+        # holds one bucket besides it (several processes: after the average, whose flat message is another bucket)
         following = order[n + 1] if n + 1 < len(order) else []
-        deltas = sync.anchor.deltas(indices=bucket, keep=several)
+        deltas = sync.anchor.deltas(indices=bucket)
         if not several:
             sync.anchor.prefetch(following)
         sources = {params[i]: d for i, d in zip(bucket, deltas) if params[i] in lowrank}

@@ -37,10 +37,10 @@ class Anchor:
         self._tensors: list[Tensor] = []
         self._saved: Optional[list[Tensor]] = None  # the local replicas while the anchor is in the model
         # in host memory beside an accelerator: its copies on a stream of their own (tests pass a stand-in)
-        accelerator = next((p.device for p in self.params if p.device.type != "cpu"), None)
-        self._side = side if side is not None else SideStream(accelerator) if (
-            accelerator is not None and device != "param" and accelerator.type == "cuda") else None
-        self._staged: dict[int, list[Any]] = {}  # index -> [its copy on the device, the copy's event until joined]
+        devices = {p.device for p in self.params}  # one CUDA device (a model split over devices copies as before)
+        cuda = next(iter(devices)) if len(devices) == 1 and next(iter(devices)).type == "cuda" else None
+        self._side = side if side is not None else SideStream(cuda) if cuda is not None and device != "param" else None
+        self._staged: dict[int, tuple[Tensor, Any]] = {}  # index -> (its copy on the device, the copy's event)
         self.on_side = self._side is not None  # in host memory beside an accelerator (plain attributes: read per step)
         self.taken = False  # whether there are tensors (taken or loaded)
 
@@ -82,31 +82,21 @@ class Anchor:
         indices = [i for i in indices if i not in self._staged]
         copies, done = self._side.prefetch([self._tensors[i] for i in indices],
                                            [math_dtype(self.params[i].dtype) for i in indices])
-        self._staged.update((i, [c, done]) for i, c in zip(indices, copies))
+        self._staged.update((i, (c, done)) for i, c in zip(indices, copies))
 
-    def _on_device(self, indices: Sequence[int], keep: bool = False) -> list[Tensor]:
+    def _on_device(self, indices: Sequence[int]) -> list[Tensor]:
         """The anchor at ``indices`` on the parameters' device, in the dtype LoRDO computes in: the staged copies
-        (the compute stream waits for them once), else copied now on the compute stream; ``keep``: they stay staged
-        (for :meth:`new_point`), else the staged ones are released."""
+        (the compute stream waits for them once; then they are released here), else copied now on the compute
+        stream after the side stream's writes."""
         assert self._side is not None
-        entries = []
-        for i in indices:
-            entry = self._staged.get(i) if keep else self._staged.pop(i, None)
-            if entry is None:
-                p = self.params[i]
-                entry = [self._tensors[i].to(device=p.device, dtype=math_dtype(p.dtype), non_blocking=True), None]
-                if keep:
-                    self._staged[i] = entry
-            entries.append(entry)
-        waiting: dict[int, tuple[Any, list[list[Any]]]] = {}
-        for entry in entries:
-            if entry[1] is not None:
-                waiting.setdefault(id(entry[1]), (entry[1], []))[1].append(entry)
-        for done, joined in waiting.values():
-            self._side.join([copy for copy, _ in joined], done)
-            for entry in joined:
-                entry[1] = None
-        return [copy for copy, _ in entries]
+        staged = {i: self._staged.pop(i) for i in indices if i in self._staged}
+        waiting: dict[int, tuple[Any, list[Tensor]]] = {}
+        for copy, done in staged.values():
+            waiting.setdefault(id(done), (done, []))[1].append(copy)
+        for done, copies in waiting.values():
+            self._side.join(copies, done)
+        return [staged[i][0] if i in staged else self._side.fetch(self._tensors[i], math_dtype(self.params[i].dtype))
+                for i in indices]
 
     def _write(self, targets: Sequence[Tensor], sources: Sequence[Tensor], sources_change: bool = False) -> None:
         """Copy ``sources`` into anchor tensors ``targets`` (their staged copies are stale from now on)."""
@@ -123,18 +113,16 @@ class Anchor:
         return all(a.device == p.device and a.dtype == p.dtype == math_dtype(p.dtype) for a, p in zip(anchors, params))
 
     @torch.no_grad()
-    def deltas(self, params: Optional[Sequence[Tensor]] = None, indices: Optional[Sequence[int]] = None,
-               keep: bool = False) -> list[Tensor]:
+    def deltas(self, params: Optional[Sequence[Tensor]] = None, indices: Optional[Sequence[int]] = None
+               ) -> list[Tensor]:
         """Each worker's pseudo-gradient ``anchor - params`` (old minus new, as DiLoCo), on the parameters'
         device, in float32 (float64 for float64 parameters); ``params``: copies of them to use instead;
-        ``indices``: only those parameters' (a bucket); ``keep``: the anchor's staged copies stay for
-        :meth:`new_point` (host memory beside an accelerator)."""
+        ``indices``: only those parameters' (a bucket)."""
         params = self.params if params is None else list(params)
         indices = range(len(params)) if indices is None else indices
         params = [params[i] for i in indices]
         if self._side is not None:  # one tensor at a time, as below, from the staged copies where there are some
-            return [a - p.detach().to(a.dtype) for i, p in zip(indices, params)
-                    for a in self._on_device([i], keep)]
+            return [a - p.detach().to(a.dtype) for i, p in zip(indices, params) for a in self._on_device([i])]
         anchors = [self.tensors[i] for i in indices]
         if self._beside(anchors, params):
             return list(torch._foreach_sub(anchors, params))
@@ -157,7 +145,7 @@ class Anchor:
     @torch.no_grad()
     def new_point(self, indices: Sequence[int], delta: Sequence[Tensor]) -> list[Tensor]:
         """Plain averaging's new synchronized point ``anchor - delta`` at ``indices`` (:func:`averaged_point`, into
-        ``delta``), from the staged copies of those anchors where the anchor is in host memory."""
+        ``delta``); an anchor in host memory is read onto the device first (staged, or copied now)."""
         anchors = self._on_device(indices) if self._side is not None else [self.tensors[i] for i in indices]
         return averaged_point(anchors, delta)
 

@@ -11,8 +11,9 @@ backups:
   step that syncs); :meth:`SideStream.join` makes the compute stream wait for them, on the device, before it uses
   them;
 * **writes** (device to host): :meth:`SideStream.write` issues them after the compute stream's work so far and
-  returns at once. The host waits for them (:meth:`SideStream.settle`) only when it reads the anchor itself (a
-  checkpoint, validation of the synchronized model, the next sync), by when they have long finished.
+  returns at once. A copy to the device made on the compute stream (:meth:`SideStream.fetch`) first waits for them on
+  the device, and the host waits for them (:meth:`SideStream.settle`) only when it reads the anchor itself (a
+  checkpoint, validation of the synchronized model), by when they have long finished.
 
 The caching allocator is told which stream uses each tensor (``record_stream``), so no memory is reused while a copy
 still reads or writes it. Where there is no accelerator nothing of this runs: the anchor sits beside the parameters.
@@ -40,15 +41,24 @@ class SideStream:
         self.streams = streams if streams is not None else torch.get_device_module(device)
         self.stream = self.streams.Stream(device)
         self._pending = False  # copies issued that the host has not waited for
+        self._written: Any = None  # the event of the last writes that the compute stream has not waited for
 
     def prefetch(self, sources: Sequence[Tensor], dtypes: Sequence[torch.dtype]) -> tuple[list[Tensor], Any]:
         """Host tensors ``sources`` copied to the device in ``dtypes`` on the side stream, after its pending writes
         (the same stream: in order); ``(the copies, their event)`` for :meth:`join`."""
         with self.streams.stream(self.stream):
-            copies = [s.to(device=self.device, dtype=dt, non_blocking=True) for s, dt in zip(sources, dtypes)]
+            copies = [s.to(self.device, dt, non_blocking=True, copy=True) for s, dt in zip(sources, dtypes)]
             self._pending = True
             done = self.stream.record_event()
         return copies, done
+
+    def fetch(self, source: Tensor, dtype: torch.dtype) -> Tensor:
+        """Host tensor ``source`` copied to the device now, on the compute stream, after the side stream's writes
+        (the compute stream waits for them on the device, once: later work on it is ordered after that wait)."""
+        if self._written is not None:
+            self.streams.current_stream(self.device).wait_event(self._written)
+            self._written = None
+        return source.to(device=self.device, dtype=dtype, non_blocking=True, copy=True)
 
     def join(self, copies: Sequence[Tensor], done: Any) -> None:
         """The compute stream waits (on the device) for ``copies`` and then owns them."""
@@ -68,16 +78,17 @@ class SideStream:
                 t.copy_(s, non_blocking=True)
                 _own(s, self.stream)
             self._pending = True
-            done = self.stream.record_event()
+            done = self._written = self.stream.record_event()
         if sources_change:
             current.wait_event(done)
+            self._written = None
 
     def settle(self) -> None:
         """The host waits for the side stream's copies, if any was issued since (before it reads or writes the host
         tensors itself: a pending write would be lost or a pending read would see the host's new values)."""
         if self._pending:
             self.stream.synchronize()
-            self._pending = False
+            self._pending, self._written = False, None
 
 
 def _own(t: Tensor, stream: Any) -> None:
