@@ -19,9 +19,24 @@ def test_the_format_is_checked_and_migrated(monkeypatch: pytest.MonkeyPatch) -> 
         check({"x": 1}, "here")
     with pytest.raises(ValueError, match=rf"here has LoRDO checkpoint format {FORMAT + 1}, newer.*Upgrade"):
         check({"format": FORMAT + 1}, "here")
-    monkeypatch.setattr(checkpoint_format, "FORMAT", 2)
-    monkeypatch.setitem(checkpoint_format.MIGRATIONS, 1, lambda s: {**s, "new": s["old"] * 2})
-    assert checkpoint_format.check({"format": 1, "old": 3}, "here") == {"format": 2, "old": 3, "new": 6}
+    monkeypatch.setattr(checkpoint_format, "FORMAT", FORMAT + 1)
+    monkeypatch.setitem(checkpoint_format.MIGRATIONS, FORMAT, lambda s: {**s, "new": s["old"] * 2})
+    assert checkpoint_format.check({"format": FORMAT, "old": 3}, "here") == {"format": FORMAT + 1, "old": 3, "new": 6}
+
+
+def test_format_1_entries_take_the_common_layout() -> None:
+    """Format 2 nests Fabric's synchronizer counters under ``sync``, as the Trainer's format-1 entry already had
+    them (unchanged by the migration)."""
+    fabric = {"format": 1, "optimizer": "LoRDO", "world_size": 2, "communication": {"totals": {}},
+              "optimizer_steps": 8, "syncs_done": 2, "skipped_syncs": 0, "consecutive_skips": 0,
+              "outer": {"momentum": []}, "basis_window": [], "anchor_step": 8, "synchronous": False}
+    migrated = check(dict(fabric), "here")
+    assert migrated == {"format": 2, "optimizer": "LoRDO", "world_size": 2, "communication": {"totals": {}},
+                        "sync": {"anchor": [], "steps_since_sync": 0, "optimizer_steps": 8, "syncs_done": 2,
+                                 "skipped_syncs": 0, "consecutive_skips": 0, "outer": {"momentum": []},
+                                 "basis_window": [], "anchor_step": 8, "synchronous": False}}
+    trainer_entry = {"format": 1, "world_size": 2, "sync": {"anchor": []}, "layout": {}, "partial": False}
+    assert check(dict(trainer_entry), "here") == {**trainer_entry, "format": 2}
 
 
 def test_a_trainer_checkpoint_without_its_format_is_refused_at_resume(tmp_path: Path) -> None:
@@ -30,6 +45,10 @@ def test_a_trainer_checkpoint_without_its_format_is_refused_at_resume(tmp_path: 
     fit.save_checkpoint(tmp_path / "a.ckpt")
     saved = torch.load(tmp_path / "a.ckpt", weights_only=True)
     assert saved["lordo"]["format"] == FORMAT
+    saved["lordo"]["format"] = 1  # the first released format: its Trainer entry resumes as it is
+    torch.save(saved, tmp_path / "a.ckpt")
+    trainer(lordo(sync_every=2, start_method="popen", synchronous=False), devices=1, max_steps=6).fit(
+        TinyRegressor(), loader(), ckpt_path=tmp_path / "a.ckpt")
     del saved["lordo"]["format"]
     torch.save(saved, tmp_path / "a.ckpt")
     with pytest.raises(ValueError, match=r"Checkpoint '.*a\.ckpt' was written by a development version"):

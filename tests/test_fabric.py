@@ -194,7 +194,7 @@ def test_save_at_a_boundary_and_load_resume_the_same_run(tmp_path: Path, window:
     averaged = dict(average_fullrank_moments=True, average_error_feedback=True, basis_every=window,
                     overlap_steps=overlap)
     fabric_for(**averaged).launch(_train_and_save, regression_model(0), path, result)
-    assert torch.load(path, weights_only=True)["lordo"]["anchor_step"] == 9
+    assert torch.load(path, weights_only=True)["lordo"]["sync"]["anchor_step"] == 9
     resumed = fabric_for(**averaged).launch(_load_and_continue, regression_model(1), path)
     uninterrupted = torch.load(result, weights_only=False)
     assert resumed["params"] == uninterrupted["params"].tolist()
@@ -394,6 +394,17 @@ def test_loading_a_warmup_checkpoint_past_the_warmup_switches_to_local_steps(tmp
         _load_past_the_warmup, regression_model(1), path)
     assert out["lr"] == pytest.approx(5e-3) and out["betas"] == [0.8, 0.9] and out["lr_after"] == pytest.approx(5e-3)
     assert out["synchronized_step"] == 3 and out["anchor_is_model"] and out["identical"]
+    # format 1 (the first released) kept the synchronizer's counters at the top of Fabric's entry: it is migrated
+    saved = torch.load(path, weights_only=True)
+    lordo = saved["lordo"]
+    assert lordo["format"] == 2 and lordo["sync"]["anchor"] == [] and lordo["sync"]["synchronous"]
+    sync = lordo.pop("sync")
+    counters = {k: v for k, v in sync.items() if k not in ("anchor", "steps_since_sync")}
+    saved["lordo"] = {**lordo, "format": 1, **counters}
+    torch.save(saved, path)
+    again = fabric_for(warmup_steps=2, switch_lr_scale=0.5, switch_betas=(0.8, 0.9)).launch(
+        _load_past_the_warmup, regression_model(1), path)
+    assert again == out
     older = torch.load(path, weights_only=True)
     del older["lordo"]["format"]  # as a development version wrote it: refused, with the fix
     torch.save(older, path)

@@ -9,8 +9,9 @@ boundary the model and buffers are identical on every rank. The file then holds,
 
 * your ``"model"`` and ``"optimizer"`` entries as Fabric writes them (rank 0's optimizer state: the low-rank
   moments are averaged at each synchronization, the full-rank moments are rank 0's);
-* ``checkpoint["lordo"]``: the synchronizer's counters, the outer step's momentum and the communication totals
-  (tensors, numbers and strings: ``torch.load(weights_only=True)`` reads it).
+* ``checkpoint["lordo"]`` (:mod:`lightning_lordo.checkpoint_format`): the synchronizer's state without the anchor
+  (counters, the outer step's momentum), the optimizer's class and the communication totals (tensors, numbers and
+  strings: ``torch.load(weights_only=True)`` reads it).
 
 ``fabric.load(path, {"model": model, "optimizer": optimizer, ...})`` restores all of it on every rank: the loaded
 model becomes the synchronized point, the counters and byte totals continue (a checkpoint saved in the synchronous
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from typing_extensions import override
 
-from lightning_lordo.checkpoint_format import FORMAT, check
+from lightning_lordo.checkpoint_format import check, entry
 from lightning_lordo.optim.loading import LORDO_KNOBS, group_knob_changes, load_optimizer, warn
 
 if TYPE_CHECKING:
@@ -83,13 +84,8 @@ class SynchronizedCheckpoints:
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
 
     def _sync_state(self) -> dict[str, Any]:
-        synchronizer = self.synchronizer
-        return {"format": FORMAT, "optimizer": type(self.optimizer).__name__, "world_size": self.world_size,
-                "optimizer_steps": synchronizer.optimizer_steps, "syncs_done": synchronizer.syncs_done,
-                "skipped_syncs": synchronizer.skipped_syncs, "consecutive_skips": synchronizer.consecutive_skips,
-                "outer": synchronizer.outer.state_dict(), "communication": self.accountant.state_dict(),
-                "basis_window": synchronizer.window.state_dict(), "anchor_step": synchronizer.synchronized_step,
-                "synchronous": synchronizer.synchronous_now}
+        return entry(self.synchronizer.state_dict(anchor=False), self.world_size,
+                     optimizer=type(self.optimizer).__name__, communication=self.accountant.state_dict())
 
     @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
@@ -119,11 +115,11 @@ class SynchronizedCheckpoints:
         if saved is not None:
             self._restore_counters(saved)
         restored_optimizer = optimizer_key is not None and proxy[optimizer_key] is not None
-        saved = saved or {}
+        sync = saved["sync"] if saved is not None else {}
         # the switch knobs scale the optimizer's groups: once, onto warm-up values (just restored, or never switched)
         switched = self.synchronizer is not None and self.synchronizer.switched
-        switch = saved.get("synchronous", False) and (restored_optimizer or not switched)
-        self._new_synchronized_point(saved.get("anchor_step"), switch=switch)
+        switch = sync.get("synchronous", False) and (restored_optimizer or not switched)
+        self._new_synchronized_point(sync.get("anchor_step"), switch=switch)
         return remainder
 
     def _load_optimizer(self, optimizer_state: dict[str, Any], saved: Optional[dict[str, Any]], key: str) -> None:
@@ -141,13 +137,7 @@ class SynchronizedCheckpoints:
         warn(notes, self.global_rank)
 
     def _restore_counters(self, saved: dict[str, Any]) -> None:
-        synchronizer = self.synchronizer
-        synchronizer.optimizer_steps = saved["optimizer_steps"]
-        synchronizer.syncs_done = saved["syncs_done"]
-        synchronizer.skipped_syncs = saved["skipped_syncs"]
-        synchronizer.consecutive_skips = saved["consecutive_skips"]
-        synchronizer.outer.load_state_dict(saved["outer"])
-        synchronizer.window.load_state_dict(saved["basis_window"])
+        self.synchronizer.load_state_dict(saved["sync"], anchor=False)  # the loaded model is the anchor
         self.accountant.load_state_dict(saved["communication"])
 
     def _drop_round_in_flight(self) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_lordo.checkpoint_format import entry
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.lightning.checkpoint import gather_to_rank_zero, to_cpu
 from lightning_lordo.optim.conversion import adamw_state_dict
@@ -102,8 +103,8 @@ def adamw_checkpoint_state(strategy: Saved, saved: dict[str, Any]) -> tuple[dict
 
 def shared_state(strategy: Saved, partial: bool) -> dict[str, Any]:
     """What every rank has the same of (the synchronizer's state, the layout) and the world size."""
-    return {"sync": to_cpu(strategy.synchronizer.state_dict()), "world_size": strategy.world_size,
-            "layout": layout(strategy), "partial": partial}
+    return entry(to_cpu(strategy.synchronizer.state_dict()), strategy.world_size, layout=layout(strategy),
+                 partial=partial)
 
 
 def gather_state(strategy: Saved, collective: bool = True) -> dict[str, Any]:

@@ -9,8 +9,7 @@ Every ``sync_every`` local steps all workers call :meth:`Synchronizer.sync` toge
    with ``broadcast_bases``, rank 0's new bases. The new bases are computed here too (pure math).
 2. **commit** (local, cannot fail, Ctrl-C held back): the outer step (averaging, or Nesterov SGD on the anchor),
    the averaged optimizer state written, the new bases installed with the moments rotated into them, buffers,
-   payload state, parameters and anchor. (Averaging the second moment before the rotation differs from after:
-   measured, within the seeds' spread, benchmarks/README.md.)
+   payload state, parameters and anchor.
 
 Before any round, the synchronous phase (``warmup_steps``, or ``synchronous=True``: low-rank DDP) averages the
 gradients every step (:meth:`before_optimizer_step`) and refreshes the bases every ``sync_every`` steps from the
@@ -22,8 +21,8 @@ bounded by the communicator's timeout: a worker that dies or hangs makes the oth
 :class:`~lightning_lordo.comm.communicator.CollectiveTimeout` naming the sync; as every collective comes before
 the commit, the worker is then exactly as it was before the sync (bytes already sent stay counted).
 
-Reference: Jovanović et al., "LoRDO: Distributed Low-Rank Optimization with Infrequent Communication",
-ICML 2026 (arXiv 2602.04396); Douillard et al., "DiLoCo" (arXiv 2311.08105) for the outer step.
+Reference: Jovanović et al., "LoRDO: Distributed Low-Rank Optimization with Infrequent Communication", ICML 2026
+(arXiv 2602.04396); Douillard et al., "DiLoCo" (arXiv 2311.08105) for the outer step.
 """
 
 from __future__ import annotations
@@ -64,9 +63,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
             thread (:mod:`lightning_lordo.sync.overlap`); ``None``: ``communicator`` (one process only).
     """
 
-    def __init__(self, params: Sequence[Tensor], buffers: Sequence[Tensor], optimizer: Optimizer,
-                 config: SyncConfig, communicator: Communicator,
-                 overlap_communicator: Optional[Communicator] = None) -> None:
+    def __init__(self, params: Sequence[Tensor], buffers: Sequence[Tensor], optimizer: Optimizer, config: SyncConfig,
+                 communicator: Communicator, overlap_communicator: Optional[Communicator] = None) -> None:
         self.params = list(params)
         self.buffers = list(buffers)
         self.optimizer = optimizer
@@ -372,15 +370,17 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
                           total_wire_bytes=accountant.total_wire_bytes, **figures)
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        return {"anchor": self.anchor.state_dict(), "outer": self.outer.state_dict(),
+    def state_dict(self, anchor: bool = True) -> dict[str, Any]:  # anchor=False: a boundary's (the model is it)
+        return {"anchor": self.anchor.state_dict() if anchor else [], "outer": self.outer.state_dict(),
                 "steps_since_sync": self.steps_since_sync, "optimizer_steps": self.optimizer_steps,
                 "syncs_done": self.syncs_done, "skipped_syncs": self.skipped_syncs,
                 "consecutive_skips": self.consecutive_skips, "basis_window": self.window.state_dict(),
-                "anchor_step": self.synchronized_step}
+                "anchor_step": self.synchronized_step, "synchronous": self.synchronous_now}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.anchor.load_state_dict(state["anchor"])
+    def load_state_dict(self, state: dict[str, Any], anchor: bool = True) -> None:
+        """``anchor=False``: the anchor is left to the caller (a boundary's model, :meth:`take_anchor`)."""
+        if anchor:
+            self.anchor.load_state_dict(state["anchor"])
         self.outer.load_state_dict(state["outer"])
         self.steps_since_sync = state["steps_since_sync"]
         self.optimizer_steps = state["optimizer_steps"]
