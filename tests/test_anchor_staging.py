@@ -9,7 +9,7 @@ waits for the compute stream's work, and the host waits for the writes before it
 from __future__ import annotations
 
 import contextlib
-import socket
+import functools
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from strategy_helpers import sync_rounds
+from strategy_helpers import gloo_worker, run_fork_job, sync_rounds
 
 from lightning_lordo import LoRDO
 from lightning_lordo.config import SyncConfig
@@ -146,32 +146,18 @@ def test_alone_a_staged_anchor_gives_the_unstaged_values(knobs: dict[str, Any]) 
         assert not any(line.startswith("host waits") for line in log[first_write:first_write + 4])
 
 
-def _worker(rank: int, port: int, out: str, knobs: dict[str, Any]) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    try:
-        plain, _ = _run(2, rank, False, knobs)
-        staged, log = _run(2, rank, True, knobs)
-        torch.save({"plain": plain, "staged": staged, "log": log}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _both(knobs: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    plain, _ = _run(world, rank, False, knobs)
+    staged, log = _run(world, rank, True, knobs)
+    return {"plain": plain, "staged": staged, "log": log}
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("knobs", [{}, {"payload": "lowrank", "payload_dtype": "int8"},
                                    {"outer_optimizer": "nesterov"}], ids=["bucketed", "streamed", "general"])
 def test_two_workers_with_a_staged_anchor_get_the_unstaged_values(tmp_path: Path, knobs: dict[str, Any]) -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, str(tmp_path / "run"), knobs), nprocs=2, start_method="fork")
-    for rank in range(2):
-        run = torch.load(tmp_path / f"run.{rank}", weights_only=False)
+    worker = functools.partial(gloo_worker, body=functools.partial(_both, knobs))
+    for run in run_fork_job(worker, 2, tmp_path, timeout=150):
         assert all(torch.equal(a, b) for a, b in zip(run["plain"], run["staged"], strict=True))
         _check(run["log"])
         staged = sum(line.startswith("side records") for line in run["log"]) - sum(

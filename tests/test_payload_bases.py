@@ -4,7 +4,11 @@ basis of a matrix it sent is its ``Q = orth(P)`` (SPEC §5), not a power step on
 
 from __future__ import annotations
 
+import functools
+import sys
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +17,8 @@ from torch import nn
 from lightning_lordo import LoRDO
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.comm.lowrank import LowRankPayload
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))  # strategy_helpers' memory module
 
 
 def _round(projection: str, layout: str, seed: int, payload_rank: int = 4):
@@ -89,16 +95,13 @@ CASES = {  # knobs -> whether a refresh takes the payload's bases
 }
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+def _seen(rank: int, world: int) -> dict[str, Any]:
+    """Per case, the number of bases each ``compute_bases`` call was given (``spans``) over 4 syncs."""
     from strategy_helpers import sync_rounds
 
     from lightning_lordo.config import SyncConfig
     from lightning_lordo.sync.synchronizer import Synchronizer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
     seen: dict[str, list[int]] = {}
     original = LoRDO.compute_bases
     try:
@@ -121,27 +124,16 @@ def _worker(rank: int, port: int, out: str) -> None:
             seen[name] = calls
     finally:
         LoRDO.compute_bases = original  # type: ignore[method-assign]
-        dist.destroy_process_group()
-    torch.save(seen, f"{out}.{rank}")
+    return seen
 
 
 @pytest.mark.timeout(120)
-def test_a_sync_passes_the_payloads_bases_only_where_they_are_this_rounds_average(tmp_path) -> None:  # noqa: ANN001
+def test_a_sync_passes_the_payloads_bases_only_where_they_are_this_rounds_average(tmp_path: Path) -> None:
     """The wiring of B6 with 2 workers: a refresh from this round's average gets the payload's bases (also with
     ``broadcast_bases``), one from a window of rounds or from each worker's own pseudo-gradient does not."""
-    import socket
-    import sys
-    from pathlib import Path
+    from strategy_helpers import gloo_worker, run_fork_job
 
-    import torch.multiprocessing as mp
-
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))  # strategy_helpers' memory module
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, str(tmp_path / "run")), nprocs=2, start_method="fork")
-    for rank in range(2):
-        seen = torch.load(tmp_path / f"run.{rank}", weights_only=False)
+    for rank, seen in enumerate(run_fork_job(functools.partial(gloo_worker, body=_seen), 2, tmp_path, timeout=100)):
         for name, (_, takes) in CASES.items():
             if name == "broadcast_bases" and rank == 1:  # rank 0 computes the bases and sends them
                 assert seen[name] == [], seen[name]
