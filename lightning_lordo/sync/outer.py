@@ -60,7 +60,7 @@ class Anchor:
         self._tensors, self.taken = values, bool(values)
 
     def __bool__(self) -> bool:
-        return bool(self._tensors)
+        return self.taken
 
     def _storage(self, p: Tensor) -> Tensor:
         if self.device == "param" or p.device.type == "cpu":
