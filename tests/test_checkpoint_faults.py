@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from strategy_helpers import TinyRegressor, loader, lordo, trainer
 
 from lightning_lordo import LoRDOStrategy
-from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
+from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_lordo.lightning.shards import load_full
 
 pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them

@@ -9,8 +9,8 @@ import pytest
 import torch
 from strategy_helpers import TinyRegressor, loader, lordo, trainer
 
-from lightning_lordo import checkpoint_format
-from lightning_lordo.checkpoint_format import FORMAT, check
+from lightning_lordo import checkpoint as checkpoint_format
+from lightning_lordo.checkpoint import FORMAT, check
 
 
 def test_the_format_is_checked_and_migrated(monkeypatch: pytest.MonkeyPatch) -> None:

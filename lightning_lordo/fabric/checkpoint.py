@@ -9,7 +9,7 @@ boundary the model and buffers are identical on every rank. The file then holds,
 
 * your ``"model"`` and ``"optimizer"`` entries as Fabric writes them (rank 0's optimizer state: the low-rank
   moments are averaged at each synchronization, the full-rank moments are rank 0's);
-* ``checkpoint["lordo"]`` (:mod:`lightning_lordo.checkpoint_format`): the synchronizer's state without the anchor
+* ``checkpoint["lordo"]`` (:mod:`lightning_lordo.checkpoint`): the synchronizer's state without the anchor
   (counters, the outer step's momentum), the optimizer's class and the communication totals (tensors, numbers and
   strings: ``torch.load(weights_only=True)`` reads it).
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from typing_extensions import override
 
-from lightning_lordo.checkpoint_format import check, entry
+from lightning_lordo.checkpoint import check, fabric_entry
 from lightning_lordo.optim.loading import LORDO_KNOBS, group_knob_changes, load_optimizer, warn
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from lightning_lordo.comm.accounting import CommAccountant
+    from lightning_lordo.core import LoRDOCore
     from lightning_lordo.sync.synchronizer import Synchronizer
 
 #: The checkpoint key of the strategy's own state.
@@ -47,6 +48,7 @@ class SynchronizedCheckpoints:
     (a mixin before Fabric's ``DDPStrategy``; the strategy provides ``module``, ``optimizer``, ``synchronizer``,
     ``accountant`` and ``world_size``)."""
 
+    core: LoRDOCore
     module: Optional[nn.Module]
     optimizer: Optional[Optimizer]
     synchronizer: Optional[Synchronizer]
@@ -80,12 +82,8 @@ class SynchronizedCheckpoints:
                     "synchronization, and every rank holds its own model. Save right after a synchronization (when "
                     f"the step count is a multiple of sync_every={synchronizer.config.sync_every}), or call "
                     "fabric.strategy.finish() on every rank first.")
-            state = {**state, STATE_KEY: self._sync_state()}
+            state = {**state, STATE_KEY: fabric_entry(self.core, self.world_size)}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
-
-    def _sync_state(self) -> dict[str, Any]:
-        return entry(self.synchronizer.state_dict(anchor=False), self.world_size,
-                     optimizer=type(self.optimizer).__name__, communication=self.accountant.state_dict())
 
     @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
+from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_lordo.lightning.shards import load_full
 from lightning_lordo.optim.conversion import adamw_state_dict
 from lightning_lordo.optim.loading import LORDO_KNOBS, is_lordo_state

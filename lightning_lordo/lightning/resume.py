@@ -18,19 +18,16 @@ expanded through the basis, error feedback dropped).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_lordo.checkpoint_format import entry
+from lightning_lordo.checkpoint import sync_knobs
 from lightning_lordo.config import SyncConfig
-from lightning_lordo.lightning.checkpoint import gather_to_rank_zero, to_cpu
-from lightning_lordo.optim.conversion import adamw_state_dict
 from lightning_lordo.optim.functional import EF_PROJECTION
-from lightning_lordo.optim.loading import LORDO_KNOBS, group_knob_changes
+from lightning_lordo.optim.loading import group_knob_changes
 from lightning_lordo.optim.lordo import LoRDO
 
 if TYPE_CHECKING:
@@ -56,73 +53,10 @@ class Saved(Protocol):
     _overlap_to_redo: Optional[dict[str, Any]]
 
 
-def _sync_knobs(config: SyncConfig) -> dict[str, Any]:
-    knobs = dataclasses.asdict(config)
-    knobs["timeout"] = config.timeout.total_seconds()
-    return knobs
-
-
-def layout(strategy: Saved) -> dict[str, Any]:
-    """The knobs and parameter names a checkpoint records, to compare with those of the run that resumes it."""
-    optimizer = strategy.optimizers[0]
-    names = strategy.parameter_names
-    groups = [{k: g[k] for k in LORDO_KNOBS if k in g} for g in optimizer.param_groups]
-    return {"optimizer_knobs": groups if isinstance(optimizer, LoRDO) else None,
-            "sync_knobs": _sync_knobs(strategy.sync_config), "lowrank": strategy.lowrank,
-            "param_names": [names.get(p, "") for g in optimizer.param_groups for p in g["params"]],
-            "sync_names": [names.get(p, "") for p in strategy.synchronizer.params]}
-
-
-def local_state(strategy: Saved) -> dict[str, Any]:
-    """This rank's own state: its communication totals, payload state and buffers (each rank's own between syncs,
-    e.g. BatchNorm's), its optimizer state (rank 0's only if it is LoRDO's: Lightning's ``optimizer_states`` entry
-    then holds it in AdamW's shape, :func:`adamw_checkpoint_state`) and, mid-round, its replica."""
-    sync = strategy.synchronizer
-    local: dict[str, Any] = {"comm": strategy.accountant.state_dict(), "payload": to_cpu(sync.payloads.state_dict()),
-                             "buffers": to_cpu(sync.buffers)}
-    if strategy.global_rank != 0 or isinstance(strategy.optimizers[0], LoRDO):  # rank 0's LoRDO state: here, as
-        local["optimizer"] = to_cpu(strategy.optimizers[0].state_dict())  # Lightning's entry holds AdamW's shape
-    if sync.mid_round:
-        local["params"] = to_cpu(sync.params)
-    if sync.in_flight is not None and sync.in_flight.result is not None:  # an emergency save skips a round in flight
-        local["overlap"] = to_cpu(sync.overlap_state_dict())
-    return local
-
-
-def adamw_checkpoint_state(strategy: Saved, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
-    """Lightning's ``optimizer_states`` entry for rank 0's LoRDO state ``saved``: in torch AdamW's shape, so that a
-    plain strategy (``"ddp"``, ``"fsdp"``, one device) resumes the checkpoint with the user's AdamW, whether this
-    plugin is installed or not (the low-rank moments expanded through their bases; LoRDO's own state is in
-    ``checkpoint["lordo"]``); and what the shape leaves out, for ``checkpoint["lordo"]["optimizer_entry"]``."""
-    params = [p for g in strategy.optimizers[0].param_groups for p in g["params"]]
-    entries = [e for e in saved["state"].values() if e]
-    left_out = {"expanded": sum("basis" in e for e in entries),
-                "error_feedback": sum("error_feedback" in e for e in entries)}
-    return adamw_state_dict(saved, params, LORDO_KNOBS, to_host=True), left_out
-
-
-def shared_state(strategy: Saved, partial: bool) -> dict[str, Any]:
-    """What every rank has the same of (the synchronizer's state, the layout) and the world size."""
-    return entry(to_cpu(strategy.synchronizer.state_dict()), strategy.world_size, layout=layout(strategy),
-                 partial=partial)
-
-
-def gather_state(strategy: Saved, collective: bool = True) -> dict[str, Any]:
-    """``checkpoint["lordo"]`` of a single-file checkpoint: the shared state and every rank's own state gathered to
-    rank 0 (all ranks must call it: a checkpoint save is a collective). ``collective=False`` (after a failed
-    collective): rank 0's own state only, marked ``partial``."""
-    local = local_state(strategy)
-    if collective:
-        ranks = gather_to_rank_zero(local, strategy.world_size, strategy.global_rank)
-    else:
-        ranks = [local] if strategy.global_rank == 0 else None
-    return {**shared_state(strategy, partial=not collective), "ranks": ranks}
-
-
 def knob_changes(saved: dict[str, Any], strategy: Saved) -> list[str]:
     """The knobs that differ from the checkpoint's, as ``name: saved -> now`` (optimizer knobs per group)."""
     changes = []
-    for name, value in _sync_knobs(strategy.sync_config).items():
+    for name, value in sync_knobs(strategy.sync_config).items():
         if name in saved["sync_knobs"] and saved["sync_knobs"][name] != _plain(value):
             changes.append(f"{name}: {saved['sync_knobs'][name]!r} -> {value!r}")
     changes += group_knob_changes(saved["optimizer_knobs"], strategy.optimizers[0])

@@ -14,21 +14,25 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
-from lightning_lordo.checkpoint_format import check, stamp
+from lightning_lordo import checkpoint as lordo_checkpoint
+from lightning_lordo.checkpoint import check
 from lightning_lordo.lightning import resume, shards
+from lightning_lordo.lightning.checkpoint_io import gather_to_rank_zero
 from lightning_lordo.optim import loading
 from lightning_lordo.optim.lordo import LoRDO
 
 if TYPE_CHECKING:
     from lightning_lordo.comm.communicator import Communicator
+    from lightning_lordo.core import LoRDOCore
     from lightning_lordo.lightning.user_warnings import PluginWarnings
     from lightning_lordo.sync.synchronizer import Synchronizer
 
 
 class SynchronizedState:
-    """Hooks of Lightning's ``Strategy`` for validation and checkpoints; the strategy provides ``synchronizer``,
-    ``communicator``, ``parameter_names`` and the restore fields its ``__init__`` sets."""
+    """Hooks of Lightning's ``Strategy`` for validation and checkpoints; the strategy provides ``core``,
+    ``synchronizer``, ``communicator``, ``parameter_names`` and the restore fields its ``__init__`` sets."""
 
+    core: LoRDOCore
     synchronizer: Optional[Synchronizer]
     communicator: Optional[Communicator]
     _swapped_for_eval: bool
@@ -86,7 +90,7 @@ class SynchronizedState:
             self.synchronizer.wait_in_flight()
         comm = self.communicator if healthy and self.world_size > 1 else None
         if not self.checkpoint_shards:
-            checkpoint["lordo"] = stamp(self._read_state(lambda: resume.gather_state(self, collective=healthy)))
+            checkpoint["lordo"] = self._read_state(lambda: self._gathered_state(collective=healthy))
             self._adamw_shaped(checkpoint)
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
@@ -95,10 +99,10 @@ class SynchronizedState:
         error: Optional[BaseException] = None
         local: Any = None
         try:  # an error here is agreed on below with the others, who would otherwise wait for this rank
-            local = self._read_state(lambda: resume.local_state(self))
+            local = self._read_state(lambda: lordo_checkpoint.rank_state(self.core, self.global_rank))
             if comm is not None:  # the two agreements below, counted ahead so the totals saved include them
                 shards.count_agreements(local["comm"], self.world_size)
-            checkpoint["lordo"] = stamp(resume.shared_state(self, partial=not healthy))
+            checkpoint["lordo"] = lordo_checkpoint.trainer_entry(self.core, self.world_size, partial=not healthy)
             self._adamw_shaped(checkpoint)
             checkpoint["lordo"]["shards"] = {"id": save_id, "ranks": self.world_size if healthy else 1,
                                              "dir": shards.directory_name(filepath, save_id)}
@@ -119,10 +123,21 @@ class SynchronizedState:
 
     def _adamw_shaped(self, checkpoint: dict[str, Any]) -> None:
         """Rank 0's optimizer entry in torch AdamW's shape, so that any strategy resumes the file with the user's AdamW
-        (``resume.adamw_checkpoint_state``); LoRDO's own state is in ``checkpoint["lordo"]`` or rank 0's shard."""
+        (``checkpoint.adamw_entry``); LoRDO's own state is in ``checkpoint["lordo"]`` or rank 0's shard."""
         if isinstance(self.optimizers[0], LoRDO) and self.global_rank == 0:
-            entry, left_out = resume.adamw_checkpoint_state(self, checkpoint["optimizer_states"][0])
+            entry, left_out = lordo_checkpoint.adamw_entry(self.core, checkpoint["optimizer_states"][0])
             checkpoint["optimizer_states"], checkpoint["lordo"]["optimizer_entry"] = [entry], left_out
+
+    def _gathered_state(self, collective: bool = True) -> dict[str, Any]:
+        """``checkpoint["lordo"]`` of a single-file checkpoint: the shared entry and every rank's own state gathered to
+        rank 0 (all ranks must call it: a checkpoint save is a collective). ``collective=False`` (after a failed
+        collective): rank 0's own state only, marked ``partial``."""
+        local = lordo_checkpoint.rank_state(self.core, self.global_rank)
+        if collective:
+            ranks = gather_to_rank_zero(local, self.world_size, self.global_rank)
+        else:
+            ranks = [local] if self.global_rank == 0 else None
+        return {**lordo_checkpoint.trainer_entry(self.core, self.world_size, partial=not collective), "ranks": ranks}
 
     def _every_rank_saves(self) -> bool:
         """Whether this save may wait for every rank: not after a failed collective, and not from an exception

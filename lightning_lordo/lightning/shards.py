@@ -39,7 +39,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from lightning_lordo.comm.accounting import wire_bytes
-from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO, CorruptCheckpointError, describe, unreadable
+from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO, CorruptCheckpointError, describe, unreadable
 
 PURPOSE = "checkpoint"
 AGREEMENT_BYTES = 8  # the two float32 flags of a save's agreements (``any_failed``), per rank

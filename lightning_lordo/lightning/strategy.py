@@ -36,7 +36,7 @@ from lightning_lordo.convert import (
 from lightning_lordo.core import HoldsCore, LoRDOCore
 from lightning_lordo.lightning._compat import install_sigterm_hooks, wrap_optimizers
 from lightning_lordo.lightning.callbacks import add_monitor
-from lightning_lordo.lightning.checkpoint import AtomicCheckpointIO
+from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
 from lightning_lordo.lightning.saving import SynchronizedState
 from lightning_lordo.lightning.user_warnings import PluginWarnings

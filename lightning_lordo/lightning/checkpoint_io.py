@@ -1,16 +1,8 @@
-"""What a LoRDO checkpoint holds beyond Lightning's own keys, and how it is restored.
-
-Lightning writes one file, from rank 0: the model (here the *synchronized* model, so plain
-``Model.load_from_checkpoint`` gives a usable model) and rank 0's optimizer state. Between syncs every rank
-has its own state, so the strategy gathers it to rank 0 and stores it under ``checkpoint["lordo"]``:
-
-* ``sync``: the synchronizer's state (anchor, outer momentum, step and sync counters), identical on all ranks;
-* ``world_size``;
-* ``ranks``: one entry per rank, each with its local parameters (only mid-round: at a sync boundary they equal
-  the anchor), its optimizer state dict and its communication totals.
-
-Everything is tensors, numbers and strings, so ``torch.load(path, weights_only=True)`` reads it. The gather
-costs rank 0 the memory of every rank's optimizer state for the duration of the save.
+"""The Trainer's checkpoint files: atomic writes (``AtomicCheckpointIO``), a clear error for a truncated or corrupt
+file, and the gather of every rank's state to rank 0 for a single-file checkpoint. What the files hold is
+:mod:`lightning_lordo.checkpoint`'s; Lightning writes the file from rank 0, with the *synchronized* model, so
+plain ``Model.load_from_checkpoint`` gives a usable model. The gather costs rank 0 the memory of every rank's
+optimizer state for the duration of the save (per-rank shards, ``shards.py``, the default, do not).
 """
 
 from __future__ import annotations
@@ -19,7 +11,6 @@ import contextlib
 import os
 import pickle
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,18 +19,6 @@ import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from torch import Tensor
-
-
-def to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor copied to the CPU (containers rebuilt)."""
-    if isinstance(obj, Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
 
 
 def gather_to_rank_zero(local: Any, world_size: int, rank: int) -> Optional[list[Any]]:
@@ -49,11 +28,6 @@ def gather_to_rank_zero(local: Any, world_size: int, rank: int) -> Optional[list
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
     return gathered
-
-
-def warn_on_rank_zero(message: str, rank: int) -> None:
-    if rank == 0:
-        warnings.warn(message, stacklevel=3)
 
 
 class CorruptCheckpointError(OSError):
