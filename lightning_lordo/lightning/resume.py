@@ -1,6 +1,6 @@
-"""What a LoRDO checkpoint holds beyond Lightning's keys, and how a run resumes from it, also with changed knobs,
-another world size, another preset (``lordo`` <-> ``diloco``), a checkpoint of another strategy or a changed set
-of trainable parameters.
+"""How a run resumes from a LoRDO checkpoint (what it holds: :mod:`lightning_lordo.checkpoint`), also with changed
+knobs, another world size, another preset (``lordo`` <-> ``diloco``), a checkpoint of another strategy or a changed
+set of trainable parameters.
 
 The rule: **the knobs passed now win**. Every difference from the checkpoint's knobs is listed in one warning,
 with what it did to the state: a new rank restarts that matrix's moments (its basis comes from the next averaged

@@ -1,5 +1,6 @@
 """The strategy's model views and checkpoint state: evaluation and checkpoints see the synchronized model (the
-anchor) in the middle of a round, and a checkpoint carries every rank's LoRDO state (see ``resume.py``).
+anchor) in the middle of a round, and a checkpoint carries every rank's LoRDO state (what it holds:
+:mod:`lightning_lordo.checkpoint`).
 
 A mixin of :class:`~lightning_lordo.lightning.strategy.LoRDOStrategy`, apart so that the strategy's file holds
 the training lifecycle and this one what is saved and restored.
@@ -75,7 +76,7 @@ class SynchronizedState:
                     state[name] = anchor[id(p)].detach().clone()
         return state
 
-    # ------------------------------------------------------------------ checkpoint state (checkpoint.py, shards.py)
+    # ------------------------------------------------------------------ checkpoint state (../checkpoint.py, shards.py)
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """A collective: all ranks call it. With ``checkpoint_shards`` (the default) each rank writes its own state
