@@ -8,8 +8,8 @@ Every entry is :func:`entry`: the format, the world size and the synchronizer's 
 framework's own keys. The Trainer's (:func:`trainer_entry`) adds the layout (knobs and parameter names, :func:`layout`),
 every rank's state (:func:`rank_state`: ``ranks``, or per-rank shards) and what Lightning's AdamW-shaped
 ``optimizer_states`` entry (:func:`adamw_entry`) leaves out; Fabric's (:func:`fabric_entry`), which saves at
-synchronization boundaries only, the optimizer's class and the communication totals. Everything is tensors on the
-CPU, numbers and strings, so ``torch.load(path, weights_only=True)`` reads it.
+synchronization boundaries only, the optimizer's class and the communication totals. Everything is tensors (on the CPU
+in the Trainer's entry), numbers and strings, so ``torch.load(path, weights_only=True)`` reads it.
 
 Format 1 was the first released; Fabric then kept the synchronizer's counters at the top of its entry. Format 2
 nests them under ``sync`` as the Trainer did (:data:`MIGRATIONS` brings a format-1 entry there). The development

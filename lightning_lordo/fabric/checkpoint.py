@@ -45,8 +45,8 @@ STATE_KEY = "lordo"
 
 class SynchronizedCheckpoints:
     """Fabric's ``save_checkpoint`` and ``load_checkpoint`` for :class:`~lightning_lordo.fabric.LoRDOFabricStrategy`
-    (a mixin before Fabric's ``DDPStrategy``; the strategy provides ``module``, ``optimizer``, ``synchronizer``,
-    ``accountant`` and ``world_size``)."""
+    (a mixin before Fabric's ``DDPStrategy``; the strategy provides ``core``, ``module``, ``optimizer``,
+    ``synchronizer``, ``accountant`` and ``world_size``)."""
 
     core: LoRDOCore
     module: Optional[nn.Module]

@@ -1,6 +1,6 @@
 """What a LoRDO checkpoint leaves behind when another strategy resumes it (``strategy="ddp"``, one device, FSDP).
 
-A LoRDO checkpoint's ``optimizer_states`` entry is in torch AdamW's shape (``resume.adamw_checkpoint_state``): any
+A LoRDO checkpoint's ``optimizer_states`` entry is in torch AdamW's shape (``checkpoint.adamw_entry``): any
 strategy resumes it with the user's AdamW, no callback and no plugin needed. LoRDO's own optimizer state (bases,
 low-rank moments, error feedback) is under ``checkpoint["lordo"]`` (rank 0's shard with ``checkpoint_shards``).
 What this module adds:
