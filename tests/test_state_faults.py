@@ -4,6 +4,7 @@ save and its resume."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,47 @@ def test_a_non_finite_buffer_is_repaired_with_or_without_overlap(overlap: int) -
     torch.manual_seed(0)
     trainer(lordo(sync_every=4, overlap_steps=overlap), callbacks=[BuffersAtTheEnd()], max_steps=20).fit(
         PoisonedBuffer(), loader())
+
+
+class AroundRepairs(L.Callback):
+    """Every worker's floating buffers just before each (blocking) sync, gathered, and this worker's just after."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self.warnings = warnings.catch_warnings(record=True)
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.caught = self.warnings.__enter__()  # in this worker: the warning is rank 0's
+        warnings.simplefilter("always")
+        sync, original = trainer.strategy.synchronizer, trainer.strategy.synchronizer.sync
+        buffers = [b for b in module.buffers() if b.is_floating_point()]
+
+        def recorded() -> Any:
+            before = [torch.stack(gather(b)) for b in buffers]
+            report = original()
+            self.pairs.append((before, [b.detach().clone() for b in buffers]))
+            return report
+
+        sync.sync = recorded
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.warnings.__exit__(None, None, None)
+        said = [str(w.message) for w in self.caught if "where they are finite" in str(w.message)]
+        assert len(said) == (2 if trainer.global_rank == 0 else 0), said
+        repaired = 0
+        for before, after in self.pairs:
+            for every, mine in zip(before, after):  # every: (workers, ...)
+                finite = torch.isfinite(every)
+                repaired += int(not finite.all())
+                count = finite.sum(dim=0)
+                expected = torch.where(finite, every, torch.zeros_like(every)).sum(dim=0) / count.clamp(min=1)
+                torch.testing.assert_close(mine, expected, rtol=1e-6, atol=1e-7)
+        assert repaired == 2, f"{repaired} syncs saw a non-finite buffer"  # batches 5 and 14: the syncs at 8 and 16
+
+
+def test_a_non_finite_buffer_takes_the_mean_of_the_workers_where_it_is_finite() -> None:
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=4), callbacks=[AroundRepairs()], max_steps=20).fit(PoisonedBuffer(), loader())
 
 
 class StartWeights(L.Callback):

@@ -212,3 +212,24 @@ class WireCheck(L.Callback):
 
 def test_wire_bytes_are_logged_beside_the_payload_bytes() -> None:
     trainer(lordo(sync_every=4), callbacks=[WireCheck()], max_steps=8).fit(TinyRegressor(), loader())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# float16 with a gradient scaler: refused (README, "Use")
+def test_float16_with_a_gradient_scaler_is_refused_with_the_fix() -> None:
+    """A scaler skips the optimizer step on the ranks whose own gradients overflow, so the workers' step counts would
+    drift apart. The CPU has no float16 AMP, so the precision plugins are given a CPU scaler by hand."""
+    from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_lordo import LoRDOFabricStrategy, LoRDOStrategy
+
+    strategy = LoRDOStrategy()
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(RuntimeError, match=r"precision='16-mixed'.*Use precision='bf16-mixed'"):
+        strategy.setup(L.Trainer(accelerator="cpu", devices=1, logger=False))
+    fabric = LoRDOFabricStrategy()
+    fabric.precision = FabricMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match=r"precision='16-mixed'.*Use precision='bf16-mixed'"):
+        fabric._attach(model, torch.optim.AdamW(model.parameters()), None)
