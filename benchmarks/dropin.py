@@ -275,6 +275,16 @@ def report(records: list[dict[str, Any]], as_lordo: str = "") -> bool:
     return ok
 
 
+def run_apart(script: str, data: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """``script --one spec`` in its own process (a fresh interpreter per run); its ``RESULT`` line's record."""
+    proc = subprocess.run([sys.executable, script, "--data", data, "--one", json.dumps(spec)], capture_output=True,
+                          text=True, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"run {spec} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(ROOT.parent.parent / "shared" / "data" / "wikitext2-valid.txt"))
@@ -307,12 +317,7 @@ def main(argv: list[str]) -> int:
         append(OUT, {"header": provenance("python benchmarks/dropin.py " + " ".join(argv)), "steps": STEPS,
                      "resumed": bool(done)})
     for spec in pending:
-        proc = subprocess.run([sys.executable, __file__, "--data", args.data, "--one", json.dumps(spec)],
-                              capture_output=True, text=True, timeout=1800)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            raise SystemExit(f"run {spec} failed:\n{proc.stderr[-3000:]}")
-        record = json.loads(lines[-1][len("RESULT "):])
+        record = run_apart(__file__, args.data, spec)
         append(OUT, record)
         print(f"{spec.get('variant', '')} {spec['family']:11s} {spec['method']:11s} lr {spec['lr']:<7g} "
               f"seed {spec['seed']}: "

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from typing import Any
 
@@ -160,13 +159,9 @@ def main(argv: list[str]) -> int:
         if pending:
             append(OUT, {"header": provenance("python benchmarks/dropin_mechanisms.py " + " ".join(argv))})
         for spec in pending:
-            proc = subprocess.run([sys.executable, __file__, "--data", args.data, "--one", json.dumps(spec)],
-                                  capture_output=True, text=True, timeout=1800)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                raise SystemExit(f"run {spec} failed:\n{proc.stderr[-3000:]}")
-            append(OUT, json.loads(lines[-1][len("RESULT "):]))
-            print(spec, lines[-1][:160], flush=True)
+            record = dropin.run_apart(__file__, args.data, spec)
+            append(OUT, record)
+            print(spec, f"{record['loss_short']:.4f} / {record['loss_long']:.4f}", flush=True)
     report(args.data)
     return 0
 
