@@ -214,6 +214,24 @@ def test_a_model_edited_between_save_and_resume_is_followed_and_said(tmp_path: P
     assert any("net.3.weight" in str(w.message) for w in caught)
 
 
+def test_a_model_edited_after_a_save_with_a_round_in_flight_is_refused(tmp_path: Path) -> None:
+    """2 processes, ``overlap_steps``: the round in flight at the save lands on the saved model, so an edited model
+    cannot be followed; the resume is refused with the fix before training starts."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    save = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=5, save_top_k=-1)
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=4, overlap_steps=2), callbacks=[save], max_steps=7, enable_checkpointing=True).fit(
+        TinyRegressor(), loader())  # the round launched at step 4 lands at step 6: in flight at step 5's save
+    path = tmp_path / "step=5.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["state_dict"]["net.3.weight"] = torch.zeros_like(checkpoint["state_dict"]["net.3.weight"])  # surgery
+    torch.save(checkpoint, path)
+    with pytest.raises(Exception, match=r"differs from the checkpoint's synchronized model \(net.3.weight.*resume "
+                                        r"from a checkpoint written at a sync"):
+        trainer(lordo(sync_every=4, overlap_steps=2), max_steps=8).fit(TinyRegressor(), loader(), ckpt_path=str(path))
+
+
 class Lazy(TinyRegressor):
     def __init__(self) -> None:
         super().__init__()
