@@ -119,6 +119,66 @@ def test_two_processes_convert_adam_sync_every_k_and_end_identical() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_non_finite_round_is_discarded_on_every_rank_and_the_next_one_lands() -> None:
+    """The README's guarantees under Fabric: rank 1's NaN makes the round at step K discarded on both ranks, every
+    worker back at the last synchronized model with finite optimizer state; the next round syncs as usual."""
+    fabric = fabric_for()
+    model = regression_model()
+
+    def work(fabric: Fabric) -> None:
+        net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        sync = fabric.strategy.synchronizer
+        start = flat_params(model)  # the synchronized model of step 0
+
+        def poison(step: int) -> None:
+            if step == K - 1 and fabric.global_rank == 1:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = float("nan")  # a bad batch's update
+            if step == K:
+                assert sync.skipped_syncs == 1 and sync.syncs_done == 1
+                assert torch.equal(flat_params(model), start), "the parameters are not back at the anchor"
+                for p in model.parameters():
+                    assert all(torch.isfinite(t).all() for t in optimizer.state[p].values() if torch.is_tensor(t))
+            if step == 2 * K:
+                assert sync.skipped_syncs == 1 and sync.syncs_done == 2
+                assert ranks_identical(flat_params(model)) and torch.isfinite(flat_params(model)).all()
+                assert not torch.equal(flat_params(model), start)
+
+        run_steps(fabric, net, optimizer, (b for _, b in zip(range(2 * K), loader())), after=poison)
+
+    fabric.launch(work)
+
+
+@pytest.mark.timeout(90)
+def test_a_hung_worker_makes_the_others_raise_a_collective_timeout_naming_the_sync() -> None:
+    """Rank 1 stalls past the timeout right before the optimizer step that syncs: rank 0 fails in sync 1 with the
+    plugin's error (not a hang), as under the Trainer."""
+    import time
+
+    from test_faults import TIMEOUT_S
+
+    strategy = LoRDOFabricStrategy(sync_every=K, start_method="fork", timeout=TIMEOUT_S, optimizer={"rank": 4})
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    model = regression_model()
+
+    def work(fabric: Fabric) -> None:
+        net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        for step, (x, y) in enumerate(loader(), start=1):
+            fabric.backward(nn.functional.mse_loss(net(x), y))
+            if step == K and fabric.global_rank == 1:
+                time.sleep(TIMEOUT_S + 5)  # longer than the timeout; then it fails too (its peer is gone)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    start = time.monotonic()
+    with pytest.raises(Exception) as info:
+        fabric.launch(work)
+    assert time.monotonic() - start < 40
+    text = str(info.value)
+    assert "CollectiveTimeout" in text and "sync 1" in text and f"timeout of {TIMEOUT_S} s" in text, text
+
+
+@pytest.mark.timeout(120)
 def test_synchronous_phase_averages_once_per_step_before_clipping() -> None:
     fabric = fabric_for(synchronous=True)  # the "lowrank_ddp" preset
     model = regression_model()
