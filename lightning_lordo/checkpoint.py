@@ -113,11 +113,12 @@ def layout(core: LoRDOCore) -> dict[str, Any]:
 
 def rank_state(core: LoRDOCore, rank: int) -> dict[str, Any]:
     """A rank's own state: its communication totals, payload state and buffers (each rank's own between syncs,
-    e.g. BatchNorm's), its optimizer state (rank 0's only if it is LoRDO's: Lightning's ``optimizer_states`` entry
-    then holds it in AdamW's shape, :func:`adamw_entry`) and, mid-round, its replica."""
+    e.g. BatchNorm's), the positions of the parameters it stepped in the round (whose moments it holds), its
+    optimizer state (rank 0's only if it is LoRDO's: Lightning's ``optimizer_states`` entry then holds it in AdamW's
+    shape, :func:`adamw_entry`) and, mid-round, its replica."""
     sync = core.synchronizer
     local: dict[str, Any] = {"comm": core.accountant.state_dict(), "payload": to_cpu(sync.payloads.state_dict()),
-                             "buffers": to_cpu(sync.buffers)}
+                             "buffers": to_cpu(sync.buffers), "stepped": sorted(sync.stepped)}
     if rank != 0 or isinstance(core.optimizer, LoRDO):  # rank 0's LoRDO state: here, as
         local["optimizer"] = to_cpu(core.optimizer.state_dict())  # Lightning's entry holds AdamW's shape
     if sync.mid_round:

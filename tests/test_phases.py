@@ -79,8 +79,9 @@ class PhaseChecker(L.Callback):
         assert "initial_gradients" not in totals  # the first gradient was already the average: no extra message
         params = [p for p in module.parameters() if p.requires_grad]
         assert totals["pseudo_gradients"] == len(local) * sum(p.numel() * 4 for p in params)
+        assert totals["holders"] == len(local) * 4 * len(trainer.optimizers[0].lowrank_params())  # a flag a moment
         assert math.isclose(sum(r.bytes_sent for r in strategy.sync_reports),
-                            totals["gradients"] + totals["pseudo_gradients"] + totals["moments"])
+                            totals["gradients"] + totals["pseudo_gradients"] + totals["moments"] + totals["holders"])
         # the learning rate follows the schedule, scaled from the first local step on. Lightning steps the scheduler
         # before on_train_batch_end, so the LR seen after step s is the one of step s + 1.
         lam = [min(1.0, (s + 1) / 5) * 0.9**s for s in range(1, self.steps + 1)]  # the LambdaLR of TinyRegressor

@@ -102,6 +102,75 @@ def test_only_the_workers_holding_a_moment_average_it() -> None:
             max_steps=6).fit(Branchy(), loader())
 
 
+class LowRankAroundEverySync(L.Callback):
+    """The branch's low-rank matrix (``branch[0]``, default knobs: its moments are averaged at every sync): on every
+    rank, the moments this worker sends and the averages it gets back, read in ``average_state``."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        from lightning_lordo.sync import exchange
+
+        matrix, original = module.branch[0].weight, exchange.average_state
+
+        def recorded(comm: Any, state: Any, config: Any, shares: Any = None) -> Any:
+            out = original(comm, state, config, shares)
+            sent = [[t.clone() for t in ts] for p, ts in state["moments"] if p is matrix]
+            got = [[t.clone() for t in means] for p, _, means in out[0]["moments"] if p is matrix]
+            self.pairs.append((sent[0], got[0]))
+            return out
+
+        exchange.average_state = recorded
+        self.restore = lambda: setattr(exchange, "average_state", original)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.restore()
+        assert len(self.pairs) == 2  # the syncs at steps 3 and 6
+        for sent, got in self.pairs:
+            theirs = [torch.stack(gather(t)) for t in sent]  # (rank 0, rank 1)
+            for ours, both in zip(got, theirs):  # rank 1 alone runs the branch: the average is its moment
+                torch.testing.assert_close(ours, both[1], rtol=1e-6, atol=0)
+            if trainer.global_rank == 0:
+                assert not torch.equal(sent[0], got[0]), "rank 0's moments were sent as if it held them"
+
+
+def test_a_low_rank_branch_that_one_worker_never_runs_keeps_its_holders_moments() -> None:
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=3), callbacks=[LowRankAroundEverySync()], max_steps=6).fit(Branchy(), loader())
+
+
+def test_moments_are_averaged_over_the_workers_that_hold_them_float64() -> None:
+    """``average_state`` against float64 arithmetic, two workers (the other one's messages given): a moment both hold
+    is their mean; one only this worker holds is its own; one only the other holds is the other's; one nobody
+    stepped keeps its values."""
+    from lightning_lordo.config import SyncConfig
+    from lightning_lordo.sync.exchange import average_state
+
+    g = torch.Generator().manual_seed(0)
+    mine = [[torch.randn(3, 5, generator=g, dtype=torch.float64) for _ in range(2)] for _ in range(4)]
+    other = [[torch.randn(3, 5, generator=g, dtype=torch.float64) for _ in range(2)] for _ in range(4)]
+    held_here, held_there = [1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0]
+    other[3] = [t.clone() for t in mine[3]]  # nobody stepped it: both have the last average
+    sent_there = [t * h for ts, h in zip(other, held_there) for t in ts]
+
+    class OtherWorker:  # the all-reduce mean with the other worker's messages
+        world_size = 2
+
+        def mean(self, tensors: list[torch.Tensor], purpose: str) -> list[torch.Tensor]:
+            assert purpose == "moments" and len(tensors) == len(sent_there)
+            return [(a + b) / 2 for a, b in zip(tensors, sent_there)]
+
+    params = [nn.Parameter(torch.zeros(1)) for _ in range(4)]
+    state = {"moments": list(zip(params, mine)), "holders": [(None, [torch.tensor(held_here, dtype=torch.float64)])]}
+    shares = [(a + b) / 2 for a, b in zip(held_here, held_there)]
+    out, _, _ = average_state(OtherWorker(), state, SyncConfig(), shares)
+    expected = [[(a + b) / 2 for a, b in zip(mine[0], other[0])], mine[1], other[2], mine[3]]
+    for (_, _, got), want in zip(out["moments"], expected):
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=1e-15, atol=0)
+
+
 def test_averaging_the_moments_of_an_optimizer_whose_layout_is_unknown_is_refused() -> None:
     from datetime import timedelta
 

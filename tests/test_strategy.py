@@ -103,6 +103,7 @@ class ByteChecker(L.Callback):
             "initial_gradients": sum(p.numel() * 4 for p in lowrank),
             "pseudo_gradients": syncs * sum(p.numel() * 4 for p in params),
             "moments": syncs * moments,
+            "holders": syncs * len(lowrank) * 4,  # one float32 flag per averaged moment: does this worker hold it
             "lightning_sigterm_check": (self.batches + 1) * 8,  # two float32 flags before every batch and at the end
         }
         model_bytes = sum(t.numel() * t.element_size() for t in [*params, *module.buffers()])
@@ -112,7 +113,8 @@ class ByteChecker(L.Callback):
         expected["setup_broadcast"] = 32 + (model_bytes if broadcast and trainer.global_rank == 0 else 0)
         assert dict(strategy.accountant.totals) == expected
         assert strategy.accountant.wire_totals["setup_broadcast"] == 32 + (model_bytes // 2 if broadcast else 0)
-        assert sum(r.bytes_sent for r in strategy.sync_reports) == expected["pseudo_gradients"] + expected["moments"]
+        assert sum(r.bytes_sent for r in strategy.sync_reports) == \
+            expected["pseudo_gradients"] + expected["moments"] + expected["holders"]
         assert strategy.ddp_equivalent_bytes == self.steps * sum(p.numel() * 4 for p in params)
         assert len(lowrank) == 2  # the (3, 16) head is smaller than the rank: it runs AdamW
 

@@ -148,6 +148,8 @@ def apply_restored(self: Saved, restored: dict[str, Any]) -> list[str]:
             p.data.copy_(value)
         for b, value in zip(self.synchronizer.buffers, mine.get("buffers", []), strict="buffers" in mine):
             b.copy_(value)
+        # older checkpoints did not record it: every parameter counts as stepped, as their rounds averaged
+        self.synchronizer.stepped = set(mine.get("stepped", range(len(self.synchronizer.params))))
         defaults = SyncConfig.__dataclass_fields__  # a knob newer than the checkpoint was at its default
         payload_changed = saved is not None and any(
             saved["sync_knobs"].get(k, defaults[k].default) != getattr(self.sync_config, k)

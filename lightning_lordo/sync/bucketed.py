@@ -156,9 +156,10 @@ def _exchange(sync: Any) -> ex.Exchange:
         del deltas, sources
     magnitudes_all = torch.stack([m.to(magnitudes[0].device) for m in magnitudes])  # summed as the general path
     floating, others = ex.average_buffers(comm, sync.buffers)
+    entries = sync.averaged_entries()
     finite = are_finite(magnitudes_all).all()
-    buffers_finite = finite_flags(floating).all().to(finite.device) if floating else torch.ones_like(finite)
-    ok, buffers_ok = torch.stack([finite, buffers_finite]).tolist()  # the one read before the commit
+    buffers_finite = finite_flags(floating).all() if floating else torch.ones_like(finite)
+    ok, buffers_ok, shares = ex.round_read(finite, buffers_finite, ex.holder_shares(comm, entries))  # the one read
     if not buffers_ok:  # identical on all workers: all repair them together
         floating = ex.repair_buffers(comm, sync.buffers)
     if not ok:  # identical on all workers: they all discard the round
@@ -167,7 +168,7 @@ def _exchange(sync: Any) -> ex.Exchange:
         return ex.Exchange([], [], (floating, others), finite=False)
     if failed:  # a finite round whose bases failed, as the general path's would: nothing has changed
         raise failed[0]
-    state, checked, state_finite = ex.average_state(comm, sync.averaged_entries(), config)
+    state, checked, state_finite = ex.average_state(comm, entries, config, shares)
     order = [p for p in lordo.lowrank_params() if p in bases] if lordo is not None else []
     return ex.Exchange([], [], (floating, others), state, {p: bases[p] for p in order}, checked, state_finite,
                        torch.linalg.vector_norm(magnitudes_all), seconds,
@@ -205,11 +206,12 @@ def _exchange_streamed(sync: Any) -> ex.Exchange:
             seconds += _add_bases(sync, bases, sources, failed)
             del updates, sources
     floating, others = ex.average_buffers(comm, sync.buffers)
+    entries = sync.averaged_entries()
     finite = are_finite(magnitudes_all).all()
     if payload_finite is not None:
         finite = finite & payload_finite.to(finite.device)
-    buffers_finite = finite_flags(floating).all().to(finite.device) if floating else torch.ones_like(finite)
-    ok, buffers_ok = torch.stack([finite, buffers_finite]).tolist()  # the one read before the commit
+    buffers_finite = finite_flags(floating).all() if floating else torch.ones_like(finite)
+    ok, buffers_ok, shares = ex.round_read(finite, buffers_finite, ex.holder_shares(comm, entries))  # the one read
     if not buffers_ok:  # identical on all workers: all repair them together
         floating = ex.repair_buffers(comm, sync.buffers)
     if not ok:  # identical on all workers: they all discard the round
@@ -217,7 +219,7 @@ def _exchange_streamed(sync: Any) -> ex.Exchange:
     if failed:  # a finite round whose bases failed, as the general path's would: nothing has changed
         raise failed[0]
     sync.payloads.resolve(rounds, True)
-    state, checked, state_finite = ex.average_state(comm, sync.averaged_entries(), config)
+    state, checked, state_finite = ex.average_state(comm, entries, config, shares)
     order = [p for p in lordo.lowrank_params() if p in bases] if lordo is not None else []
     return ex.Exchange(averaged, rounds, (floating, others), state, {p: bases[p] for p in order}, checked,
                        state_finite, torch.linalg.vector_norm(magnitudes_all), seconds, streamed=True)

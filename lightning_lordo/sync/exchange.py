@@ -116,36 +116,57 @@ def commit_buffers(buffers: Sequence[Tensor], floating: list[Tensor], others: li
 
 
 def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncConfig, moments_due: bool = True,
-                   fold: bool = True) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
+                   fold: bool = True, stepped: Optional[set[int]] = None) -> dict[str, list[tuple[Any, list[Tensor]]]]:
     """The optimizer state a sync averages, by purpose: ``(parameter, its tensors)`` pairs, the same parameters and
     shapes on every worker (the order of ``params``).
 
     ``moments`` (when ``moments_due``: every ``moments_every``-th sync): the low-rank moments in their current
     (old, shared) basis (global scope only) and, with ``average_fullrank_moments``, the full-rank parameters' moments
-    (:func:`fullrank_moments`; zeros where this worker holds none, e.g. a branch it never ran, with a ``holders``
-    flag so that the average is over the workers that hold them). ``error_feedback``: the optimizer's
+    (:func:`fullrank_moments`; zeros where this worker holds none). ``holders``: one flag per ``moments`` row,
+    whether this worker holds that moment, i.e. stepped the parameter in the round (its position is in ``stepped``;
+    ``None``: every one) and has its state; the average is over the workers that hold it (:func:`average_state`),
+    so a branch that some worker never ran keeps its holders' moments. ``error_feedback``: the optimizer's
     error-feedback buffers, if asked for, folded first unless ``fold`` is false (a resumed overlapped round, whose
     averages come from the checkpoint's copies: the live tensors are only written, at the landing)."""
     lowrank = set(optimizer.lowrank_params()) if isinstance(optimizer, LoRDO) else set()
     groups = {p: g for g in optimizer.param_groups for p in g["params"]}
-    moments, feedback, holders = [], [], []
-    for p in params:
+    moments, feedback, held = [], [], []
+    for i, p in enumerate(params):
         state = optimizer.state.get(p, {})
+        ran = stepped is None or i in stepped
         if p in lowrank:
             if moments_due and config.average_moments and config.basis_scope == "global" and "exp_avg" in state:
                 moments.append((p, [state["exp_avg"], state["exp_avg_sq"]]))
+                held.append(ran)
             if config.average_error_feedback and "error_feedback" in state:
                 if fold:  # the average of E itself (each worker's R - Q c otherwise)
                     optimizer.fold_error_feedback([p])
                 feedback.append((p, [state["error_feedback"]]))
         elif moments_due and config.average_fullrank_moments:
             layout = fullrank_moments(optimizer, p, groups[p])
-            held = bool(layout) and all(k in state for k, _, _ in layout)
+            has = bool(layout) and all(k in state for k, _, _ in layout)
             if layout:
-                moments.append((p, [state[k] if held else torch.zeros(shape, dtype=dtype, device=p.device)
+                moments.append((p, [state[k] if has else torch.zeros(shape, dtype=dtype, device=p.device)
                                     for k, dtype, shape in layout]))
-                holders.append((p, [torch.full((1,), float(held), device=p.device)]))
+                held.append(ran and has)
+    holders = [(None, [torch.tensor(held, dtype=torch.float32, device=params[0].device)])] if moments else []
     return {"moments": moments, "error_feedback": feedback, "holders": holders}
+
+
+def holder_shares(comm: Communicator, state: dict[str, list[tuple[Any, list[Tensor]]]]) -> Optional[Tensor]:
+    """The share of the workers holding each ``moments`` row of ``state`` (:func:`averaged_state`), averaged across
+    the workers (purpose ``holders``) before the round's read; ``None`` alone or without moments."""
+    rows = state.get("holders") or []
+    return comm.mean([rows[0][1][0]], "holders")[0] if rows and comm.world_size > 1 else None
+
+
+def round_read(finite: Tensor, buffers_finite: Tensor, shares: Optional[Tensor]
+               ) -> tuple[bool, bool, Optional[list[float]]]:
+    """The round's one host read before the commit: whether its pseudo-gradients are finite, whether its buffers
+    are, and the holders' shares (:func:`holder_shares`)."""
+    parts = [torch.stack([finite, buffers_finite.to(finite.device)]).float()]
+    values = torch.cat(parts + ([shares.to(finite.device)] if shares is not None else [])).tolist()
+    return bool(values[0]), bool(values[1]), values[2:] if shares is not None else None
 
 
 def fullrank_moments(optimizer: Optimizer, p: Tensor, group: dict[str, Any]
@@ -167,40 +188,43 @@ def fullrank_moments(optimizer: Optimizer, p: Tensor, group: dict[str, Any]
     return None
 
 
-def average_state(comm: Communicator, state: dict[str, list[tuple[Tensor, list[Tensor]]]], config: SyncConfig
+def average_state(comm: Communicator, state: dict[str, list[tuple[Any, list[Tensor]]]], config: SyncConfig,
+                  shares: Optional[Sequence[float]] = None
                   ) -> tuple[dict[str, StateEntries], list[Tensor], Optional[Tensor]]:
     """Averages of ``state`` (from :func:`averaged_state`), in ``config.moments_dtype``; the parameters checked and,
     per parameter, whether its averages are finite (a bool tensor, not read; identical on every worker, the averages
-    being identical). A parameter with ``holders`` flags is averaged over the workers that hold its state. Alone
-    nothing is averaged (the state stays as it is, and is only checked)."""
+    being identical). ``shares`` (read from :func:`holder_shares`, identical on every worker): a ``moments`` row that
+    only some workers hold is averaged over them (the others send zeros); one that no worker holds keeps its values
+    (the last round's average, or none). Alone nothing is averaged (the state stays as it is, and is only checked)."""
     out: dict[str, StateEntries] = {}
     checked: dict[Tensor, list[Tensor]] = {}  # parameter -> the tensors whose finiteness decides its reset
-    shares: dict[Tensor, Tensor] = {}  # parameter -> the share of the workers holding its state
+    partial = [j for j, s in enumerate(shares or []) if 0 < s < 1]
+    flags = state["holders"][0][1][0] if partial else None  # this worker's, on the device: only multiplied by
     for purpose, entries in state.items():
-        tensors = [t for _, ts in entries for t in ts]
-        if not tensors:
+        if purpose == "holders" or not any(ts for _, ts in entries):
             continue
+        sent = [[t * flags[j].to(t.dtype) for t in ts] if purpose == "moments" and j in partial else ts
+                for j, (_, ts) in enumerate(entries)]
+        tensors = [t for ts in sent for t in ts]
         if comm.world_size == 1:
             means = tensors
-        elif config.moments_dtype == "float32" or purpose == "holders":
+        elif config.moments_dtype == "float32":
             means = comm.mean(tensors, purpose)
         else:
             means = [m.to(t.dtype) for t, m in zip(tensors, quantized_mean(comm, tensors, purpose,
                                                                          config.moments_dtype).means)]
-        if purpose == "holders":
-            shares = {p: m for (p, _), m in zip(entries, means)}
-            continue
         rows, offset = [], 0
-        for p, ts in entries:
+        for j, (p, ts) in enumerate(entries):
             mine = means[offset: offset + len(ts)]
             offset += len(ts)
+            if purpose == "moments" and shares is not None and shares[j] == 0:
+                mine = list(ts)  # nobody stepped it: the values every holder of the last average has
+            elif purpose == "moments" and j in partial:
+                torch._foreach_mul_(mine, 1.0 / shares[j])  # the mean over the workers that hold it
             rows.append((p, ts, mine))
             checked.setdefault(p, []).extend(mine)
         if comm.world_size > 1:
             out[purpose] = rows
-    for p, share in shares.items():  # the mean over all workers, over the share that holds the state (0: zeros)
-        if comm.world_size > 1:
-            torch._foreach_div_(checked[p], [share.clamp(min=1.0 / comm.world_size).to(t.dtype) for t in checked[p]])
     if not checked:
         return out, [], None
     return out, list(checked), _per_parameter(finite_flags([t for ts in checked.values() for t in ts]),

@@ -77,8 +77,18 @@ def launch(step: int, sync_index: int, params: list[Tensor], deltas: list[Tensor
         snap = {k: [(p, [t.detach().clone() for t in ts]) for p, ts in v] for k, v in live.items()}
     else:
         snap = {k: [(p, [c.to(t.device) for c, t in zip(saved, ts, strict=True)])
-                    for (p, ts), saved in zip(v, copies.get(k, []), strict=True)] for k, v in live.items()}
+                    for (p, ts), saved in zip(v, _saved(copies, k, v), strict=True)] for k, v in live.items()}
     return Launch(step, sync_index, params, deltas, [b.detach().clone() for b in buffers], live, snap)
+
+
+def _saved(copies: dict[str, list[list[Tensor]]], purpose: str, live: list[tuple[Any, list[Tensor]]]
+           ) -> list[list[Tensor]]:
+    """The saved copies of ``purpose``; a checkpoint written before the holders' flags (one per moment) averaged
+    every moment over every worker: all held."""
+    saved = copies.get(purpose, [])
+    if purpose == "holders" and len(saved) != len(live):
+        return [[torch.ones_like(ts[0])] for _, ts in live]
+    return saved
 
 
 def run_now(round_: Launch, run: Callable[[Launch], ex.Exchange]) -> None:
@@ -172,7 +182,7 @@ class OverlappedRounds:
         params = [p.detach().clone() for p in self.params]
         launched = launch(self.optimizer_steps, self.syncs_done + 1, params, self.anchor.deltas(params), self.buffers,
                           self.averaged_entries())
-        self.steps_since_sync = 0
+        self.steps_since_sync, self.stepped = 0, set()  # the steps from here on are the next round's
         self._start(launched, self.overlap_comm)
 
     def _start(self, launched: Launch, comm: Communicator) -> None:

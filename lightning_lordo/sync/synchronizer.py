@@ -14,15 +14,11 @@ Every ``sync_every`` local steps all workers call :meth:`Synchronizer.sync` toge
 Before any round, the synchronous phase (``warmup_steps``, or ``synchronous=True``: low-rank DDP) averages the
 gradients every step (:meth:`before_optimizer_step`) and refreshes the bases every ``sync_every`` steps from the
 averaged gradient; at the end of the warm-up the replicas are identical, the anchor is taken and the switch knobs
-apply.
+apply. Non-finite values discard the round on every worker (:mod:`lightning_lordo.sync.faults`). Every collective
+is bounded by the communicator's timeout: a worker that dies or hangs makes the others raise ``CollectiveTimeout``
+naming the sync, and is then as it was before the sync (every collective comes before the commit).
 
-Non-finite values discard the round on every worker (:mod:`lightning_lordo.sync.faults`). Every collective is
-bounded by the communicator's timeout: a worker that dies or hangs makes the others raise
-:class:`~lightning_lordo.comm.communicator.CollectiveTimeout` naming the sync; as every collective comes before
-the commit, the worker is then exactly as it was before the sync (bytes already sent stay counted).
-
-Reference: Jovanović et al., "LoRDO: Distributed Low-Rank Optimization with Infrequent Communication", ICML 2026
-(arXiv 2602.04396); Douillard et al., "DiLoCo" (arXiv 2311.08105) for the outer step.
+References: LoRDO (Jovanović et al., ICML 2026, arXiv 2602.04396); DiLoCo (arXiv 2311.08105) for the outer step.
 """
 
 from __future__ import annotations
@@ -78,6 +74,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         self.overlap_comm = overlap_communicator or communicator
         self.in_flight: Optional[overlap.Launch] = None
         self.steps_since_sync = 0
+        self.stepped: set[int] = set()  # positions stepped in the local round (averaged_state's holders)
         self.optimizer_steps = 0
         self.syncs_done = 0
         self.skipped_syncs = 0
@@ -105,13 +102,13 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         model of optimizer step ``step`` (``None``: now)."""
         self.anchor.take()
         self._anchor_step = self.optimizer_steps if step is None else step
+        self.stepped = set()  # a new round
 
     @property
     def synchronized_step(self) -> int:
-        """The optimizer step (as :attr:`optimizer_steps` counts) whose synchronized model the anchor holds, which
-        validation and checkpoints see between syncs: the last sync's; with ``overlap_steps`` the launch of the last
-        round that *landed* (K steps older than the replicas' average from a launch until its landing); in the
-        synchronous phase, every step."""
+        """The optimizer step whose synchronized model the anchor holds, which validation and checkpoints see: the
+        last sync's; with ``overlap_steps`` the launch of the last round that *landed* (K steps older than the
+        replicas' average from a launch until its landing); in the synchronous phase, every step."""
         return self.optimizer_steps if self.synchronous_now else self._anchor_step
 
     @property
@@ -149,6 +146,8 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
                 self._round["movement"] = _mean_movement(moved)
                 self._round["basis_seconds"] += time.perf_counter() - basis_start
         self._ensure_first_bases(averaged=synchronous)
+        if len(self.stepped) < len(self.params):  # the round's holders of moments (averaged_state); then free
+            self.stepped.update(i for i, p in enumerate(self.params) if p.grad is not None)
         next_step = (self.optimizer_steps + 1) if synchronous else (self.steps_since_sync + 1)
         if lordo is not None and next_step % k == 0:
             lordo.request_diagnostics()
@@ -262,12 +261,14 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
             round_ = bucketed.exchange(self) if bucketed.applies(self) else self.exchange(  # bucketed: never whole
                 self.comm, self.anchor.deltas(), self.buffers, self.averaged_entries(), self.optimizer_steps,
                 self.window.due(self.syncs_done + 1))
-        return self.land(round_, start)
+        report = self.land(round_, start)
+        self.stepped = set() if round_.finite else self.stepped  # a discarded round's steps count at the next one
+        return report
 
-    def averaged_entries(self, fold: bool = True) -> dict[str, list[tuple[Tensor, list[Tensor]]]]:
-        """The optimizer state this sync averages (:func:`~lightning_lordo.sync.exchange.averaged_state`)."""
+    def averaged_entries(self, fold: bool = True) -> dict[str, list[tuple[Any, list[Tensor]]]]:
+        """The state this sync averages, held where this worker stepped it (:func:`~.exchange.averaged_state`)."""
         due = (self.syncs_done + 1) % self.config.moments_every == 0  # this sync's number, from 1
-        return ex.averaged_state(self.optimizer, self.params, self.config, due, fold)
+        return ex.averaged_state(self.optimizer, self.params, self.config, due, fold, self.stepped)
 
     def exchange(self, comm: Communicator, local: list[Tensor], buffers: Sequence[Tensor],
                  entries: dict[str, list[tuple[Tensor, list[Tensor]]]], generation: int,
@@ -283,15 +284,14 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         finite = are_finite(magnitudes).all()
         if payload_finite is not None:
             finite = finite & payload_finite.to(finite.device)
-        buffers_finite = finite_flags(floating).all() if floating else torch.ones((), dtype=torch.bool,
-                                                                                 device=finite.device)
-        ok, buffers_ok = torch.stack([finite, buffers_finite]).tolist()
+        buffers_finite = finite_flags(floating).all() if floating else torch.ones_like(finite)
+        ok, buffers_ok, shares = ex.round_read(finite, buffers_finite, ex.holder_shares(comm, entries))
         if not buffers_ok:  # identical on all workers: all repair them together
             floating = ex.repair_buffers(comm, buffers)
         if not ok:  # identical on all workers: they all discard the round
             return ex.Exchange(averaged, rounds, (floating, others), finite=False)
         self.payloads.resolve(rounds, True)
-        state, checked, state_finite = ex.average_state(comm, entries, self.config)
+        state, checked, state_finite = ex.average_state(comm, entries, self.config, shares)
         basis_start = time.perf_counter()
         bases = {}
         if self.lordo is not None and refresh:
