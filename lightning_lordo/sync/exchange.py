@@ -164,9 +164,12 @@ def round_read(finite: Tensor, buffers_finite: Tensor, shares: Optional[Tensor]
                ) -> tuple[bool, bool, Optional[list[float]]]:
     """The round's one host read before the commit: whether its pseudo-gradients are finite, whether its buffers
     are, and the holders' shares (:func:`holder_shares`)."""
-    parts = [torch.stack([finite, buffers_finite.to(finite.device)]).float()]
-    values = torch.cat(parts + ([shares.to(finite.device)] if shares is not None else [])).tolist()
-    return bool(values[0]), bool(values[1]), values[2:] if shares is not None else None
+    flags = torch.stack([finite, buffers_finite.to(finite.device)])
+    if shares is None:
+        ok, buffers_ok = flags.tolist()
+        return ok, buffers_ok, None
+    values = torch.cat([flags.to(shares.dtype), shares.to(finite.device)]).tolist()
+    return bool(values[0]), bool(values[1]), values[2:]
 
 
 def fullrank_moments(optimizer: Optimizer, p: Tensor, group: dict[str, Any]
