@@ -106,7 +106,8 @@ class LowRankAroundEverySync(L.Callback):
     """The branch's low-rank matrix (``branch[0]``, default knobs: its moments are averaged at every sync): on every
     rank, the moments this worker sends and the averages it gets back, read in ``average_state``."""
 
-    def __init__(self) -> None:
+    def __init__(self, averages: int = 2) -> None:
+        self.averages = averages  # how many syncs average the moments (every sync by default)
         self.pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -116,9 +117,10 @@ class LowRankAroundEverySync(L.Callback):
 
         def recorded(comm: Any, state: Any, config: Any, shares: Any = None) -> Any:
             out = original(comm, state, config, shares)
-            sent = [[t.clone() for t in ts] for p, ts in state["moments"] if p is matrix]
-            got = [[t.clone() for t in means] for p, _, means in out[0]["moments"] if p is matrix]
-            self.pairs.append((sent[0], got[0]))
+            sent = [[t.clone() for t in ts] for p, ts in state.get("moments", []) if p is matrix]
+            got = [[t.clone() for t in means] for p, _, means in out[0].get("moments", []) if p is matrix]
+            if sent:
+                self.pairs.append((sent[0], got[0]))
             return out
 
         exchange.average_state = recorded
@@ -126,7 +128,7 @@ class LowRankAroundEverySync(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.restore()
-        assert len(self.pairs) == 2  # the syncs at steps 3 and 6
+        assert len(self.pairs) == self.averages
         for sent, got in self.pairs:
             theirs = [torch.stack(gather(t)) for t in sent]  # (rank 0, rank 1)
             for ours, both in zip(got, theirs):  # rank 1 alone runs the branch: the average is its moment
@@ -138,6 +140,25 @@ class LowRankAroundEverySync(L.Callback):
 def test_a_low_rank_branch_that_one_worker_never_runs_keeps_its_holders_moments() -> None:
     torch.manual_seed(0)
     trainer(lordo(sync_every=3), callbacks=[LowRankAroundEverySync()], max_steps=6).fit(Branchy(), loader())
+
+
+class BranchyOnce(Branchy):
+    """Rank 1 runs the branch in the first round only (optimizer steps 1-3)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x)
+        if self.global_rank == 1 and self.trainer.global_step < 3:
+            out = out + self.branch(x)
+        return nn.functional.mse_loss(out, y)
+
+
+def test_a_worker_holds_what_it_stepped_since_the_moments_were_last_averaged() -> None:
+    """``moments_every=2``: the moments are averaged at the second sync only; rank 1 stepped the branch in the first
+    round, not the second, and still holds its moments there (the flags cover every round since the last average)."""
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=3, moments_every=2), callbacks=[LowRankAroundEverySync(averages=1)], max_steps=6).fit(
+        BranchyOnce(), loader())
 
 
 def test_moments_are_averaged_over_the_workers_that_hold_them_float64() -> None:
@@ -363,3 +384,15 @@ def test_a_fabric_loop_that_fails_with_a_round_in_flight_ends_with_the_users_exc
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 1, (done.returncode, done.stderr[-2000:])  # not -6 / 134: an abort
     assert "ValueError: the user's own error" in done.stderr and "terminate called" not in done.stderr
+
+
+def test_a_round_in_flight_saved_before_the_holders_flags_averages_over_every_worker() -> None:
+    """A checkpoint of an older version holds one ``holders`` flag per full-rank parameter (none without
+    ``average_fullrank_moments``); resumed, its round counts every worker as a holder, as that version averaged."""
+    from lightning_lordo.sync.overlap import _saved
+
+    live = [(None, [torch.zeros(3)])]  # today's: one flag per averaged moment, here three
+    for old in ([], [[torch.ones(1)]], [[torch.ones(1)], [torch.zeros(1)]]):  # none, one, two full-rank parameters
+        assert [[t.tolist() for t in ts] for ts in _saved({"holders": old}, "holders", live)] == [[[1.0, 1.0, 1.0]]]
+    today = [[torch.tensor([1.0, 0.0, 1.0])]]
+    assert _saved({"holders": today}, "holders", live) is today

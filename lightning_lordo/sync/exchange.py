@@ -149,8 +149,15 @@ def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncC
                 moments.append((p, [state[k] if has else torch.zeros(shape, dtype=dtype, device=p.device)
                                     for k, dtype, shape in layout]))
                 held.append(ran and has)
-    holders = [(None, [torch.tensor(held, dtype=torch.float32, device=params[0].device)])] if moments else []
+    holders = [(None, [_on_device(torch.tensor(held, dtype=torch.float32), params[0].device)])] if moments else []
     return {"moments": moments, "error_feedback": feedback, "holders": holders}
+
+
+def _on_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device`` without the host waiting for the device: from pinned memory on CUDA."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def holder_shares(comm: Communicator, state: dict[str, list[tuple[Any, list[Tensor]]]]) -> Optional[Tensor]:

@@ -63,6 +63,7 @@ class Launch:
     result: Optional[ex.Exchange] = None
     error: Optional[BaseException] = None
     thread: Optional[threading.Thread] = None
+    stepped: set[int] = dataclasses.field(default_factory=set)  # the holders it took (given back if it is discarded)
 
     def state_dict(self) -> dict[str, Any]:
         """This worker's copies (per rank; the live entries are found again from the optimizer)."""
@@ -86,7 +87,7 @@ def _saved(copies: dict[str, list[list[Tensor]]], purpose: str, live: list[tuple
     """The saved copies of ``purpose``; a checkpoint written before the holders' flags (one per moment) averaged
     every moment over every worker: all held."""
     saved = copies.get(purpose, [])
-    if purpose == "holders" and len(saved) != len(live):
+    if purpose == "holders" and (len(saved) != len(live) or saved and saved[0][0].shape != live[0][1][0].shape):
         return [[torch.ones_like(ts[0])] for _, ts in live]
     return saved
 
@@ -182,7 +183,9 @@ class OverlappedRounds:
         params = [p.detach().clone() for p in self.params]
         launched = launch(self.optimizer_steps, self.syncs_done + 1, params, self.anchor.deltas(params), self.buffers,
                           self.averaged_entries())
-        self.steps_since_sync, self.stepped = 0, set()  # the steps from here on are the next round's
+        if launched.sync_index % self.config.moments_every == 0:  # it averages the moments: its holders go with it
+            launched.stepped, self.stepped = self.stepped, set()
+        self.steps_since_sync = 0
         self._start(launched, self.overlap_comm)
 
     def _start(self, launched: Launch, comm: Communicator) -> None:
@@ -223,6 +226,8 @@ class OverlappedRounds:
         report = self.land(fixed, time.perf_counter() - launched.exchange_seconds, progress(launched, self.params),
                            launched.step)
         self.steps_since_sync = steps  # the schedule counts from the launch
+        if not fixed.finite:  # a discarded round's moments are averaged at the next one, with its holders
+            self.stepped |= launched.stepped
         return report
 
     def wait_in_flight(self) -> None:

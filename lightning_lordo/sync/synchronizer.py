@@ -261,8 +261,9 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
             round_ = bucketed.exchange(self) if bucketed.applies(self) else self.exchange(  # bucketed: never whole
                 self.comm, self.anchor.deltas(), self.buffers, self.averaged_entries(), self.optimizer_steps,
                 self.window.due(self.syncs_done + 1))
+        due = (self.syncs_done + 1) % self.config.moments_every == 0  # this round averages the moments
         report = self.land(round_, start)
-        self.stepped = set() if round_.finite else self.stepped  # a discarded round's steps count at the next one
+        self.stepped = set() if round_.finite and due else self.stepped  # held till the moments are averaged
         return report
 
     def averaged_entries(self, fold: bool = True) -> dict[str, list[tuple[Any, list[Tensor]]]]:
@@ -382,11 +383,9 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         if anchor:
             self.anchor.load_state_dict(state["anchor"])
         self.outer.load_state_dict(state["outer"])
-        self.steps_since_sync = state["steps_since_sync"]
-        self.optimizer_steps = state["optimizer_steps"]
+        self.steps_since_sync, self.optimizer_steps = state["steps_since_sync"], state["optimizer_steps"]
         self.syncs_done = state["syncs_done"]
-        self.skipped_syncs = state["skipped_syncs"]
-        self.consecutive_skips = state["consecutive_skips"]
+        self.skipped_syncs, self.consecutive_skips = state["skipped_syncs"], state["consecutive_skips"]
         self.window.load_state_dict(state["basis_window"])
         self._anchor_step = state["anchor_step"]
 
