@@ -155,9 +155,9 @@ def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncC
 
 def _on_device(host: Tensor, device: torch.device) -> Tensor:
     """``host`` on ``device`` without the host waiting for the device: from pinned memory on CUDA."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def holder_shares(comm: Communicator, state: dict[str, list[tuple[Any, list[Tensor]]]]) -> Optional[Tensor]:
