@@ -309,3 +309,62 @@ def test_a_sigterm_to_one_rank_only_stops_every_rank_at_the_same_batch(tmp_path:
              for r in (0, 1)]
     assert stops[0] is not None and stops[0] == stops[1], (stops, output[-3000:])
     assert stops[0].startswith("SIGTERMException") and int(stops[0].split()[1]) in (6, 7), (stops, output[-3000:])
+
+
+OVERLAP_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import torch, lightning as L
+import torch.distributed as dist
+import lightning_lordo
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning_lordo import LoRDOStrategy
+from strategy_helpers import TinyRegressor, loader
+
+class SigtermOnRank1(TinyRegressor):
+    def training_step(self, batch, batch_idx):
+        if dist.get_rank() == 1 and self.trainer.global_step == 7 and sys.argv[2] == "stop":
+            os.kill(os.getpid(), signal.SIGTERM)  # rank 1 alone; the check carries it a batch later, at step 8 or 9
+        return super().training_step(batch, batch_idx)
+
+class RecordsStop(L.Callback):
+    def on_exception(self, trainer, module, exception):
+        with open(os.path.join(sys.argv[1], f"rank{{trainer.global_rank}}.txt"), "w") as f:
+            f.write(f"{{type(exception).__name__}} {{trainer.global_step}}")
+
+    def on_train_end(self, trainer, module):
+        with open(os.path.join(sys.argv[1], f"end{{trainer.global_rank}}.txt"), "w") as f:
+            f.write(str(trainer.global_step))
+
+torch.set_num_threads(1)
+stop = sys.argv[2] == "stop"
+L.Trainer(strategy=LoRDOStrategy(sync_every=4, overlap_steps=2, optimizer=dict(rank=4), timeout=20),
+          accelerator="cpu", devices=2, max_steps=12, logger=False,
+          callbacks=[RecordsStop(), OnExceptionCheckpoint(sys.argv[1], filename="stopped")],
+          enable_progress_bar=False, enable_model_summary=False).fit(
+    SigtermOnRank1(), loader(), ckpt_path=None if stop else os.path.join(sys.argv[1], "stopped.ckpt"))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_sigterm_with_an_overlapped_round_in_flight_stops_every_rank_with_a_checkpoint_that_resumes(
+        tmp_path: Path) -> None:
+    """``overlap_steps``: SIGTERM to rank 1 alone while a round is in flight; every rank stops at the same batch, the
+    emergency checkpoint holds the round in flight on every rank, and a new run resumes it to the end."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(OVERLAP_SCRIPT.format(tests=str(Path(__file__).parent))))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK")}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), "stop"], capture_output=True, text=True,
+                          timeout=150, cwd=tmp_path, env=env)
+    output = done.stdout + done.stderr
+    stops = [(tmp_path / f"rank{r}.txt").read_text() if (tmp_path / f"rank{r}.txt").exists() else None
+             for r in (0, 1)]
+    assert stops[0] is not None and stops[0] == stops[1], (stops, output[-3000:])
+    assert stops[0].startswith("SIGTERMException") and int(stops[0].split()[1]) in (8, 9), (stops, output[-3000:])
+    saved = load_full(tmp_path / "stopped.ckpt")["lordo"]  # the round launched at step 8 lands at step 10
+    assert all("overlap" in rank for rank in saved["ranks"]), [sorted(r) for r in saved["ranks"]]
+    resumed = subprocess.run([sys.executable, str(script), str(tmp_path), "resume"], capture_output=True, text=True,
+                             timeout=150, cwd=tmp_path, env=env)
+    ends = [(tmp_path / f"end{r}.txt").read_text() if (tmp_path / f"end{r}.txt").exists() else None for r in (0, 1)]
+    assert resumed.returncode == 0 and ends == ["12", "12"], (ends, (resumed.stdout + resumed.stderr)[-3000:])
