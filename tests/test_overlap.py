@@ -152,3 +152,28 @@ def test_exporting_a_checkpoint_with_a_round_in_flight_says_the_round_is_dropped
     notes = to_torch_checkpoint(checkpoint)
     assert any("the overlapped round in flight (launched at optimizer step 12)" in n for n in notes), notes
     assert "lordo" not in checkpoint
+
+
+@pytest.mark.parametrize("purpose", ["pseudo_gradients", "holders", "moments", "buffers"])
+def test_a_failed_overlapped_round_leaves_the_worker_as_it_was_at_its_landing(purpose: str) -> None:
+    """Synchronizer level (test_faults' communicator, which fails the first collective of ``purpose``): the round
+    launched at step 3 fails in its exchange; at its landing, after step 4, the error is raised and the worker's
+    replica, anchor, buffers, optimizer state and counters are exactly as they were before the landing."""
+    from test_faults import FlakyCommunicator, _everything, _setup, _step
+
+    from lightning_lordo.comm.communicator import CollectiveTimeout
+    from tests.strategy_helpers import assert_identical
+
+    comm = FlakyCommunicator(purpose, CollectiveTimeout("LoRDO sync 1: injected"))
+    model, opt, sync = _setup("lordo", comm, sync_every=3, overlap_steps=1)
+    comm.armed = True
+    for i in range(3):  # step 3 launches sync 1; one process group, so its exchange runs (and fails) at once
+        _step(model, opt, sync, i)
+    assert sync.in_flight is not None and sync.in_flight.error is not None and comm.seen == 1
+    _step(model, opt, sync, 3, sync_after=False)  # step 4, whose landing is called by hand
+    sync.optimizer_steps += 1
+    sync.steps_since_sync += 1
+    before = _everything(model, opt, sync)
+    with pytest.raises(CollectiveTimeout, match="injected"):
+        sync._land_in_flight()
+    assert_identical(_everything(model, opt, sync), before, "state after the failed landing")
