@@ -149,6 +149,43 @@ def test_a_non_finite_round_is_discarded_on_every_rank_and_the_next_one_lands() 
     fabric.launch(work)
 
 
+@pytest.mark.timeout(120)
+def test_a_non_finite_buffer_takes_the_mean_of_the_workers_where_it_is_finite() -> None:
+    """The README's guarantee under Fabric: rank 1's BatchNorm running mean turns NaN mid-round; after the sync every
+    rank holds, entry by entry, the mean over the workers where it was finite (rank 0's value at the NaN)."""
+    fabric = fabric_for()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 24), nn.BatchNorm1d(24), nn.GELU(), nn.Linear(24, 3))
+
+    def work(fabric: Fabric) -> None:
+        net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        sync = fabric.strategy.synchronizer
+        original, checked = sync.sync, []
+
+        def recorded() -> Any:
+            before = [torch.stack(gather(b)) for b in model.buffers() if b.is_floating_point()]
+            report = original()
+            after = [b for b in model.buffers() if b.is_floating_point()]
+            for every, mine in zip(before, after):  # every: (workers, ...)
+                finite = torch.isfinite(every)
+                expected = torch.where(finite, every, torch.zeros_like(every)).sum(0) / finite.sum(0).clamp(min=1)
+                torch.testing.assert_close(mine, expected, rtol=1e-6, atol=1e-7)
+            checked.append(not all(torch.isfinite(t).all() for t in before))
+            return report
+
+        sync.sync = recorded
+
+        def poison(step: int) -> None:
+            if step == K - 2 and fabric.global_rank == 1:
+                model[1].running_mean[0] = float("nan")  # a bad input's statistics, mid-round
+
+        run_steps(fabric, net, optimizer, (b for _, b in zip(range(2 * K), loader())), after=poison)
+        assert checked == [True, False], checked  # the first sync repaired it; the second had nothing to repair
+        assert all(torch.isfinite(b).all() for b in model.buffers() if b.is_floating_point())
+
+    fabric.launch(work)
+
+
 @pytest.mark.timeout(90)
 def test_a_hung_worker_makes_the_others_raise_a_collective_timeout_naming_the_sync() -> None:
     """Rank 1 stalls past the timeout right before the optimizer step that syncs: rank 0 fails in sync 1 with the
