@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -106,8 +106,8 @@ class LowRankAroundEverySync(L.Callback):
     """The branch's low-rank matrix (``branch[0]``, default knobs: its moments are averaged at every sync): on every
     rank, the moments this worker sends and the averages it gets back, read in ``average_state``."""
 
-    def __init__(self, averages: int = 2) -> None:
-        self.averages = averages  # how many syncs average the moments (every sync by default)
+    def __init__(self, averages: Optional[int] = 2) -> None:
+        self.averages = averages  # how many syncs average the moments (every sync by default; None: at least one)
         self.pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -128,7 +128,7 @@ class LowRankAroundEverySync(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.restore()
-        assert len(self.pairs) == self.averages
+        assert len(self.pairs) == self.averages if self.averages is not None else self.pairs
         for sent, got in self.pairs:
             theirs = [torch.stack(gather(t)) for t in sent]  # (rank 0, rank 1)
             for ours, both in zip(got, theirs):  # rank 1 alone runs the branch: the average is its moment
@@ -137,9 +137,12 @@ class LowRankAroundEverySync(L.Callback):
                 assert not torch.equal(sent[0], got[0]), "rank 0's moments were sent as if it held them"
 
 
-def test_a_low_rank_branch_that_one_worker_never_runs_keeps_its_holders_moments() -> None:
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_a_low_rank_branch_that_one_worker_never_runs_keeps_its_holders_moments(overlap: int) -> None:
+    """Blocking, and overlapped (the round's average made on its thread from the launch's copies)."""
     torch.manual_seed(0)
-    trainer(lordo(sync_every=3), callbacks=[LowRankAroundEverySync()], max_steps=6).fit(Branchy(), loader())
+    trainer(lordo(sync_every=3, overlap_steps=overlap), callbacks=[LowRankAroundEverySync(None if overlap else 2)],
+            max_steps=6).fit(Branchy(), loader())
 
 
 class BranchyOnce(Branchy):
