@@ -106,8 +106,9 @@ class LowRankAroundEverySync(L.Callback):
     """The branch's low-rank matrix (``branch[0]``, default knobs: its moments are averaged at every sync): on every
     rank, the moments this worker sends and the averages it gets back, read in ``average_state``."""
 
-    def __init__(self, averages: Optional[int] = 2) -> None:
+    def __init__(self, averages: Optional[int] = 2, rtol: float = 1e-6) -> None:
         self.averages = averages  # how many syncs average the moments (every sync by default; None: at least one)
+        self.rtol = rtol  # bfloat16 moments: their rounding
         self.pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -132,16 +133,18 @@ class LowRankAroundEverySync(L.Callback):
         for sent, got in self.pairs:
             theirs = [torch.stack(gather(t)) for t in sent]  # (rank 0, rank 1)
             for ours, both in zip(got, theirs):  # rank 1 alone runs the branch: the average is its moment
-                torch.testing.assert_close(ours, both[1], rtol=1e-6, atol=0)
+                torch.testing.assert_close(ours, both[1], rtol=self.rtol, atol=0)
             if trainer.global_rank == 0:
                 assert not torch.equal(sent[0], got[0]), "rank 0's moments were sent as if it held them"
 
 
-@pytest.mark.parametrize("overlap", [0, 1])
-def test_a_low_rank_branch_that_one_worker_never_runs_keeps_its_holders_moments(overlap: int) -> None:
-    """Blocking, and overlapped (the round's average made on its thread from the launch's copies)."""
+@pytest.mark.parametrize(("overlap", "dtype"), [(0, "float32"), (1, "float32"), (0, "bfloat16")])
+def test_a_low_rank_branch_that_one_worker_never_runs_keeps_its_holders_moments(overlap: int, dtype: str) -> None:
+    """Blocking, overlapped (the round's average made on its thread from the launch's copies), and with the moments
+    averaged in bfloat16 (a reduced payload: one bfloat16 rounding of the holder's moment)."""
     torch.manual_seed(0)
-    trainer(lordo(sync_every=3, overlap_steps=overlap), callbacks=[LowRankAroundEverySync(None if overlap else 2)],
+    check = LowRankAroundEverySync(None if overlap else 2, rtol=2**-7 if dtype == "bfloat16" else 1e-6)
+    trainer(lordo(sync_every=3, overlap_steps=overlap, payload_dtype=dtype), callbacks=[check],
             max_steps=6).fit(Branchy(), loader())
 
 
