@@ -110,7 +110,21 @@ class Snapshot(L.Callback):
         torch.save(self.batches, self.directory / f"{self.tag}_batches_rank{trainer.global_rank}.pt")
 
 
-def _fit(tmp_path: Path, tag: str, ckpt: Any = None, checkpoints: bool = False, **knobs: Any) -> None:
+class BranchyBatchNormRegressor(BatchNormRegressor):
+    """A second branch (a low-rank matrix and a head) that only rank 1 runs: its moments are held by rank 1 alone."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.branch = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x) + (self.branch(x) if self.global_rank == 1 else 0)
+        return nn.functional.mse_loss(out, y)
+
+
+def _fit(tmp_path: Path, tag: str, ckpt: Any = None, checkpoints: bool = False,
+         module: type = BatchNormRegressor, **knobs: Any) -> None:
     """MAX_STEPS steps (or the rest of them, from ``ckpt``); ``checkpoints`` every 3 steps, the full run's in
     ``ckpt/``, a resumed run's in ``ckpt_<tag>/`` (it writes those the full run wrote after its start, as an
     interrupted run would)."""
@@ -120,9 +134,8 @@ def _fit(tmp_path: Path, tag: str, ckpt: Any = None, checkpoints: bool = False, 
         callbacks.append(ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=CHECKPOINT_EVERY,
                                          save_top_k=-1))
     torch.manual_seed(0)
-    module = BatchNormRegressor(scheduler=True)
     trainer(lordo(sync_every=K, **knobs), callbacks=callbacks, max_steps=MAX_STEPS, max_epochs=-1,
-            enable_checkpointing=checkpoints).fit(module, datamodule=ShuffledData(), ckpt_path=ckpt)
+            enable_checkpointing=checkpoints).fit(module(scheduler=True), datamodule=ShuffledData(), ckpt_path=ckpt)
 
 
 def _position(checkpoint: Path) -> tuple[int, int]:
@@ -169,6 +182,18 @@ def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: 
     for tag, ckpt, step in (("mid", mid_round, 6), ("sync", at_sync, 12)):
         _fit(tmp_path, tag, ckpt=str(ckpt), checkpoints=True, **knobs)
         _assert_resumed_exactly(tmp_path, tag, first_step=step + 1)
+
+
+def test_a_mid_round_resume_keeps_which_parameters_each_worker_stepped(tmp_path: Path) -> None:
+    """A branch only rank 1 runs: each rank's checkpoint keeps the parameters it stepped in the round, so the next
+    sync averages the branch's moments over rank 1 alone, as the uninterrupted run does (bit for bit)."""
+    _fit(tmp_path, "full", checkpoints=True, module=BranchyBatchNormRegressor)
+    saved = load_full(tmp_path / "ckpt" / "step=6.ckpt")["lordo"]
+    stepped = [set(rank["stepped"]) for rank in saved["ranks"]]
+    assert stepped[0] < stepped[1], stepped  # rank 0 never stepped the branch
+    _fit(tmp_path, "mid", ckpt=str(tmp_path / "ckpt" / "step=6.ckpt"), checkpoints=True,
+         module=BranchyBatchNormRegressor)
+    _assert_resumed_exactly(tmp_path, "mid", first_step=7)
 
 
 def test_resume_while_an_overlapped_round_averaging_the_error_feedback_is_in_flight_is_bit_identical(
