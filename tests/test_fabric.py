@@ -186,6 +186,48 @@ def test_a_non_finite_buffer_takes_the_mean_of_the_workers_where_it_is_finite() 
     fabric.launch(work)
 
 
+@pytest.mark.timeout(120)
+def test_a_failed_sync_leaves_every_worker_as_it_was() -> None:
+    """The README's guarantee under Fabric: sync 2's moments collective fails on both ranks (before any data moves);
+    each worker's replica, anchor, buffers and optimizer state are exactly as when the sync began, and a retry
+    lands."""
+    from lightning_lordo.comm.communicator import CollectiveTimeout
+
+    fabric = fabric_for()
+    model = regression_model()
+
+    def work(fabric: Fabric) -> None:
+        net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        sync = fabric.strategy.synchronizer
+        comm, mean, real_sync = sync.comm, sync.comm.mean, sync.sync
+
+        def everything() -> list[torch.Tensor]:
+            state = [t for p in model.parameters() for t in optimizer.state[p].values() if torch.is_tensor(t)]
+            return [t.detach().clone() for t in [*model.parameters(), *model.buffers(), *sync.anchor.tensors, *state]]
+
+        def failing(tensors: Any, purpose: str) -> Any:
+            if purpose == "moments" and sync.syncs_done == 1:
+                raise CollectiveTimeout("LoRDO sync 2: injected")
+            return mean(tensors, purpose)
+
+        snapshots = []
+
+        def recorded() -> Any:
+            snapshots.append(everything())
+            return real_sync()
+
+        comm.mean, sync.sync = failing, recorded
+        with pytest.raises(CollectiveTimeout, match="injected"):
+            run_steps(fabric, net, optimizer, (b for _, b in zip(range(2 * K), loader())))
+        after = everything()
+        assert sync.syncs_done == 1 and len(snapshots) == 2 and len(after) == len(snapshots[1])
+        assert all(torch.equal(a, b) for a, b in zip(after, snapshots[1])), "the failed sync changed the worker"
+        comm.mean, sync.sync = mean, real_sync
+        assert sync.sync().index == 2 and ranks_identical(flat_params(model))  # the retry lands
+
+    fabric.launch(work)
+
+
 @pytest.mark.timeout(90)
 def test_a_hung_worker_makes_the_others_raise_a_collective_timeout_naming_the_sync() -> None:
     """Rank 1 stalls past the timeout right before the optimizer step that syncs: rank 0 fails in sync 1 with the
