@@ -228,6 +228,52 @@ def test_a_failed_sync_leaves_every_worker_as_it_was() -> None:
     fabric.launch(work)
 
 
+class Branched(nn.Module):
+    """The regression network and a branch (a low-rank matrix and a head) that only rank 1 runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = regression_model()
+        self.branch = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return self.trunk(x) + (self.branch(x) if rank == 1 else 0)
+
+
+@pytest.mark.timeout(120)
+def test_a_branch_one_worker_never_runs_keeps_its_holders_moments() -> None:
+    """The README's guarantee under Fabric: the branch's low-rank moments, averaged at every sync, are rank 1's own
+    on both ranks (rank 0 never stepped it)."""
+    from lightning_lordo.sync import exchange
+
+    fabric = fabric_for()
+    model = Branched()
+
+    def work(fabric: Fabric) -> None:
+        net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        matrix, original, pairs = model.branch[0].weight, exchange.average_state, []
+
+        def recorded(comm: Any, state: Any, config: Any, shares: Any = None) -> Any:
+            out = original(comm, state, config, shares)
+            sent = [[t.clone() for t in ts] for p, ts in state.get("moments", []) if p is matrix]
+            got = [[t.clone() for t in means] for p, _, means in out[0].get("moments", []) if p is matrix]
+            pairs.extend(zip(sent, got))
+            return out
+
+        exchange.average_state = recorded
+        try:
+            run_steps(fabric, net, optimizer, (b for _, b in zip(range(2 * K), loader())))
+        finally:
+            exchange.average_state = original
+        assert len(pairs) == 2
+        for sent, got in pairs:
+            for ours, theirs in zip(got, sent):
+                torch.testing.assert_close(ours, torch.stack(gather(theirs))[1], rtol=1e-6, atol=0)
+
+    fabric.launch(work)
+
+
 @pytest.mark.timeout(90)
 def test_a_hung_worker_makes_the_others_raise_a_collective_timeout_naming_the_sync() -> None:
     """Rank 1 stalls past the timeout right before the optimizer step that syncs: rank 0 fails in sync 1 with the
