@@ -228,6 +228,30 @@ def test_a_failed_sync_leaves_every_worker_as_it_was() -> None:
     fabric.launch(work)
 
 
+@pytest.mark.timeout(120)
+def test_max_skipped_syncs_in_a_row_stop_the_run_naming_the_rank() -> None:
+    """``max_skipped_syncs=1`` under Fabric: rank 1's NaN discards the round at step K, and every rank raises
+    ``NonFiniteTraining`` naming rank 1 (the same decision everywhere: no rank waits for another)."""
+    from lightning_lordo import NonFiniteTraining
+
+    fabric = fabric_for(max_skipped_syncs=1)
+    model = regression_model()
+
+    def work(fabric: Fabric) -> None:
+        net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+        def poison(step: int) -> None:
+            if step == K - 1 and fabric.global_rank == 1:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = float("nan")
+
+        with pytest.raises(NonFiniteTraining, match=r"rank\(s\) \[1\]"):
+            run_steps(fabric, net, optimizer, (b for _, b in zip(range(2 * K), loader())), after=poison)
+        assert fabric.strategy.synchronizer.skipped_syncs == 1
+
+    fabric.launch(work)
+
+
 class Branched(nn.Module):
     """The regression network and a branch (a low-rank matrix and a head) that only rank 1 runs."""
 
