@@ -717,3 +717,18 @@ def test_a_run_that_is_non_finite_at_every_sync_stops_naming_the_rank(limit: int
     assert "NonFiniteTraining" in message or isinstance(info.value, NonFiniteTraining), message
     assert f"{limit} consecutive syncs were discarded" in message and "rank(s) [1]" in message, message
     assert f"sync {limit} (optimizer step {2 * limit})" in message and "since optimizer step 0" in message
+
+
+def test_a_discarded_round_keeps_the_parameters_each_worker_stepped_for_the_next_one() -> None:
+    """The holders of a round that is discarded (a NaN) still hold their moments at the next sync, which averages
+    them: the set of stepped parameters is cleared only by a sync that averaged the moments."""
+    model, opt, sync = _setup("lordo", sync_every=3)
+    params = list(model.parameters())
+    for i in range(2):
+        _step(model, opt, sync, i)
+    assert sync.stepped == set(range(len(params)))
+    report = _step(model, opt, sync, 2, nan_grad=params[0])  # step 3: its round is discarded
+    assert report.skipped and sync.stepped == set(range(len(params)))
+    for i in range(3, 6):  # the next round syncs at step 6, and clears the set
+        report = _step(model, opt, sync, i)
+    assert not report.skipped and sync.stepped == set()
