@@ -79,6 +79,27 @@ def test_shards_swapped_between_ranks_are_refused(runs: dict[str, Path], tmp_pat
         load_full(checkpoint)  # the inspection and export path refuses it too
 
 
+def test_shards_swapped_between_ranks_with_a_round_in_flight_are_refused(tmp_path: Path) -> None:
+    """``overlap_steps``: the checkpoint of step 5 holds the round launched at step 4 on every rank; its shards,
+    swapped between the ranks, are refused before anything is redone."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=5, save_top_k=-1)
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=4, overlap_steps=2), callbacks=[checkpoints], max_steps=7, enable_checkpointing=True
+            ).fit(TinyRegressor(), loader())
+    checkpoint = tmp_path / "step=5.ckpt"
+    assert all("overlap" in rank for rank in load_full(checkpoint)["lordo"]["ranks"])
+    folder = _folder(checkpoint)
+    os.rename(folder / "rank-0.pt", folder / "tmp.pt")
+    os.rename(folder / "rank-1.pt", folder / "rank-0.pt")
+    os.rename(folder / "tmp.pt", folder / "rank-1.pt")
+    with pytest.raises(Exception, match=r"rank-[01]\.pt") as info:
+        trainer(lordo(sync_every=4, overlap_steps=2), max_steps=8).fit(TinyRegressor(), loader(),
+                                                                        ckpt_path=str(checkpoint))
+    text = str(info.value)
+    assert "holds rank 1's state, not rank 0's" in text or "holds rank 0's state, not rank 1's" in text, text
+    assert REFUSED in text, text
+
+
 def test_a_shard_copied_from_another_run_is_refused(runs: dict[str, Path], tmp_path: Path) -> None:
     checkpoint = _copy(runs["a"] / "step=6.ckpt", tmp_path)
     other = _folder(runs["b"] / "step=6.ckpt")
