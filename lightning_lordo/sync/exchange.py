@@ -209,7 +209,7 @@ def average_state(comm: Communicator, state: dict[str, list[tuple[Any, list[Tens
     out: dict[str, StateEntries] = {}
     checked: dict[Tensor, list[Tensor]] = {}  # parameter -> the tensors whose finiteness decides its reset
     partial = [j for j, s in enumerate(shares or []) if 0 < s < 1]
-    flags = state["holders"][0][1][0] if partial else None  # this worker's, on the device: only multiplied by
+    flags = state["holders"][0][1][0] if partial else None  # this worker's, on the device: never read on the host
     for purpose, entries in state.items():
         if purpose == "holders" or not any(ts for _, ts in entries):
             continue
