@@ -123,20 +123,28 @@ def rank_state(core: LoRDOCore, rank: int) -> dict[str, Any]:
         local["optimizer"] = to_cpu(core.optimizer.state_dict())  # Lightning's entry holds AdamW's shape
     if sync.mid_round:
         local["params"] = to_cpu(sync.params)
-    if sync.in_flight is not None and sync.in_flight.result is not None:  # an emergency save skips a round in flight
+    if _saves_in_flight(sync):
         local["overlap"] = to_cpu(sync.overlap_state_dict())
     return local
+
+
+def _saves_in_flight(sync: Any) -> bool:
+    """Whether a save holds the round in flight (an emergency save skips one whose collectives have not finished)."""
+    return sync.in_flight is not None and sync.in_flight.result is not None
 
 
 def adamw_entry(core: LoRDOCore, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
     """Lightning's ``optimizer_states`` entry for rank 0's LoRDO state ``saved``: in torch AdamW's shape, so that a
     plain strategy (``"ddp"``, ``"fsdp"``, one device) resumes the checkpoint with the user's AdamW, whether this
     plugin is installed or not (the low-rank moments expanded through their bases; LoRDO's own state is in
-    ``checkpoint["lordo"]``); and what the shape leaves out, for ``checkpoint["lordo"]["optimizer_entry"]``."""
+    ``checkpoint["lordo"]``); and what the shape leaves out, for ``checkpoint["lordo"]["optimizer_entry"]`` (with the
+    step of a round in flight, held in the shards)."""
     params = [p for g in core.optimizer.param_groups for p in g["params"]]
     entries = [e for e in saved["state"].values() if e]
     left_out = {"expanded": sum("basis" in e for e in entries),
                 "error_feedback": sum("error_feedback" in e for e in entries)}
+    if _saves_in_flight(core.synchronizer):  # the round is in the shards, which a plain strategy does not read
+        left_out["in_flight"] = core.synchronizer.in_flight.step
     return adamw_state_dict(saved, params, LORDO_KNOBS, to_host=True), left_out
 
 

@@ -112,6 +112,37 @@ def test_plain_ddp_resumes_a_lordo_checkpoint_and_the_callback_says_what_was_lef
         assert text in messages[0], (text, messages[0])
 
 
+@pytest.fixture(scope="module")
+def in_flight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``overlap_steps=2``: the checkpoint at step 5 holds the round launched at step 4 on every rank."""
+    directory = tmp_path_factory.mktemp("overlap")
+    checkpoints = ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=5, save_top_k=-1)
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=4, overlap_steps=2, error_feedback=True), callbacks=[checkpoints], max_steps=7,
+            enable_checkpointing=True).fit(TinyRegressor(), loader())
+    return directory / "step=5.ckpt"
+
+
+def test_plain_ddp_resumes_a_checkpoint_with_an_overlapped_round_in_flight(in_flight: Path, tmp_path: Path) -> None:
+    """The round in flight is left behind and named; DDP resumes the synchronized model (the anchor, which the
+    round has not changed yet) with rank 0's moments in AdamW's shape."""
+    full = load_full(in_flight)
+    assert all(rank["overlap"]["step"] == 4 for rank in full["lordo"]["ranks"]), "no round in flight at the save"
+    names = full["lordo"]["layout"]["param_names"]
+    anchor = dict(zip(names, full["lordo"]["sync"]["anchor"]))
+    assert anchor.keys() == {n for n, _ in TinyRegressor().named_parameters()}
+    trainer("ddp_fork", callbacks=[ConvertLoRDOCheckpoint(), AtStart(tmp_path / "out.pt")], max_steps=9).fit(
+        TinyRegressor(), loader(), ckpt_path=str(in_flight))
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["type"] == "AdamW" and out["steps"] == 9 and torch.isfinite(out["final"]).all()
+    assert_state_matches(out["state"]["state"], expected_adamw_state(in_flight))
+    for name, value in anchor.items():  # the synchronized model, bit for bit
+        assert torch.equal(out["model"][name], value), name
+    messages = [m for m in out["warnings"] if "Converted a LoRDO checkpoint" in m]
+    assert len(messages) == 1 and "the overlapped round in flight (launched at optimizer step 4)" in messages[0], \
+        out["warnings"]
+
+
 def _one_device(ckpt: Path, path: Path) -> dict[str, Any]:
     L.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, callbacks=[AtStart(path)]).fit(

@@ -65,8 +65,8 @@ def to_torch_checkpoint(checkpoint: dict[str, Any]) -> list[str]:
             reset.append(f"each worker's {sync['steps_since_sync']} local steps since the last sync (the "
                          "synchronized model is resumed)")
         ranks = [r for r in lordo.get("ranks") or [] if r is not None]
-        in_flight = [r["overlap"]["step"] for r in ranks if "overlap" in r]
-        if in_flight:
+        in_flight = [r["overlap"]["step"] for r in ranks if "overlap" in r] or [left_out.get("in_flight")]
+        if in_flight[0] is not None:
             reset.append(f"the overlapped round in flight (launched at optimizer step {in_flight[0]})")
         if any(_has_tensors(r.get("payload")) for r in ranks):
             reset.append("the payload's error feedback")
