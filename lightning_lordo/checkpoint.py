@@ -8,7 +8,8 @@ Every entry is :func:`entry`: the format, the world size and the synchronizer's 
 framework's own keys. The Trainer's (:func:`trainer_entry`) adds the layout (knobs and parameter names, :func:`layout`),
 every rank's state (:func:`rank_state`: ``ranks``, or per-rank shards) and what Lightning's AdamW-shaped
 ``optimizer_states`` entry (:func:`adamw_entry`) leaves out; Fabric's (:func:`fabric_entry`), which saves at
-synchronization boundaries only, the optimizer's class and the communication totals. Everything is tensors (on the CPU
+synchronization boundaries only, the optimizer's class, the communication totals and LoRDO's own optimizer state
+(the user's optimizer entry holds it in AdamW's shape, as the Trainer's does). Everything is tensors (on the CPU
 in the Trainer's entry), numbers and strings, so ``torch.load(path, weights_only=True)`` reads it.
 
 Format 1 was the first released; Fabric then kept the synchronizer's counters at the top of its entry. Format 2
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import Tensor
 
@@ -134,11 +135,11 @@ def _saves_in_flight(sync: Any) -> bool:
 
 
 def adamw_entry(core: LoRDOCore, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
-    """Lightning's ``optimizer_states`` entry for rank 0's LoRDO state ``saved``: in torch AdamW's shape, so that a
-    plain strategy (``"ddp"``, ``"fsdp"``, one device) resumes the checkpoint with the user's AdamW, whether this
-    plugin is installed or not (the low-rank moments expanded through their bases; LoRDO's own state is in
-    ``checkpoint["lordo"]``); and what the shape leaves out, for ``checkpoint["lordo"]["optimizer_entry"]`` (with the
-    step of a round in flight, held in the shards)."""
+    """The optimizer entry (Lightning's ``optimizer_states``, Fabric's user key) for rank 0's LoRDO state ``saved``:
+    in torch AdamW's shape, so that a plain strategy (``"ddp"``, ``"fsdp"``, one device) resumes the checkpoint with
+    the user's AdamW, whether this plugin is installed or not (the low-rank moments expanded through their bases;
+    LoRDO's own state is in ``checkpoint["lordo"]``); and what the shape leaves out, for the Trainer's
+    ``checkpoint["lordo"]["optimizer_entry"]`` (with the step of a round in flight, held in the shards)."""
     params = [p for g in core.optimizer.param_groups for p in g["params"]]
     entries = [e for e in saved["state"].values() if e]
     left_out = {"expanded": sum("basis" in e for e in entries),
@@ -154,7 +155,10 @@ def trainer_entry(core: LoRDOCore, world_size: int, partial: bool) -> dict[str, 
     return entry(to_cpu(core.synchronizer.state_dict()), world_size, layout=layout(core), partial=partial)
 
 
-def fabric_entry(core: LoRDOCore, world_size: int) -> dict[str, Any]:
-    """Fabric's entry, saved at a synchronization boundary: the saved model is the anchor."""
+def fabric_entry(core: LoRDOCore, world_size: int, optimizer_state: Optional[dict[str, Any]] = None
+                 ) -> dict[str, Any]:
+    """Fabric's entry, saved at a synchronization boundary: the saved model is the anchor; ``optimizer_state``:
+    LoRDO's own state dict, when the user's optimizer entry holds it in AdamW's shape (:func:`adamw_entry`)."""
+    own = {} if optimizer_state is None else {"optimizer_state": optimizer_state}
     return entry(core.synchronizer.state_dict(anchor=False), world_size, optimizer=type(core.optimizer).__name__,
-                 communication=core.accountant.state_dict())
+                 communication=core.accountant.state_dict(), **own)

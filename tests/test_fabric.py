@@ -537,16 +537,25 @@ def test_closure_step_and_scheduler_keep_driving_the_converted_optimizer() -> No
     assert fabric.strategy.synchronizer.optimizer_steps == K and fabric.strategy.synchronizer.syncs_done == 1
 
 
-def test_loading_an_optimizer_state_not_written_by_lordo_is_refused(tmp_path: Path) -> None:
+def test_an_optimizer_state_not_written_by_lordo_is_converted_and_the_model_alone_becomes_the_anchor(
+        tmp_path: Path) -> None:
     model = regression_model()
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
     nn.functional.mse_loss(model(torch.randn(4, 12)), torch.randn(4, 3)).backward()
     adamw.step()
     torch.save({"model": model.state_dict(), "optimizer": adamw.state_dict()}, tmp_path / "ddp.ckpt")
     fabric = _launched()
-    net, optimizer = fabric.setup(regression_model(1), torch.optim.AdamW(regression_model(1).parameters()))
-    with pytest.raises(ValueError, match=r"'optimizer' is not written by strategy='lordo'.*Load the model only"):
+    other = regression_model(1)
+    net, optimizer = fabric.setup(other, torch.optim.AdamW(other.parameters()))
+    with pytest.warns(UserWarning, match=r"another strategy \(no LoRDO state\).*moments restart"):
         fabric.load(tmp_path / "ddp.ckpt", {"model": net, "optimizer": optimizer})
+    lowrank = set(optimizer.optimizer.lowrank_params())
+    assert lowrank and len(lowrank) < len(list(net.parameters()))
+    for p, q in zip(model.parameters(), net.parameters()):  # AdamW's moments kept where the step is full-rank
+        if q in lowrank:
+            assert not optimizer.state[q], "a low-rank matrix's moments restart at its next step"
+        else:
+            assert torch.equal(optimizer.state[q]["exp_avg"], adamw.state[p]["exp_avg"])
     fabric.load(tmp_path / "ddp.ckpt", {"model": net}, strict=False)  # the model alone: it becomes the anchor
     assert torch.equal(flat_params(net), flat_params(model))
     assert all(torch.equal(a, p) for a, p in zip(fabric.strategy.synchronizer.anchor.tensors, net.parameters()))

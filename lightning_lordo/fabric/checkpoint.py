@@ -7,19 +7,21 @@ any step in the synchronous phase); elsewhere it raises, saying so. With ``overl
 every multiple of ``sync_every``, so save after ``finish()``: it lands the round, and the save *waits* for it. At a
 boundary the model and buffers are identical on every rank. The file then holds, besides your own keys:
 
-* your ``"model"`` and ``"optimizer"`` entries as Fabric writes them (rank 0's optimizer state: the low-rank
-  moments are averaged at each synchronization, the full-rank moments are rank 0's);
+* your ``"model"`` entry as Fabric writes it, and your optimizer's entry in torch AdamW's shape (rank 0's state,
+  the low-rank moments expanded through their bases), so that ``Fabric(strategy="ddp")`` loads the file into your
+  AdamW, with or without this plugin;
 * ``checkpoint["lordo"]`` (:mod:`lightning_lordo.checkpoint`): the synchronizer's state without the anchor
-  (counters, the outer step's momentum), the optimizer's class and the communication totals (tensors, numbers and
-  strings: ``torch.load(weights_only=True)`` reads it).
+  (counters, the outer step's momentum), the optimizer's class, the communication totals and LoRDO's own optimizer
+  state (rank 0's: the low-rank moments are averaged at each synchronization, the full-rank moments are rank 0's);
+  tensors, numbers and strings, which ``torch.load(weights_only=True)`` reads.
 
 ``fabric.load(path, {"model": model, "optimizer": optimizer, ...})`` restores all of it on every rank: the loaded
 model becomes the synchronized point, the counters and byte totals continue (a checkpoint saved in the synchronous
 warm-up, loaded into a run past it, switches to local steps there, switch knobs included). Every rank resumes from
 rank 0's optimizer state with the knobs passed now, as the Trainer's resume does (one warning lists what changed;
-not bit-exact for the full-rank moments; the compressed payloads' error feedback restarts at zero). Loading an
-optimizer state that was not written by this strategy (a DDP run's AdamW state, say) into it raises; load the model
-only and let the optimizer start fresh.
+not bit-exact for the full-rank moments; the compressed payloads' error feedback restarts at zero). An optimizer
+state that this strategy did not write (a DDP run's AdamW state, say) is converted as the Trainer converts it: the
+full-rank moments are kept, the low-rank matrices' moments restart in their new subspace.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from typing_extensions import override
 
-from lightning_lordo.checkpoint import check, fabric_entry
-from lightning_lordo.optim.loading import LORDO_KNOBS, group_knob_changes, load_optimizer, warn
+from lightning_lordo.checkpoint import adamw_entry, check, fabric_entry
+from lightning_lordo.optim.loading import FROM_ANOTHER_STRATEGY, LORDO_KNOBS, group_knob_changes, load_optimizer, warn
+from lightning_lordo.optim.lordo import LoRDO
 
 if TYPE_CHECKING:
     from torch import nn
@@ -82,7 +85,12 @@ class SynchronizedCheckpoints:
                     "synchronization, and every rank holds its own model. Save right after a synchronization (when "
                     f"the step count is a multiple of sync_every={synchronizer.config.sync_every}), or call "
                     "fabric.strategy.finish() on every rank first.")
-            state = {**state, STATE_KEY: fabric_entry(self.core, self.world_size)}
+            own = None
+            writes = self.global_rank == 0  # Fabric writes rank 0's objects only
+            if optimizer_key is not None and isinstance(self.optimizer, LoRDO) and writes:  # AdamW's shape: any
+                own = self.optimizer.state_dict()  # strategy loads it
+                state = {**state, optimizer_key: adamw_entry(self.core, own)[0]}
+            state = {**state, STATE_KEY: fabric_entry(self.core, self.world_size, optimizer_state=own)}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
 
     @override
@@ -108,8 +116,9 @@ class SynchronizedCheckpoints:
         for key, value in proxy.items():  # what Fabric restored in place, e.g. your step counter
             if key != optimizer_key:
                 state[key] = value
-        if optimizer_key is not None and proxy[optimizer_key] is not None:
-            self._load_optimizer(proxy[optimizer_key], saved, optimizer_key)
+        if optimizer_key is not None and proxy[optimizer_key] is not None:  # LoRDO's own state, if it was LoRDO's
+            own = (saved or {}).get("optimizer_state")  # format 1 kept it under the user's key
+            self._load_optimizer(proxy[optimizer_key] if own is None else own, saved)
         if saved is not None:
             self._restore_counters(saved)
         restored_optimizer = optimizer_key is not None and proxy[optimizer_key] is not None
@@ -120,18 +129,14 @@ class SynchronizedCheckpoints:
         self._new_synchronized_point(sync.get("anchor_step"), switch=switch)
         return remainder
 
-    def _load_optimizer(self, optimizer_state: dict[str, Any], saved: Optional[dict[str, Any]], key: str) -> None:
-        kind = type(self.optimizer).__name__
-        if saved is None or saved["optimizer"] != kind:
-            written = f"a {saved['optimizer']} state" if saved is not None else "not written by strategy='lordo'"
-            raise ValueError(
-                f"fabric.load: the checkpoint's {key!r} is {written}, and this strategy's optimizer is {kind}: it "
-                "cannot be loaded into it. Load the model only (fabric.load(path, {'model': model})) and let the "
-                "optimizer start fresh, or resume with the strategy and optimizer that wrote the checkpoint.")
-        # as the Trainer's resume (optim/loading.py): the knobs passed now win, and one warning lists what changed
+    def _load_optimizer(self, optimizer_state: dict[str, Any], saved: Optional[dict[str, Any]]) -> None:
+        """As the Trainer's resume (``optim/loading.py``): the knobs passed now win, a state of another optimizer or
+        strategy is converted, and one warning lists what changed."""
         knobs = [{k: g[k] for k in LORDO_KNOBS if k in g} for g in optimizer_state["param_groups"]]
         names = {p: n for n, p in self.module.named_parameters()}
-        notes = group_knob_changes(knobs, self.optimizer) + load_optimizer(self.optimizer, optimizer_state, None, names)
+        notes = [FROM_ANOTHER_STRATEGY] if saved is None and isinstance(self.optimizer, LoRDO) else []
+        notes += group_knob_changes(knobs, self.optimizer)
+        notes += load_optimizer(self.optimizer, optimizer_state, None, names)
         warn(notes, self.global_rank)
 
     def _restore_counters(self, saved: dict[str, Any]) -> None:

@@ -216,8 +216,7 @@ class SynchronizedState:
         saved = self._restored_optimizer if self._restored_optimizer is not None else checkpoint["optimizer_states"][0]
         notes = list(self._resume_notes)
         if not self._lordo_checkpoint and isinstance(optimizer, LoRDO):
-            notes.append("a checkpoint of another strategy (no LoRDO state): the full-rank parameters keep their Adam "
-                         "moments, the low-rank matrices' moments restart in their new subspace")
+            notes.append(loading.FROM_ANOTHER_STRATEGY)
         notes += loading.load_optimizer(optimizer, saved, self._restored_names, self.parameter_names)
         if self._reset_on_load:
             resume.reset_error_feedback(optimizer)

@@ -97,6 +97,11 @@ def _state_by_name(saved: dict[str, Any], names: Sequence[str]) -> dict[str, tup
     return out
 
 
+#: The resume's note for a checkpoint without LoRDO state (a DDP run's, say) loaded into LoRDO.
+FROM_ANOTHER_STRATEGY = ("a checkpoint of another strategy (no LoRDO state): the full-rank parameters keep their Adam "
+                         "moments, the low-rank matrices' moments restart in their new subspace")
+
+
 def warn(notes: list[str], rank: int) -> None:
     """One warning, from rank 0, with every knob that changed and what the resume did about it."""
     if notes and rank == 0:
