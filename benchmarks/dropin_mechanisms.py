@@ -6,7 +6,8 @@ and 500), 2 seeds, against the same runs without the change in ``results/dropin.
   gradient noise of half a batch, where DDP's Adam sees the average over M workers. ``diloco`` with a local AdamW
   whose denominator is the estimate for the averaged gradient, ``v_hat / M + (1 - 1/M) m_hat^2`` (the noise part of
   ``v`` divided by M): an update up to sqrt(M) larger where noise dominates, unchanged where the signal does.
-  ``plain_local_adamw`` is the same code with M = 1 (it should match torch's AdamW, i.e. ``diloco``).
+  ``plain_local_adamw`` is the same code with M = 1 (it should match torch's AdamW, i.e. ``diloco``). The same
+  correction on the MLP and the noisy CNN, at their users' LRs: does it help, or hurt, where the gap is small?
 * ``frozen_embedding``: the embedding's rows get sparse gradients, and a row that only one worker's batches hit moves
   a full Adam step there and none on the other, so averaging halves it (DDP's Adam normalizes the averaged gradient
   back to a full step). The embedding frozen at its initialization, for ``ddp`` and ``diloco``: if the gap were the
@@ -16,7 +17,7 @@ and 500), 2 seeds, against the same runs without the change in ``results/dropin.
   token (the training set's unigram frequencies): M for rare tokens, 1 for tokens every batch holds.
 
 Appends to ``benchmarks/results/dropin_mechanisms.jsonl`` (a header line, then one line per run; runs already there
-are skipped) and prints the table. About 20 minutes on the 2-core machine. Usage:
+are skipped) and prints the table. About 20 minutes on the 2-core machine for the Transformer's runs. Usage:
 ``python benchmarks/dropin_mechanisms.py --data ../shared/data/wikitext2-valid.txt [--report]``
 """
 
@@ -34,9 +35,16 @@ import torch.distributed as dist
 from harness import ROOT, append, provenance
 
 OUT = ROOT / "results" / "dropin_mechanisms.jsonl"
-RUNS = [("noise_corrected", "diloco", 3e-3), ("noise_corrected", "diloco", 1e-3),
-        ("plain_local_adamw", "diloco", 3e-3), ("frozen_embedding", "ddp", 3e-3),
-        ("frozen_embedding", "diloco", 3e-3), ("rows_scaled", "diloco", 3e-3), ("rows_scaled", "lordo", 3e-3)]
+#: (mechanism, method, LR, family). The MLP and the noisy CNN at the user's LRs (DDP's best at 50 and at 500 steps)
+#: check whether the noise correction carries over to families whose gap is small; the noisy CNN has no DiLoCo runs
+#: in ``dropin.jsonl``, so ``plain_local_adamw`` gives its reference.
+RUNS = [("noise_corrected", "diloco", 3e-3, "transformer"), ("noise_corrected", "diloco", 1e-3, "transformer"),
+        ("plain_local_adamw", "diloco", 3e-3, "transformer"), ("frozen_embedding", "ddp", 3e-3, "transformer"),
+        ("frozen_embedding", "diloco", 3e-3, "transformer"), ("rows_scaled", "diloco", 3e-3, "transformer"),
+        ("rows_scaled", "lordo", 3e-3, "transformer"),
+        ("noise_corrected", "diloco", 3e-3, "mlp"), ("noise_corrected", "diloco", 1e-3, "mlp"),
+        ("noise_corrected", "diloco", 3e-3, "cnn_noisy"), ("noise_corrected", "diloco", 1e-2, "cnn_noisy"),
+        ("plain_local_adamw", "diloco", 3e-3, "cnn_noisy"), ("plain_local_adamw", "diloco", 1e-2, "cnn_noisy")]
 
 
 class LocalAdamW(torch.optim.Optimizer):
@@ -85,6 +93,8 @@ def patch(mechanism: str, data: str) -> None:
 
     def module_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
+        if self.family != "transformer":  # the embedding's mechanisms are the Transformer's
+            return
         held["embedding"] = self.model.embedding.weight
         if mechanism == "frozen_embedding":
             held["embedding"].requires_grad_(False)
@@ -124,17 +134,21 @@ def report(data: str) -> None:
     def mean(rows: list[dict[str, Any]], key: str) -> float:
         return statistics.mean(r[key] for r in rows) if rows else float("nan")
 
-    def reference(method: str, lr: float) -> list[dict[str, Any]]:
+    def reference(method: str, lr: float, family: str) -> list[dict[str, Any]]:
         name = {"diloco": "diloco, average", "lordo": "lordo, ef_decay auto (interval)"}.get(method)
-        return [r for r in base if r["family"] == "transformer" and r["method"] == method and r["lr"] == lr
-                and r.get("variant") == name and "rerun" not in str(r.get("variant"))]
+        found = [r for r in base if r["family"] == family and r["method"] == method and r["lr"] == lr
+                 and r.get("variant") == name and "rerun" not in str(r.get("variant"))]
+        return found or [r for r in runs if (r["mechanism"], r["method"], r["lr"], r["family"]) ==
+                         ("plain_local_adamw", method, lr, family)]  # the noisy CNN's DiLoCo
 
-    print("| mechanism | method | LR | with it, 50 / 500 | without (dropin.jsonl) | DDP at that LR |")
-    print("|---|---|---|---|---|---|")
-    for mechanism, method, lr in RUNS:
-        mine = [r for r in runs if (r["mechanism"], r["method"], r["lr"]) == (mechanism, method, lr)]
-        ref, ddp = reference(method, lr), reference("ddp", lr)
-        print(f"| {mechanism} | {method} | {lr:g} | {mean(mine, 'loss_short'):.4f} / {mean(mine, 'loss_long'):.4f} "
+    print("| family | mechanism | method | LR | with it, 50 / 500 | without | DDP at that LR |")
+    print("|---|---|---|---|---|---|---|")
+    for mechanism, method, lr, family in RUNS:
+        key = (mechanism, method, lr, family)
+        mine = [r for r in runs if (r["mechanism"], r["method"], r["lr"], r["family"]) == key]
+        ref, ddp = reference(method, lr, family), reference("ddp", lr, family)
+        print(f"| {family} | {mechanism} | {method} | {lr:g} | {mean(mine, 'loss_short'):.4f} / "
+              f"{mean(mine, 'loss_long'):.4f} "
               f"({len(mine)} seeds) | {mean(ref, 'loss_short'):.4f} / {mean(ref, 'loss_long'):.4f} | "
               f"{mean(ddp, 'loss_short'):.4f} / {mean(ddp, 'loss_long'):.4f} |")
 
@@ -152,10 +166,10 @@ def main(argv: list[str]) -> int:
         print("RESULT " + json.dumps({**result, "mechanism": spec["mechanism"]}), flush=True)
         return 0
     if not args.report:
-        done = {(r["mechanism"], r["method"], r["lr"], r["seed"]) for r in load()}
-        pending = [{"family": "transformer", "method": method, "lr": lr, "seed": seed, "mechanism": mechanism}
-                   for mechanism, method, lr in RUNS for seed in dropin.SEEDS
-                   if (mechanism, method, lr, seed) not in done]
+        done = {(r["mechanism"], r["method"], r["lr"], r["family"], r["seed"]) for r in load()}
+        pending = [{"family": family, "method": method, "lr": lr, "seed": seed, "mechanism": mechanism}
+                   for mechanism, method, lr, family in RUNS for seed in dropin.SEEDS
+                   if (mechanism, method, lr, family, seed) not in done]
         if pending:
             append(OUT, {"header": provenance("python benchmarks/dropin_mechanisms.py " + " ".join(argv))})
         for spec in pending:
