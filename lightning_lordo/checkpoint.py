@@ -3,14 +3,14 @@ from the core both strategies hold, its format version and the migrations from o
 frameworks' glue only writes and restores it: ``lightning/saving.py`` (the Trainer's hooks), ``lightning/shards.py``
 (the per-rank files), ``lightning/resume.py`` (a resume with changed knobs), ``fabric/checkpoint.py`` (Fabric's hooks).
 
-Every entry is :func:`entry`: the format, the world size and the synchronizer's state (``sync``: its
-``state_dict``, without the anchor where the saved model is the anchor, at a synchronization boundary), then the
-framework's own keys. The Trainer's (:func:`trainer_entry`) adds the layout (knobs and parameter names, :func:`layout`),
-every rank's state (:func:`rank_state`: ``ranks``, or per-rank shards) and what Lightning's AdamW-shaped
-``optimizer_states`` entry (:func:`adamw_entry`) leaves out; Fabric's (:func:`fabric_entry`), which saves at
-synchronization boundaries only, the optimizer's class, the communication totals and LoRDO's own optimizer state
-(the user's optimizer entry holds it in AdamW's shape, as the Trainer's does). Everything is tensors (on the CPU
-in the Trainer's entry), numbers and strings, so ``torch.load(path, weights_only=True)`` reads it.
+Every entry is :func:`entry`: the format, the world size and the synchronizer's state (``sync``: its ``state_dict``,
+without the anchor where the saved model is the anchor, at a synchronization boundary), then the framework's own keys.
+The Trainer's (:func:`trainer_entry`) adds the layout (knobs and parameter names, :func:`layout`), the launch step of a
+round in flight (``in_flight``), every rank's state (:func:`rank_state`: ``ranks``, or per-rank shards) and what
+Lightning's AdamW-shaped ``optimizer_states`` entry (:func:`adamw_entry`) leaves out; Fabric's (:func:`fabric_entry`),
+which saves at synchronization boundaries only, the optimizer's class, the communication totals and LoRDO's own
+optimizer state (the user's optimizer entry holds it in AdamW's shape, as the Trainer's does). Everything is tensors (on
+the CPU in the Trainer's entry), numbers and strings, so ``torch.load(path, weights_only=True)`` reads it.
 
 Format 1 was the first released; Fabric then kept the synchronizer's counters at the top of its entry. Format 2
 nests them under ``sync`` as the Trainer did (:data:`MIGRATIONS` brings a format-1 entry there). The development
@@ -124,14 +124,9 @@ def rank_state(core: LoRDOCore, rank: int) -> dict[str, Any]:
         local["optimizer"] = to_cpu(core.optimizer.state_dict())  # Lightning's entry holds AdamW's shape
     if sync.mid_round:
         local["params"] = to_cpu(sync.params)
-    if _saves_in_flight(sync):
+    if sync.in_flight is not None and sync.in_flight.result is not None:  # an emergency save skips a round in flight
         local["overlap"] = to_cpu(sync.overlap_state_dict())
     return local
-
-
-def _saves_in_flight(sync: Any) -> bool:
-    """Whether a save holds the round in flight (an emergency save skips one whose collectives have not finished)."""
-    return sync.in_flight is not None and sync.in_flight.result is not None
 
 
 def adamw_entry(core: LoRDOCore, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
@@ -139,20 +134,20 @@ def adamw_entry(core: LoRDOCore, saved: dict[str, Any]) -> tuple[dict[str, Any],
     in torch AdamW's shape, so that a plain strategy (``"ddp"``, ``"fsdp"``, one device) resumes the checkpoint with
     the user's AdamW, whether this plugin is installed or not (the low-rank moments expanded through their bases;
     LoRDO's own state is in ``checkpoint["lordo"]``); and what the shape leaves out, for the Trainer's
-    ``checkpoint["lordo"]["optimizer_entry"]`` (with the step of a round in flight, held in the shards)."""
+    ``checkpoint["lordo"]["optimizer_entry"]``."""
     params = [p for g in core.optimizer.param_groups for p in g["params"]]
     entries = [e for e in saved["state"].values() if e]
     left_out = {"expanded": sum("basis" in e for e in entries),
                 "error_feedback": sum("error_feedback" in e for e in entries)}
-    if _saves_in_flight(core.synchronizer):  # the round is in the shards, which a plain strategy does not read
-        left_out["in_flight"] = core.synchronizer.in_flight.step
     return adamw_state_dict(saved, params, LORDO_KNOBS, to_host=True), left_out
 
 
-def trainer_entry(core: LoRDOCore, world_size: int, partial: bool) -> dict[str, Any]:
+def trainer_entry(core: LoRDOCore, world_size: int, partial: bool, local: dict[str, Any]) -> dict[str, Any]:
     """The Trainer's entry without the ranks' own state (what every rank has the same of: the synchronizer's state,
-    the layout); ``partial``: an emergency save's, with rank 0's state only."""
-    return entry(to_cpu(core.synchronizer.state_dict()), world_size, layout=layout(core), partial=partial)
+    the layout, the launch step of a round in flight that ``local``, this rank's :func:`rank_state`, holds: named
+    here for a strategy that does not read the shards); ``partial``: an emergency save's, with rank 0's state only."""
+    return entry(to_cpu(core.synchronizer.state_dict()), world_size, layout=layout(core), partial=partial,
+                 in_flight=local["overlap"]["step"] if "overlap" in local else None)
 
 
 def fabric_entry(core: LoRDOCore, world_size: int, optimizer_state: Optional[dict[str, Any]] = None

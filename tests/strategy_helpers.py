@@ -182,3 +182,20 @@ def run_fork_job(worker: Callable[..., None], world: int, out: Path, timeout: fl
         results.append(torch.load(path, weights_only=False))
         assert "_error" not in results[r], results[r]["_error"]
     return results
+
+
+def expand_lordo_state(lordo_state: dict[str, Any], shapes: list[torch.Size]) -> dict[Any, dict[str, torch.Tensor]]:
+    """float64 reference of a LoRDO state dict in torch AdamW's shape (``shapes``: the parameters', by index):
+    m = Q u and v = max((Q o Q) v_r, mean(v_r)) in the parameter's orientation; full-rank moments as they are."""
+    out = {}
+    for index, entry in lordo_state["state"].items():
+        if "basis" not in entry:
+            out[index] = {"step": entry["step"], **{k: entry[k].double() for k in ("exp_avg", "exp_avg_sq")}}
+            continue
+        q, u, v = (entry[k].double() for k in ("basis", "exp_avg", "exp_avg_sq"))
+        first, second = q @ u, torch.maximum(q.square() @ v, v.mean())
+        tall = shapes[index][0] > shapes[index][1]
+        out[index] = {"step": entry["step"], "exp_avg": first.T if tall else first,
+                      "exp_avg_sq": second.T if tall else second}
+    return out
+

@@ -15,22 +15,16 @@ from typing import Any
 import pytest
 import torch
 from lightning.fabric import Fabric
+from strategy_helpers import assert_identical, expand_lordo_state, flat_params, loader
+from test_fabric import K, _keep_environment, _launched, fabric_for, ranks_identical, regression_model, run_steps
 
 from lightning_lordo.optim.loading import FROM_ANOTHER_STRATEGY
-from tests.strategy_helpers import flat_params, loader
-from tests.test_fabric import K, fabric_for, ranks_identical, regression_model, run_steps
 
 pytestmark = pytest.mark.slow  # multi-process runs; CI runs them, -m 'not slow' skips them
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _keep_environment():
-    """Fabric's launcher writes MASTER_PORT, LOCAL_RANK, WORLD_SIZE into this process's environment."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+assert _keep_environment  # the autouse fixture that restores the environment Fabric's launcher writes
 
 
 def _lordo_leg(fabric: Fabric, path: Path) -> None:
@@ -74,20 +68,6 @@ def _back_leg(fabric: Fabric, path: Path) -> dict[str, Any]:
             "finite": bool(torch.isfinite(flat_params(model)).all())}
 
 
-def expanded(lordo_state: dict[str, Any], params: list[torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
-    """float64 reference: m = Q u and v = max((Q o Q) v_r, mean(v_r)), in the parameter's orientation."""
-    out = {}
-    for index, entry in lordo_state["state"].items():
-        if "basis" not in entry:
-            out[index] = {k: entry[k].double() for k in ("exp_avg", "exp_avg_sq")}
-            continue
-        q, u, v = (entry[k].double() for k in ("basis", "exp_avg", "exp_avg_sq"))
-        first, second = q @ u, torch.maximum(q.square() @ v, v.mean())
-        tall = params[index].shape[0] > params[index].shape[1]
-        out[index] = {"exp_avg": first.T if tall else first, "exp_avg_sq": second.T if tall else second}
-    return out
-
-
 def ddp_fabric() -> Fabric:
     return Fabric(accelerator="cpu", devices=2, strategy="ddp_fork")
 
@@ -103,8 +83,9 @@ def test_fabric_lordo_to_ddp_without_the_plugin_and_back(tmp_path: Path) -> None
     assert sum("basis" in e for e in own["state"].values()) == 2, "the test needs low-rank matrices"
     entry = saved["optimizer"]
     assert not any("omega" in g for g in entry["param_groups"])
-    for index, reference in expanded(own, params).items():  # AdamW's shape, from the LoRDO state
-        for key, value in reference.items():
+    for index, reference in expand_lordo_state(own, [p.shape for p in params]).items():  # AdamW's shape
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = reference[key]
             assert entry["state"][index][key].shape == params[index].shape, (index, key)
             torch.testing.assert_close(entry["state"][index][key].double(), value, rtol=1e-6, atol=1e-9)
 
@@ -124,17 +105,90 @@ def test_fabric_lordo_to_ddp_without_the_plugin_and_back(tmp_path: Path) -> None
               "nn.Linear(16, 3))\n"  # TinyRegressor's network
               "adamw = torch.optim.AdamW(model.parameters())\n"
               "net, opt = fabric.setup(model, adamw)\n"
-              f"fabric.load({str(saved_path)!r}, {{'model': net, 'optimizer': opt}}, strict=False)\n"
-              "print('loaded', len(opt.state), type(opt.optimizer).__name__)\n")
+              f"rest = fabric.load({str(saved_path)!r}, {{'model': net, 'optimizer': opt, 'step': 0}})\n"
+              f"torch.save(model.state_dict(), {str(tmp_path / 'plain.pt')!r})\n"
+              "print('loaded', len(opt.state), type(opt.optimizer).__name__, sorted(rest))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0 and f"loaded {len(entry['state'])} AdamW" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and f"loaded {len(entry['state'])} AdamW ['lordo']" in done.stdout, \
+        done.stderr[-3000:]
+    assert_identical(torch.load(tmp_path / "plain.pt", weights_only=True), saved["model"])
 
     back = fabric_for().launch(_back_leg, ddp_path)
     ddp_saved = torch.load(ddp_path, weights_only=True)
     assert back["loaded"] == torch.cat([p.reshape(-1) for p in ddp_saved["model"].values()]).tolist()
     assert back["step"] == 3 * K and back["finite"]
     assert back["lowrank"] and set(back["fullrank"]) | set(back["lowrank"]) == set(ddp_saved["optimizer"]["state"])
+    assert not set(back["fullrank"]) & set(back["lowrank"]), "a low-rank matrix kept AdamW's moments"
     for index, value in back["fullrank"].items():  # the full-rank moments kept
         assert torch.equal(torch.tensor(value), ddp_saved["optimizer"]["state"][index]["exp_avg"]), index
     assert any(FROM_ANOTHER_STRATEGY in w for w in back["warnings"]), back["warnings"]
+
+
+def _one_process_file(tmp_path: Path) -> tuple[Path, Any, Any]:
+    """A LoRDO file from one process (the optimizer alone), and the fabric and model that wrote it."""
+    fabric = _launched()
+    model = regression_model(0)
+    net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    run_steps(fabric, net, optimizer, (b for _, b in zip(range(3), loader())))
+    path = tmp_path / "lordo.ckpt"
+    fabric.save(path, {"model": net, "optimizer": optimizer})
+    return path, fabric, optimizer
+
+
+def _load_into_fresh(path: Path) -> tuple[dict[str, Any], list[str]]:
+    fabric = _launched()
+    model = regression_model(1)
+    net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load(path, {"model": net, "optimizer": optimizer})
+    return optimizer.optimizer.state_dict(), [str(w.message) for w in caught]
+
+
+def test_a_file_with_lordo_state_under_the_users_key_loads_as_before(tmp_path: Path) -> None:
+    """Format 1 (and Fabric's files before the AdamW-shaped entry) kept LoRDO's state under the user's key, as a
+    file saved by hand does: it loads exactly as the new layout does, and is not called another strategy's."""
+    path, _, optimizer = _one_process_file(tmp_path)
+    expected = optimizer.optimizer.state_dict()
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["optimizer"] = checkpoint["lordo"].pop("optimizer_state")
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    del checkpoint["lordo"]  # LoRDO's state saved by hand, without the strategy's entry
+    torch.save(checkpoint, tmp_path / "by_hand.ckpt")
+    for file in (path, tmp_path / "old.ckpt", tmp_path / "by_hand.ckpt"):
+        loaded, said = _load_into_fresh(file)
+        assert_identical(loaded["state"], expected["state"], str(file))
+        assert not any(FROM_ANOTHER_STRATEGY in m for m in said), said
+
+
+def test_the_save_filter_applies_to_lordos_own_state(tmp_path: Path) -> None:
+    fabric = _launched()
+    model = regression_model(0)
+    net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    run_steps(fabric, net, optimizer, (b for _, b in zip(range(3), loader())))
+    fabric.save(tmp_path / "f.ckpt", {"model": net, "optimizer": optimizer},
+                filter={"optimizer": lambda key, value: key == "param_groups"})
+    saved = torch.load(tmp_path / "f.ckpt", weights_only=True)
+    assert set(saved["optimizer"]) == set(saved["lordo"]["optimizer_state"]) == {"param_groups"}
+    loaded, _ = _load_into_fresh(tmp_path / "f.ckpt")
+    assert not loaded["state"], "filtered-out moments came back"
+
+
+def test_a_lordo_entry_older_than_the_optimizer_entry_is_ignored_with_a_warning(tmp_path: Path) -> None:
+    """Another strategy that saved the file again (``state.update(remainder)``) after training on: its AdamW entry
+    is newer than the LoRDO state beside it, which is ignored."""
+    path, _, _ = _one_process_file(tmp_path)
+    checkpoint = torch.load(path, weights_only=True)
+    for entry in checkpoint["optimizer"]["state"].values():  # a DDP run's later steps
+        entry["step"] = entry["step"] + 5
+        entry["exp_avg"] = torch.randn_like(entry["exp_avg"])
+    torch.save(checkpoint, tmp_path / "resaved.ckpt")
+    loaded, said = _load_into_fresh(tmp_path / "resaved.ckpt")
+    assert any("'lordo' entry is older than its 'optimizer' entry" in m for m in said), said
+    assert any(FROM_ANOTHER_STRATEGY in m for m in said), said
+    lowrank = {i for i, e in checkpoint["lordo"]["optimizer_state"]["state"].items() if "basis" in e}
+    assert lowrank and all(not loaded["state"].get(i) for i in lowrank), "low-rank moments not restarted"
+    for i, entry in checkpoint["optimizer"]["state"].items():  # the newer entry's moments
+        if i not in lowrank:
+            assert torch.equal(loaded["state"][i]["exp_avg"], entry["exp_avg"]), i

@@ -16,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from strategy_helpers import TinyRegressor, loader, lordo, trainer
+from strategy_helpers import TinyRegressor, expand_lordo_state, loader, lordo, trainer
 
 from lightning_lordo.lightning.export import ConvertLoRDOCheckpoint
 from lightning_lordo.lightning.shards import load_full
@@ -36,22 +36,11 @@ def mid_round(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def expected_adamw_state(path: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """float64 reference from rank 0's LoRDO state: m = Q u and v = max((Q o Q) v_r, mean(v_r)), in the parameter's
-    orientation."""
+    """float64 reference from rank 0's LoRDO state (``strategy_helpers.expand_lordo_state``)."""
     checkpoint = load_full(path)
     names = checkpoint["lordo"]["layout"]["param_names"]
-    out = {}
-    for index, entry in checkpoint["lordo"]["ranks"][0]["optimizer"]["state"].items():
-        p = checkpoint["state_dict"][names[index]]
-        if "basis" not in entry:
-            out[index] = {k: entry[k] for k in ("step", "exp_avg", "exp_avg_sq")}
-            continue
-        q, u, v = (entry[k].double() for k in ("basis", "exp_avg", "exp_avg_sq"))
-        first, second = q @ u, torch.maximum(q.square() @ v, v.mean())
-        tall = p.shape[0] > p.shape[1]
-        out[index] = {"step": entry["step"], "exp_avg": first.T if tall else first,
-                      "exp_avg_sq": second.T if tall else second}
-    return out
+    shapes = [checkpoint["state_dict"][n].shape for n in names]
+    return expand_lordo_state(checkpoint["lordo"]["ranks"][0]["optimizer"], shapes)
 
 
 def assert_state_matches(state: dict[int, dict[str, torch.Tensor]], expected: dict[int, dict[str, torch.Tensor]]
@@ -141,6 +130,39 @@ def test_plain_ddp_resumes_a_checkpoint_with_an_overlapped_round_in_flight(in_fl
     messages = [m for m in out["warnings"] if "Converted a LoRDO checkpoint" in m]
     assert len(messages) == 1 and "the overlapped round in flight (launched at optimizer step 4)" in messages[0], \
         out["warnings"]
+    # without the plugin: a plain one-device Trainer resumes the file from the synchronized model
+    done = subprocess.run([sys.executable, "-c", WITHOUT_THE_PLUGIN, str(in_flight)], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0 and "resumed at step 5 from the file's model" in done.stdout, done.stderr[-3000:]
+
+
+#: A user's script on a machine without the plugin: TinyRegressor's network, resumed on one device.
+WITHOUT_THE_PLUGIN = """
+import sys
+sys.modules["lightning_lordo"] = None  # `import lightning_lordo` now fails
+import lightning as L, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.LayerNorm(24), nn.Linear(24, 16), nn.GELU(),
+                                 nn.Linear(16, 3))
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+    def on_train_start(self):
+        saved = torch.load(sys.argv[1], weights_only=True)["state_dict"]
+        assert all(torch.equal(p, saved[n]) for n, p in self.state_dict().items())
+        assert len(self.trainer.optimizers[0].state) == len(saved)
+        print("resumed at step", self.trainer.global_step, "from the file's model")
+
+data = DataLoader(TensorDataset(torch.randn(64, 12), torch.randn(64, 3)), batch_size=8)
+L.Trainer(accelerator="cpu", devices=1, max_steps=7, logger=False, enable_checkpointing=False,
+          enable_progress_bar=False, enable_model_summary=False).fit(Net(), data, ckpt_path=sys.argv[1])
+"""
 
 
 def _one_device(ckpt: Path, path: Path) -> dict[str, Any]:

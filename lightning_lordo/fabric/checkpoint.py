@@ -31,7 +31,14 @@ from typing import TYPE_CHECKING, Any, Optional
 from typing_extensions import override
 
 from lightning_lordo.checkpoint import adamw_entry, check, fabric_entry
-from lightning_lordo.optim.loading import FROM_ANOTHER_STRATEGY, LORDO_KNOBS, group_knob_changes, load_optimizer, warn
+from lightning_lordo.optim.loading import (
+    FROM_ANOTHER_STRATEGY,
+    LORDO_KNOBS,
+    group_knob_changes,
+    is_lordo_state,
+    load_optimizer,
+    warn,
+)
 from lightning_lordo.optim.lordo import LoRDO
 
 if TYPE_CHECKING:
@@ -90,6 +97,9 @@ class SynchronizedCheckpoints:
             if optimizer_key is not None and isinstance(self.optimizer, LoRDO) and writes:  # AdamW's shape: any
                 own = self.optimizer.state_dict()  # strategy loads it
                 state = {**state, optimizer_key: adamw_entry(self.core, own)[0]}
+                keep = (filter or {}).get(optimizer_key)  # Fabric filters the user's entry: LoRDO's alike
+                if keep is not None:
+                    own = {k: v for k, v in own.items() if keep(k, v)} or None
             state = {**state, STATE_KEY: fabric_entry(self.core, self.world_size, optimizer_state=own)}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
 
@@ -116,8 +126,14 @@ class SynchronizedCheckpoints:
         for key, value in proxy.items():  # what Fabric restored in place, e.g. your step counter
             if key != optimizer_key:
                 state[key] = value
-        if optimizer_key is not None and proxy[optimizer_key] is not None:  # LoRDO's own state, if it was LoRDO's
-            own = (saved or {}).get("optimizer_state")  # format 1 kept it under the user's key
+        own = (saved or {}).get("optimizer_state")  # LoRDO's own, if it was LoRDO (format 1: under the user's key)
+        if own is not None and optimizer_key is not None and proxy[optimizer_key] is not None and \
+                _steps(own) != _steps(proxy[optimizer_key]):
+            warn([f"the checkpoint's {STATE_KEY!r} entry is older than its {optimizer_key!r} entry (another strategy "
+                  "saved the file again with it): it is ignored, and the file is loaded as another strategy's"],
+                 self.global_rank)
+            saved = own = None
+        if optimizer_key is not None and proxy[optimizer_key] is not None:
             self._load_optimizer(proxy[optimizer_key] if own is None else own, saved)
         if saved is not None:
             self._restore_counters(saved)
@@ -134,7 +150,8 @@ class SynchronizedCheckpoints:
         strategy is converted, and one warning lists what changed."""
         knobs = [{k: g[k] for k in LORDO_KNOBS if k in g} for g in optimizer_state["param_groups"]]
         names = {p: n for n, p in self.module.named_parameters()}
-        notes = [FROM_ANOTHER_STRATEGY] if saved is None and isinstance(self.optimizer, LoRDO) else []
+        another = saved is None and not is_lordo_state(optimizer_state)  # a DDP run's AdamW, say
+        notes = [FROM_ANOTHER_STRATEGY] if another and isinstance(self.optimizer, LoRDO) else []
         notes += group_knob_changes(knobs, self.optimizer)
         notes += load_optimizer(self.optimizer, optimizer_state, None, names)
         warn(notes, self.global_rank)
@@ -163,3 +180,10 @@ class SynchronizedCheckpoints:
             synchronizer.switch_to_local()
         else:
             synchronizer.take_anchor(step)
+
+
+def _steps(optimizer_state: dict[str, Any]) -> dict[Any, float]:
+    """Each parameter's step count in an optimizer state dict: LoRDO's own state and its AdamW-shaped copy have the
+    same, and a file that another strategy saved again after training on does not."""
+    return {i: float(entry["step"]) for i, entry in optimizer_state.get("state", {}).items() if "step" in entry}
+

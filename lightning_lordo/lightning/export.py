@@ -9,13 +9,13 @@ What this module adds:
 * ``python -m lightning_lordo.lightning.export lordo.ckpt ddp.ckpt`` writes a file without the LoRDO state (smaller);
 * both convert a checkpoint whose optimizer entry is LoRDO's own (the earlier format).
 
-The AdamW moments: each low-rank matrix's expanded through its basis (the first moment exactly, ``Q u``; the second
-``(Q o Q) v`` floored at its mean, as when a matrix becomes full-rank on a resume); the full-rank parameters' as they
-are; the step counts, learning rates and LR schedulers kept. Left behind (there is nothing in DDP to hold them): the
-bases, the error-feedback buffers, the outer (Nesterov) momentum, the payload's error feedback, the other ranks' own
-state and, for a checkpoint written mid-round, each worker's progress since the last sync (the model saved is the
-synchronized one, which DDP resumes from). The LoRDO-only knobs are not in the param groups, so torch's Adam/AdamW
-fill in their own defaults.
+The AdamW moments: each low-rank matrix's expanded through its basis (the first moment exactly, ``Q u``; the second ``(Q
+o Q) v`` floored at its mean, as when a matrix becomes full-rank on a resume); the full-rank parameters' as they are;
+the step counts, learning rates and LR schedulers kept. Left behind (there is nothing in DDP to hold them): the bases,
+the error-feedback buffers, the outer (Nesterov) momentum, the payload's error feedback, the other ranks' own state and,
+for a checkpoint written mid-round, each worker's progress since the last sync and an overlapped round in flight (the
+model saved is the synchronized one, which DDP resumes from). The LoRDO-only knobs are not in the param groups, so
+torch's Adam/AdamW fill in their own defaults.
 """
 
 from __future__ import annotations
@@ -65,9 +65,8 @@ def to_torch_checkpoint(checkpoint: dict[str, Any]) -> list[str]:
             reset.append(f"each worker's {sync['steps_since_sync']} local steps since the last sync (the "
                          "synchronized model is resumed)")
         ranks = [r for r in lordo.get("ranks") or [] if r is not None]
-        in_flight = [r["overlap"]["step"] for r in ranks if "overlap" in r] or [left_out.get("in_flight")]
-        if in_flight[0] is not None:
-            reset.append(f"the overlapped round in flight (launched at optimizer step {in_flight[0]})")
+        if lordo.get("in_flight") is not None:  # its copies are in the shards
+            reset.append(f"the overlapped round in flight (launched at optimizer step {lordo['in_flight']})")
         if any(_has_tensors(r.get("payload")) for r in ranks):
             reset.append("the payload's error feedback")
         elif "shards" in lordo and not ranks:  # the per-rank shards were not read (see shards.load_full)

@@ -103,7 +103,7 @@ class SynchronizedState:
             local = self._read_state(lambda: lordo_checkpoint.rank_state(self.core, self.global_rank))
             if comm is not None:  # the two agreements below, counted ahead so the totals saved include them
                 shards.count_agreements(local["comm"], self.world_size)
-            checkpoint["lordo"] = lordo_checkpoint.trainer_entry(self.core, self.world_size, partial=not healthy)
+            checkpoint["lordo"] = lordo_checkpoint.trainer_entry(self.core, self.world_size, not healthy, local)
             self._adamw_shaped(checkpoint)
             checkpoint["lordo"]["shards"] = {"id": save_id, "ranks": self.world_size if healthy else 1,
                                              "dir": shards.directory_name(filepath, save_id)}
@@ -138,7 +138,7 @@ class SynchronizedState:
             ranks = gather_to_rank_zero(local, self.world_size, self.global_rank)
         else:
             ranks = [local] if self.global_rank == 0 else None
-        return {**lordo_checkpoint.trainer_entry(self.core, self.world_size, partial=not collective), "ranks": ranks}
+        return {**lordo_checkpoint.trainer_entry(self.core, self.world_size, not collective, local), "ranks": ranks}
 
     def _every_rank_saves(self) -> bool:
         """Whether this save may wait for every rank: not after a failed collective, and not from an exception

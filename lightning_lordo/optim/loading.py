@@ -93,7 +93,7 @@ def _state_by_name(saved: dict[str, Any], names: Sequence[str]) -> dict[str, tup
     flat = [i for g in saved["param_groups"] for i in g["params"]]
     for position, index in enumerate(flat):
         name = names[position] if position < len(names) else f"#{position}"
-        out[name] = (saved["state"].get(index, {}), position)
+        out[name] = (saved.get("state", {}).get(index, {}), position)  # no "state": filtered out at the save
     return out
 
 
