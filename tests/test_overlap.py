@@ -148,7 +148,7 @@ def test_exporting_a_checkpoint_with_a_round_in_flight_says_the_round_is_dropped
 
     checkpoint = {"state_dict": {}, "optimizer_states": [{"state": {}, "param_groups": []}],
                   "lordo": {"sync": {"steps_since_sync": 0, "outer": {}}, "world_size": 1, "layout": {},
-                            "ranks": [{"overlap": {"step": 12}}]}}
+                            "in_flight": 12, "ranks": [{"overlap": {"step": 12}}]}}  # as checkpoint.trainer_entry
     notes = to_torch_checkpoint(checkpoint)
     assert any("the overlapped round in flight (launched at optimizer step 12)" in n for n in notes), notes
     assert "lordo" not in checkpoint
