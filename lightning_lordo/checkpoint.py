@@ -150,10 +150,11 @@ def trainer_entry(core: LoRDOCore, world_size: int, partial: bool, local: dict[s
                  in_flight=local["overlap"]["step"] if "overlap" in local else None)
 
 
-def fabric_entry(core: LoRDOCore, world_size: int, optimizer_state: Optional[dict[str, Any]] = None
-                 ) -> dict[str, Any]:
+def fabric_entry(core: LoRDOCore, world_size: int, optimizer_state: Optional[dict[str, Any]] = None,
+                 optimizer_key: Optional[str] = None) -> dict[str, Any]:
     """Fabric's entry, saved at a synchronization boundary: the saved model is the anchor; ``optimizer_state``:
-    LoRDO's own state dict, when the user's optimizer entry holds it in AdamW's shape (:func:`adamw_entry`)."""
-    own = {} if optimizer_state is None else {"optimizer_state": optimizer_state}
+    LoRDO's own state dict, when the user's optimizer entry (under ``optimizer_key``) holds it in AdamW's shape
+    (:func:`adamw_entry`)."""
+    own = {} if optimizer_state is None else {"optimizer_state": optimizer_state, "optimizer_key": optimizer_key}
     return entry(core.synchronizer.state_dict(anchor=False), world_size, optimizer=type(core.optimizer).__name__,
                  communication=core.accountant.state_dict(), **own)

@@ -189,6 +189,8 @@ def expand_lordo_state(lordo_state: dict[str, Any], shapes: list[torch.Size]) ->
     m = Q u and v = max((Q o Q) v_r, mean(v_r)) in the parameter's orientation; full-rank moments as they are."""
     out = {}
     for index, entry in lordo_state["state"].items():
+        if not entry:
+            continue
         if "basis" not in entry:
             out[index] = {"step": entry["step"], **{k: entry[k].double() for k in ("exp_avg", "exp_avg_sq")}}
             continue
@@ -198,4 +200,3 @@ def expand_lordo_state(lordo_state: dict[str, Any], shapes: list[torch.Size]) ->
         out[index] = {"step": entry["step"], "exp_avg": first.T if tall else first,
                       "exp_avg_sq": second.T if tall else second}
     return out
-

@@ -37,13 +37,13 @@ def _keep_environment():
     os.environ.update(saved)
 
 
-def fabric_for(devices: int = 2, **knobs: Any) -> Fabric:
+def fabric_for(devices: int = 2, precision: str = "32-true", **knobs: Any) -> Fabric:
     """Fork for two workers; one device runs in this process (no launcher process)."""
     if knobs.get("lowrank", True):  # "diloco" takes no optimizer knobs
         knobs.setdefault("rank", 4)
     strategy = LoRDOFabricStrategy(sync_every=knobs.pop("sync_every", K), start_method="fork" if devices > 1
                                    else "popen", timeout=30, **strategy_kwargs(**knobs))
-    return Fabric(accelerator="cpu", devices=devices, strategy=strategy)
+    return Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision=precision)
 
 
 def regression_model(seed: int = 0) -> nn.Module:
@@ -426,13 +426,15 @@ class _WriteResults(L.Callback):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("overlap", [0, 2], ids=["blocking", "overlap_steps-2"])
-def test_same_syncs_bytes_and_model_as_the_trainer_strategy(tmp_path: Path, overlap: int) -> None:
-    """Overlapped, rounds launch at steps 4 and 8 and land at 6 and 10, then ``finish()`` syncs the last 2 steps."""
+@pytest.mark.parametrize(("overlap", "precision"), [(0, "32-true"), (2, "32-true"), (0, "bf16-mixed")],
+                         ids=["blocking", "overlap_steps-2", "bf16-mixed"])
+def test_same_syncs_bytes_and_model_as_the_trainer_strategy(tmp_path: Path, overlap: int, precision: str) -> None:
+    """Overlapped, rounds launch at steps 4 and 8 and land at 6 and 10, then ``finish()`` syncs the last 2 steps.
+    ``bf16-mixed``: autocast in the forward pass on both, the same optimizer and syncs in float32."""
     torch.manual_seed(0)
     module = TinyRegressor()  # AdamW(lr=1e-2, weight_decay=0.01), as below
     trainer(lordo(sync_every=K, overlap_steps=overlap), callbacks=[_WriteResults(tmp_path / "trainer.pt")],
-            max_steps=10).fit(module, loader())
+            max_steps=10, precision=precision).fit(module, loader())
     expected = torch.load(tmp_path / "trainer.pt", weights_only=False)
 
     def work(fabric: Fabric) -> dict[str, Any]:
@@ -440,6 +442,12 @@ def test_same_syncs_bytes_and_model_as_the_trainer_strategy(tmp_path: Path, over
         net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
         # the Trainer's distributed sampler always shuffles training data (seed 0); Fabric's follows the loader
         data = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=8, shuffle=True))
+        seen = []  # the first layer's output dtype (Fabric casts the model's output back to float32)
+        hook = model[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+        net(torch.randn(2, 12))
+        hook.remove()
+        assert seen == [torch.bfloat16 if precision == "bf16-mixed" else torch.float32]
+        assert all(p.dtype == torch.float32 for p in model.parameters())
         run_steps(fabric, net, optimizer, (b for _, b in zip(range(10), data)))
         fabric.strategy.finish()
         assert ranks_identical(flat_params(model))
@@ -450,7 +458,7 @@ def test_same_syncs_bytes_and_model_as_the_trainer_strategy(tmp_path: Path, over
         return {"params": flat_params(model).tolist(), "totals": dict(s.accountant.totals),
                 "reports": [(r.step, r.bytes_by_purpose) for r in s.sync_reports]}
 
-    got = fabric_for(overlap_steps=overlap).launch(work)
+    got = fabric_for(overlap_steps=overlap, precision=precision).launch(work)
     # blocking: syncs at steps 4, 8 and 10; overlapped: landings at 6 and 10, then the final sync of steps 9-10
     assert got["reports"] == expected["reports"]  # the same steps and bytes for each purpose
     ours = {k: v for k, v in got["totals"].items() if k != "step_count_check"}  # finish()'s check

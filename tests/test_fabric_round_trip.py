@@ -18,6 +18,7 @@ from lightning.fabric import Fabric
 from strategy_helpers import assert_identical, expand_lordo_state, flat_params, loader
 from test_fabric import K, _keep_environment, _launched, fabric_for, ranks_identical, regression_model, run_steps
 
+from lightning_lordo.checkpoint import _FABRIC_1_SYNC
 from lightning_lordo.optim.loading import FROM_ANOTHER_STRATEGY
 
 pytestmark = pytest.mark.slow  # multi-process runs; CI runs them, -m 'not slow' skips them
@@ -46,7 +47,9 @@ def _ddp_leg(fabric: Fabric, path: Path, out: Path) -> dict[str, Any]:
              "state": ({k: {kk: vv.tolist() for kk, vv in v.items()} for k, v in loaded["state"].items()},
                        loaded["param_groups"])}
     run_steps(fabric, net, optimizer, (b for _, b in zip(range(K), fabric.setup_dataloaders(loader()))))
-    fabric.save(out, {"model": net, "optimizer": optimizer, "step": state["step"] + K})
+    # saved as a user who keeps what the load did not consume (``state.update(remainder)``): the LoRDO entry,
+    # older now than the optimizer's, goes along
+    fabric.save(out, {**remainder, "model": net, "optimizer": optimizer, "step": state["step"] + K})
     return start
 
 
@@ -122,44 +125,53 @@ def test_fabric_lordo_to_ddp_without_the_plugin_and_back(tmp_path: Path) -> None
     assert not set(back["fullrank"]) & set(back["lowrank"]), "a low-rank matrix kept AdamW's moments"
     for index, value in back["fullrank"].items():  # the full-rank moments kept
         assert torch.equal(torch.tensor(value), ddp_saved["optimizer"]["state"][index]["exp_avg"]), index
-    assert any(FROM_ANOTHER_STRATEGY in w for w in back["warnings"]), back["warnings"]
+    assert "lordo" in ddp_saved, "the test needs the DDP run's file to carry the older LoRDO entry"
+    said = [w for w in back["warnings"] if "older than its optimizer entry" in w]  # one warning says all
+    assert len(said) == 1 and FROM_ANOTHER_STRATEGY in said[0], back["warnings"]
 
 
-def _one_process_file(tmp_path: Path) -> tuple[Path, Any, Any]:
-    """A LoRDO file from one process (the optimizer alone), and the fabric and model that wrote it."""
+def _one_process_file(tmp_path: Path) -> tuple[Path, Any]:
+    """A LoRDO file from one process (the optimizer alone) after 3 steps, and the optimizer that wrote it."""
     fabric = _launched()
     model = regression_model(0)
     net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     run_steps(fabric, net, optimizer, (b for _, b in zip(range(3), loader())))
     path = tmp_path / "lordo.ckpt"
     fabric.save(path, {"model": net, "optimizer": optimizer})
-    return path, fabric, optimizer
+    return path, optimizer
 
 
-def _load_into_fresh(path: Path) -> tuple[dict[str, Any], list[str]]:
+def _load_into_fresh(path: Path, optimizer_too: bool = True) -> tuple[dict[str, Any], list[str], int]:
+    """The optimizer's state after ``fabric.load`` into a new run, the warnings, and the synchronizer's step count."""
     fabric = _launched()
     model = regression_model(1)
     net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fabric.load(path, {"model": net, "optimizer": optimizer})
-    return optimizer.optimizer.state_dict(), [str(w.message) for w in caught]
+        fabric.load(path, {"model": net, "optimizer": optimizer} if optimizer_too else {"model": net}, strict=False)
+    steps = fabric.strategy.synchronizer.optimizer_steps
+    return optimizer.optimizer.state_dict(), [str(w.message) for w in caught], steps
 
 
 def test_a_file_with_lordo_state_under_the_users_key_loads_as_before(tmp_path: Path) -> None:
-    """Format 1 (and Fabric's files before the AdamW-shaped entry) kept LoRDO's state under the user's key, as a
-    file saved by hand does: it loads exactly as the new layout does, and is not called another strategy's."""
-    path, _, optimizer = _one_process_file(tmp_path)
+    """A format-1 file (the counters at the top of the entry, LoRDO's state under the user's key), as the migration
+    reads it, and a file saved by hand (LoRDO's state without the strategy's entry) load LoRDO's state exactly as
+    the current layout does, and are not called another strategy's."""
+    path, optimizer = _one_process_file(tmp_path)
     expected = optimizer.optimizer.state_dict()
     checkpoint = torch.load(path, weights_only=True)
-    checkpoint["optimizer"] = checkpoint["lordo"].pop("optimizer_state")
-    torch.save(checkpoint, tmp_path / "old.ckpt")
-    del checkpoint["lordo"]  # LoRDO's state saved by hand, without the strategy's entry
+    entry = checkpoint["lordo"]
+    checkpoint["optimizer"], sync = entry.pop("optimizer_state"), entry.pop("sync")
+    del entry["optimizer_key"]
+    checkpoint["lordo"] = {**entry, **{k: sync[k] for k in _FABRIC_1_SYNC}, "format": 1}
+    torch.save(checkpoint, tmp_path / "format1.ckpt")
+    del checkpoint["lordo"]
     torch.save(checkpoint, tmp_path / "by_hand.ckpt")
-    for file in (path, tmp_path / "old.ckpt", tmp_path / "by_hand.ckpt"):
-        loaded, said = _load_into_fresh(file)
+    for file, counters in ((path, 3), (tmp_path / "format1.ckpt", 3), (tmp_path / "by_hand.ckpt", 0)):
+        loaded, said, steps = _load_into_fresh(file)
         assert_identical(loaded["state"], expected["state"], str(file))
         assert not any(FROM_ANOTHER_STRATEGY in m for m in said), said
+        assert steps == counters, (file, steps)
 
 
 def test_the_save_filter_applies_to_lordos_own_state(tmp_path: Path) -> None:
@@ -171,24 +183,29 @@ def test_the_save_filter_applies_to_lordos_own_state(tmp_path: Path) -> None:
                 filter={"optimizer": lambda key, value: key == "param_groups"})
     saved = torch.load(tmp_path / "f.ckpt", weights_only=True)
     assert set(saved["optimizer"]) == set(saved["lordo"]["optimizer_state"]) == {"param_groups"}
-    loaded, _ = _load_into_fresh(tmp_path / "f.ckpt")
+    loaded, _, _ = _load_into_fresh(tmp_path / "f.ckpt")
     assert not loaded["state"], "filtered-out moments came back"
 
 
 def test_a_lordo_entry_older_than_the_optimizer_entry_is_ignored_with_a_warning(tmp_path: Path) -> None:
     """Another strategy that saved the file again (``state.update(remainder)``) after training on: its AdamW entry
     is newer than the LoRDO state beside it, which is ignored."""
-    path, _, _ = _one_process_file(tmp_path)
+    path, _ = _one_process_file(tmp_path)
     checkpoint = torch.load(path, weights_only=True)
     for entry in checkpoint["optimizer"]["state"].values():  # a DDP run's later steps
         entry["step"] = entry["step"] + 5
         entry["exp_avg"] = torch.randn_like(entry["exp_avg"])
     torch.save(checkpoint, tmp_path / "resaved.ckpt")
-    loaded, said = _load_into_fresh(tmp_path / "resaved.ckpt")
-    assert any("'lordo' entry is older than its 'optimizer' entry" in m for m in said), said
-    assert any(FROM_ANOTHER_STRATEGY in m for m in said), said
+    loaded, said, steps = _load_into_fresh(tmp_path / "resaved.ckpt")
+    said = [m for m in said if "'lordo' entry is older than its optimizer entry" in m]
+    assert len(said) == 1 and FROM_ANOTHER_STRATEGY in said[0], said  # one warning
+    assert steps == 0, "the older entry's counters were restored"
     lowrank = {i for i, e in checkpoint["lordo"]["optimizer_state"]["state"].items() if "basis" in e}
     assert lowrank and all(not loaded["state"].get(i) for i in lowrank), "low-rank moments not restarted"
     for i, entry in checkpoint["optimizer"]["state"].items():  # the newer entry's moments
         if i not in lowrank:
             assert torch.equal(loaded["state"][i]["exp_avg"], entry["exp_avg"]), i
+    # the model alone: the file's optimizer entry still shows the LoRDO entry is older, whose counters stay out
+    _, said, steps = _load_into_fresh(tmp_path / "resaved.ckpt", optimizer_too=False)
+    assert steps == 0 and any("is older than its optimizer entry" in m for m in said), (steps, said)
+    assert _load_into_fresh(path, optimizer_too=False)[2] == 3  # the file as LoRDO saved it: counters restored

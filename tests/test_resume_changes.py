@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from strategy_helpers import TinyRegressor, flat_params, gather, lordo, trainer
+from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
 from test_resume import FIXED_DATA, BatchNormRegressor, K, epoch_loader
 from torch import nn
 
@@ -318,3 +318,40 @@ def test_a_changed_fullrank_state_is_refused_when_the_round_in_flight_averages_f
         _fit(tmp_path, "changed", ckpt=str(tmp_path / "ckpt" / "step=9.ckpt"), overlap_steps=2,
              average_fullrank_moments=True, fullrank_state=now)
     assert "zip()" not in str(caught.value)
+
+
+class LoRDOWithoutTheStrategy(TinyRegressor):
+    def configure_optimizers(self) -> Any:
+        return LoRDO(self.parameters(), lr=1e-2, rank=4)
+
+
+class StateAtStart(L.Callback):
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.state = {i: {k: v.clone() for k, v in e.items() if torch.is_tensor(v)}
+                      for i, e in trainer.optimizers[0].state_dict()["state"].items()}
+
+
+def test_a_lordo_state_saved_by_another_strategy_keeps_its_moments(tmp_path: Path) -> None:
+    """``LoRDO`` from ``configure_optimizers`` under a plain strategy (no ``checkpoint["lordo"]``), resumed under
+    ``"lordo"``: bases and moments come back as saved, and no warning says they restart."""
+    torch.manual_seed(0)
+    first = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    first.fit(LoRDOWithoutTheStrategy(), loader())
+    first.save_checkpoint(tmp_path / "plain.ckpt")
+    checkpoint = torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    assert "lordo" not in checkpoint
+    saved = checkpoint["optimizer_states"][0]["state"]
+    assert sum("basis" in e for e in saved.values()) == 2
+    start = StateAtStart()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(LoRDOStrategy(start_method="popen"), devices=1, max_steps=6, callbacks=[start]).fit(
+            LoRDOWithoutTheStrategy(), loader(), ckpt_path=str(tmp_path / "plain.ckpt"))
+    said = [str(w.message) for w in caught]
+    assert not any("moments restart" in m for m in said), said
+    assert start.state.keys() == saved.keys()
+    for index, entry in saved.items():
+        for key in ("basis", "exp_avg", "exp_avg_sq"):
+            if key in entry:
+                assert torch.equal(start.state[index][key], entry[key]), (index, key)

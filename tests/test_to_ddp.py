@@ -18,7 +18,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from strategy_helpers import TinyRegressor, expand_lordo_state, loader, lordo, trainer
 
-from lightning_lordo.lightning.export import ConvertLoRDOCheckpoint
+from lightning_lordo import LoRDOStrategy
+from lightning_lordo.lightning.export import ConvertLoRDOCheckpoint, to_torch_checkpoint
 from lightning_lordo.lightning.shards import load_full
 
 pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
@@ -134,6 +135,19 @@ def test_plain_ddp_resumes_a_checkpoint_with_an_overlapped_round_in_flight(in_fl
     done = subprocess.run([sys.executable, "-c", WITHOUT_THE_PLUGIN, str(in_flight)], capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0 and "resumed at step 5 from the file's model" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_round_in_flight_is_named_in_the_file_whatever_the_optimizer(tmp_path: Path) -> None:
+    """``"diloco"`` keeps the user's AdamW (no LoRDO optimizer entry to convert): the file itself names the round in
+    flight, which its shards hold and a plain strategy does not read."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=5, save_top_k=-1)
+    torch.manual_seed(0)
+    trainer(LoRDOStrategy(preset="diloco", sync_every=4, overlap_steps=2, start_method="fork"),
+            callbacks=[checkpoints], max_steps=6, enable_checkpointing=True).fit(TinyRegressor(), loader())
+    checkpoint = torch.load(tmp_path / "step=5.ckpt", weights_only=True)
+    assert checkpoint["lordo"]["in_flight"] == 4 and "ranks" not in checkpoint["lordo"]  # the round: in the shards
+    notes = to_torch_checkpoint(checkpoint)
+    assert any("the overlapped round in flight (launched at optimizer step 4)" in n for n in notes), notes
 
 
 #: A user's script on a machine without the plugin: TinyRegressor's network, resumed on one device.

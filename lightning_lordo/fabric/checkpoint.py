@@ -12,8 +12,10 @@ boundary the model and buffers are identical on every rank. The file then holds,
   AdamW, with or without this plugin;
 * ``checkpoint["lordo"]`` (:mod:`lightning_lordo.checkpoint`): the synchronizer's state without the anchor
   (counters, the outer step's momentum), the optimizer's class, the communication totals and LoRDO's own optimizer
-  state (rank 0's: the low-rank moments are averaged at each synchronization, the full-rank moments are rank 0's);
-  tensors, numbers and strings, which ``torch.load(weights_only=True)`` reads.
+  state (rank 0's: the low-rank moments are averaged at each synchronization, the full-rank moments are rank 0's;
+  ``fabric.save(filter=...)`` filters it as your optimizer's entry); tensors, numbers and strings, which
+  ``torch.load(weights_only=True)`` reads. A file that another strategy saved again with this entry beside a newer
+  optimizer entry (its step counts differ) has the entry ignored, with a warning.
 
 ``fabric.load(path, {"model": model, "optimizer": optimizer, ...})`` restores all of it on every rank: the loaded
 model becomes the synchronized point, the counters and byte totals continue (a checkpoint saved in the synchronous
@@ -100,7 +102,7 @@ class SynchronizedCheckpoints:
                 keep = (filter or {}).get(optimizer_key)  # Fabric filters the user's entry: LoRDO's alike
                 if keep is not None:
                     own = {k: v for k, v in own.items() if keep(k, v)} or None
-            state = {**state, STATE_KEY: fabric_entry(self.core, self.world_size, optimizer_state=own)}
+            state = {**state, STATE_KEY: fabric_entry(self.core, self.world_size, own, optimizer_key)}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
 
     @override
@@ -127,14 +129,16 @@ class SynchronizedCheckpoints:
             if key != optimizer_key:
                 state[key] = value
         own = (saved or {}).get("optimizer_state")  # LoRDO's own, if it was LoRDO (format 1: under the user's key)
-        if own is not None and optimizer_key is not None and proxy[optimizer_key] is not None and \
-                _steps(own) != _steps(proxy[optimizer_key]):
-            warn([f"the checkpoint's {STATE_KEY!r} entry is older than its {optimizer_key!r} entry (another strategy "
-                  "saved the file again with it): it is ignored, and the file is loaded as another strategy's"],
-                 self.global_rank)
+        entry = proxy[optimizer_key] if optimizer_key is not None else remainder.get((saved or {}).get("optimizer_key"))
+        notes = []
+        if own is not None and entry is not None and _steps(own) != _steps(entry):  # the file was saved again
+            notes.append(f"the checkpoint's {STATE_KEY!r} entry is older than its optimizer entry (another strategy "
+                         "saved the file again with it): it is ignored, and the file is loaded as another strategy's")
             saved = own = None
         if optimizer_key is not None and proxy[optimizer_key] is not None:
-            self._load_optimizer(proxy[optimizer_key] if own is None else own, saved)
+            self._load_optimizer(proxy[optimizer_key] if own is None else own, saved, notes)
+        else:
+            warn(notes, self.global_rank)
         if saved is not None:
             self._restore_counters(saved)
         restored_optimizer = optimizer_key is not None and proxy[optimizer_key] is not None
@@ -145,13 +149,14 @@ class SynchronizedCheckpoints:
         self._new_synchronized_point(sync.get("anchor_step"), switch=switch)
         return remainder
 
-    def _load_optimizer(self, optimizer_state: dict[str, Any], saved: Optional[dict[str, Any]]) -> None:
+    def _load_optimizer(self, optimizer_state: dict[str, Any], saved: Optional[dict[str, Any]], notes: list[str]
+                        ) -> None:
         """As the Trainer's resume (``optim/loading.py``): the knobs passed now win, a state of another optimizer or
-        strategy is converted, and one warning lists what changed."""
+        strategy is converted, and one warning lists what changed (after ``notes``)."""
         knobs = [{k: g[k] for k in LORDO_KNOBS if k in g} for g in optimizer_state["param_groups"]]
         names = {p: n for n, p in self.module.named_parameters()}
         another = saved is None and not is_lordo_state(optimizer_state)  # a DDP run's AdamW, say
-        notes = [FROM_ANOTHER_STRATEGY] if another and isinstance(self.optimizer, LoRDO) else []
+        notes = notes + ([FROM_ANOTHER_STRATEGY] if another and isinstance(self.optimizer, LoRDO) else [])
         notes += group_knob_changes(knobs, self.optimizer)
         notes += load_optimizer(self.optimizer, optimizer_state, None, names)
         warn(notes, self.global_rank)
@@ -186,4 +191,3 @@ def _steps(optimizer_state: dict[str, Any]) -> dict[Any, float]:
     """Each parameter's step count in an optimizer state dict: LoRDO's own state and its AdamW-shaped copy have the
     same, and a file that another strategy saved again after training on does not."""
     return {i: float(entry["step"]) for i, entry in optimizer_state.get("state", {}).items() if "step" in entry}
-

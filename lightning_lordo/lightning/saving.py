@@ -215,8 +215,8 @@ class SynchronizedState:
         optimizer = self.optimizers[0]
         saved = self._restored_optimizer if self._restored_optimizer is not None else checkpoint["optimizer_states"][0]
         notes = list(self._resume_notes)
-        if not self._lordo_checkpoint and isinstance(optimizer, LoRDO):
-            notes.append(loading.FROM_ANOTHER_STRATEGY)
+        if not self._lordo_checkpoint and isinstance(optimizer, LoRDO) and not loading.is_lordo_state(saved):
+            notes.append(loading.FROM_ANOTHER_STRATEGY)  # a LoRDO state saved by another strategy keeps its moments
         notes += loading.load_optimizer(optimizer, saved, self._restored_names, self.parameter_names)
         if self._reset_on_load:
             resume.reset_error_feedback(optimizer)
