@@ -9,13 +9,13 @@ What this module adds:
 * ``python -m lightning_lordo.lightning.export lordo.ckpt ddp.ckpt`` writes a file without the LoRDO state (smaller);
 * both convert a checkpoint whose optimizer entry is LoRDO's own (the earlier format).
 
-The AdamW moments: each low-rank matrix's expanded through its basis (the first moment exactly, ``Q u``; the second ``(Q
-o Q) v`` floored at its mean, as when a matrix becomes full-rank on a resume); the full-rank parameters' as they are;
-the step counts, learning rates and LR schedulers kept. Left behind (there is nothing in DDP to hold them): the bases,
-the error-feedback buffers, the outer (Nesterov) momentum, the payload's error feedback, the other ranks' own state and,
-for a checkpoint written mid-round, each worker's progress since the last sync and an overlapped round in flight (the
-model saved is the synchronized one, which DDP resumes from). The LoRDO-only knobs are not in the param groups, so
-torch's Adam/AdamW fill in their own defaults.
+The AdamW moments: each low-rank matrix's expanded through its basis (the first moment exactly, ``Q u``; the second
+``(Q o Q) v`` floored at its mean, as when a matrix becomes full-rank on a resume); the full-rank parameters' as they
+are; the step counts, learning rates and LR schedulers kept. Left behind (there is nothing in DDP to hold them): the
+bases, the error-feedback buffers, the outer (Nesterov) momentum, the payload's error feedback, the other ranks' own
+state and, for a checkpoint written mid-round, each worker's progress since the last sync and an overlapped round in
+flight (the model saved is the synchronized one, which DDP resumes from). The LoRDO-only knobs are not in the param
+groups, so torch's Adam/AdamW fill in their own defaults.
 """
 
 from __future__ import annotations
