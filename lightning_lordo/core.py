@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo._tensors import nbytes
 from lightning_lordo.comm.accounting import ddp_wire_bytes
-from lightning_lordo.comm.communicator import CommAccountant, Communicator
+from lightning_lordo.comm.communicator import CollectiveTimeout, CommAccountant, Communicator, translate
 from lightning_lordo.convert import (
     compile_patterns,
     convert_optimizer,
@@ -31,6 +31,24 @@ from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.strategy_knobs import Knobs
 from lightning_lordo.sync.report import SyncReport, breakdown
 from lightning_lordo.sync.synchronizer import Synchronizer
+
+
+def guarded(communicator: Optional[Communicator], what: Any, timeout: Any, run: Callable[[], Any]) -> Any:
+    """Run one of the framework's own collectives (``run``: Lightning's or Fabric's barrier, broadcast, reduce,
+    all_gather; bounded by the process group's timeout) with its failure named as the plugin's own are: what was
+    running (``what``, a string or a function giving it, called only on a failure) and the likely causes, as
+    :class:`~lightning_lordo.comm.communicator.CollectiveTimeout`, instead of the backend's raw text. After an
+    earlier failure it refuses at once: the process group cannot be trusted any more."""
+    if communicator is not None and communicator.failure is not None:
+        raise CollectiveTimeout(f"LoRDO: {what() if callable(what) else what} was not attempted because an earlier "
+                                f"collective failed: {communicator.failure}")
+    try:
+        return run()
+    except RuntimeError as err:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
+        failure = translate(err, what() if callable(what) else what, timeout)
+        if communicator is not None:
+            communicator.failure = str(failure)
+        raise failure from err
 
 
 def saving_ratio(ddp: float, sent: float) -> float:

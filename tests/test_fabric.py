@@ -327,6 +327,33 @@ def test_a_hung_worker_makes_the_others_raise_a_collective_timeout_naming_the_sy
     assert "CollectiveTimeout" in text and "sync 1" in text and f"timeout of {TIMEOUT_S} s" in text, text
 
 
+@pytest.mark.slow  # each waits for a timeout
+@pytest.mark.parametrize("collective", ["barrier", "all_reduce"])
+def test_fabrics_own_collectives_are_bounded_and_named(collective: str) -> None:
+    """``fabric.barrier`` / ``fabric.all_reduce`` with a worker that never comes: the other raises the plugin's
+    ``CollectiveTimeout`` naming the call, within the timeout, and a later collective is refused at once."""
+    import time
+
+    from lightning_lordo.comm.communicator import CollectiveTimeout
+
+    def work(fabric: Fabric) -> str:
+        if fabric.global_rank == 1:
+            time.sleep(4)  # past rank 0's timeout of 2 s
+            return ""
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match=rf"fabric.{collective} failed or timed out \(timeout 2 s") as info:
+            fabric.barrier() if collective == "barrier" else fabric.all_reduce(torch.ones(2))
+        took = time.monotonic() - start
+        with pytest.raises(CollectiveTimeout, match=r"fabric.barrier was not attempted because an earlier collective"):
+            fabric.barrier()
+        assert took < 6, took
+        return str(info.value)
+
+    strategy = LoRDOFabricStrategy(start_method="fork", timeout=2, optimizer={"rank": 4})
+    said = Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(work)
+    assert "Likely causes" in said, said
+
+
 @pytest.mark.timeout(120)
 def test_synchronous_phase_averages_once_per_step_before_clipping() -> None:
     fabric = fabric_for(synchronous=True)  # the "lowrank_ddp" preset

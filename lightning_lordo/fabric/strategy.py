@@ -45,7 +45,7 @@ from lightning_lordo.config import SyncConfig
 from lightning_lordo.convert import (
     check_initialized,
 )
-from lightning_lordo.core import HoldsCore, InCore, LoRDOCore
+from lightning_lordo.core import HoldsCore, InCore, LoRDOCore, guarded
 from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
 from lightning_lordo.lightning._compat import BackwardSyncControl
 from lightning_lordo.strategy_knobs import (
@@ -131,6 +131,28 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
                 if name + suffix not in strategy_registry:
                     strategy_registry.register(name + suffix, cls, description=f"{description} ({start_method})",
                                                start_method=start_method, preset=name)
+
+    # ------------------------------------------------------------------ Fabric's own collectives
+    # bounded by the process group's timeout, a failure named as the strategy's own are (``core.guarded``)
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        guarded(self.communicator, "fabric.barrier", self.sync_config.timeout, lambda: super(
+            LoRDOFabricStrategy, self).barrier(*args, **kwargs))
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return guarded(self.communicator, "fabric.broadcast", self.sync_config.timeout, lambda: super(
+            LoRDOFabricStrategy, self).broadcast(obj, src))
+
+    @override
+    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        return guarded(self.communicator, "fabric.all_reduce", self.sync_config.timeout, lambda: super(
+            LoRDOFabricStrategy, self).all_reduce(tensor, group, reduce_op))
+
+    @override
+    def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
+        return guarded(self.communicator, "fabric.all_gather", self.sync_config.timeout, lambda: super(
+            LoRDOFabricStrategy, self).all_gather(tensor, group, sync_grads))
 
     # ------------------------------------------------------------------ setup
     @override

@@ -14,7 +14,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_lordo.comm.communicator import CollectiveTimeout, Communicator, side_communicator, translate
+from lightning_lordo.comm.communicator import CollectiveTimeout, Communicator, side_communicator
+from lightning_lordo.core import guarded
 from lightning_lordo.lightning._compat import note_sigterm
 
 if TYPE_CHECKING:
@@ -51,20 +52,8 @@ class GuardedCollectives:
     root_device: torch.device
 
     def _lightning_collective(self, what: Any, run: Any) -> Any:
-        """Run one of Lightning's collectives (``run``) with its failure named: what was running (``what``, a string
-        or a function giving it, called only on a failure) and the likely causes, instead of the backend's raw text;
-        after an earlier failure, refuse at once (the process group cannot be trusted any more)."""
-        communicator = self.communicator
-        if communicator is not None and communicator.failure is not None:
-            raise CollectiveTimeout(f"LoRDO: {what() if callable(what) else what} was not attempted because an "
-                                    f"earlier collective failed: {communicator.failure}")
-        try:
-            return run()
-        except RuntimeError as err:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
-            failure = translate(err, what() if callable(what) else what, self.sync_config.timeout)
-            if communicator is not None:
-                communicator.failure = str(failure)
-            raise failure from err
+        """One of Lightning's collectives, its failure named (``core.guarded``)."""
+        return guarded(self.communicator, what, self.sync_config.timeout, run)
 
     def _caller(self, operation: str, default: str) -> str:
         """What issued one of Lightning's collectives, for its error: the first caller that is not the strategy
