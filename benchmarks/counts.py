@@ -27,7 +27,8 @@ import os
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -39,10 +40,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_lordo import LoRDO
+from lightning_lordo.comm import communicator
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.config import LEAN_KNOBS, SyncConfig
 from lightning_lordo.convert import full_rank_params
 from lightning_lordo.models import CharGPT
+from lightning_lordo.optim import fullrank, functional
 from lightning_lordo.strategy_knobs import PRESETS
 from lightning_lordo.sync import bucketed
 from lightning_lordo.sync.synchronizer import Synchronizer
@@ -133,12 +136,30 @@ def preset_knobs(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
 HELD_CAP_MB = 1024.0
 #: The GPTs whose syncs are counted: ``(layers, width, vocabulary, heads)``; scaled-down widths, and GPT-2-small's.
 SCALED_12, SCALED_24, GPT2_SMALL = (12, 64, 256, 4), (24, 64, 256, 4), (12, 768, 50257, 12)
+#: GPT-2-small with a quarter of its width and vocabulary: every matrix 16 times smaller, so with the byte bounds
+#: divided by 16 (``bytes_divisor=16``) its syncs are cut into the same stacks and buckets as GPT-2-small's.
+GPT2_SMALL_BY_16 = (12, 192, 12565, 12)
+
+
+@contextmanager
+def byte_bounds_divided(divisor: int) -> Iterator[None]:
+    """The bounds in bytes that cut the work (a stack of same-shape matrices, a collective's message) divided by
+    ``divisor`` while active, for a model whose tensors are ``divisor`` times smaller (:data:`GPT2_SMALL_BY_16`)."""
+    saved = functional.STACK_BYTES, communicator._MESSAGE_BYTES
+    functional.STACK_BYTES = fullrank.STACK_BYTES = saved[0] // divisor
+    communicator._MESSAGE_BYTES = saved[1] // divisor
+    try:
+        yield
+    finally:
+        functional.STACK_BYTES = fullrank.STACK_BYTES = saved[0]
+        communicator._MESSAGE_BYTES = saved[1]
 
 
 def count_sync(preset: str, steps: int = 6, sync_every: int = 2, shape: tuple[int, int, int, int] = SCALED_12,
-               bucket_cap_mb: Optional[float] = None) -> dict[str, Any]:
+               bucket_cap_mb: Optional[float] = None, bytes_divisor: int = 1) -> dict[str, Any]:
     """Host reads and dispatched ops of the last sync of a short run (the process group, if any, is set up), on a
-    GPT of ``shape`` (layers, width, vocabulary, heads); ``bucket_cap_mb``: the sync's, if not the default."""
+    GPT of ``shape`` (layers, width, vocabulary, heads); ``bucket_cap_mb``: the sync's, if not the default;
+    ``bytes_divisor``: the sync's ``bucket_cap_mb`` divided by it (see :func:`count_syncs_two_processes`)."""
     # the accelerators' layout (layout="stacked"), counted on the CPU
     torch.manual_seed(0)
     layers, width, vocab, heads = shape
@@ -150,6 +171,7 @@ def count_sync(preset: str, steps: int = 6, sync_every: int = 2, shape: tuple[in
     if bucket_cap_mb is not None:
         sync_knobs = {**sync_knobs, "bucket_cap_mb": bucket_cap_mb}
     config = SyncConfig(**{"sync_every": sync_every, "synchronous": False, **sync_knobs})  # a worker's rounds
+    config.bucket_cap_mb /= bytes_divisor
     sync = Synchronizer(params, [], opt, config, comm)
     x = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(comm.rank))
     for step in range(steps):
@@ -171,13 +193,17 @@ def count_sync(preset: str, steps: int = 6, sync_every: int = 2, shape: tuple[in
 
 
 def _worker(rank: int, world: int, port: int, out: str, shapes: Sequence[tuple[int, int, int, int]],
-            held: Sequence[tuple[int, int, int, int]], steps: int) -> None:
+            held: Sequence[tuple[int, int, int, int]], steps: int, bytes_divisor: int) -> None:
     torch.set_num_threads(1)
+    bounds = byte_bounds_divided(bytes_divisor)
+    bounds.__enter__()  # this forked process only
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        rows = [count_sync(name, steps=steps, shape=shape) for shape in shapes for name in SYNC_PRESETS]
-        rows += [count_sync("lordo_compressed", steps=steps, shape=shape, bucket_cap_mb=HELD_CAP_MB) for shape in held]
+        rows = [count_sync(name, steps=steps, shape=shape, bytes_divisor=bytes_divisor)
+                for shape in shapes for name in SYNC_PRESETS]
+        rows += [count_sync("lordo_compressed", steps=steps, shape=shape, bucket_cap_mb=HELD_CAP_MB,
+                            bytes_divisor=bytes_divisor) for shape in held]
         with open(f"{out}.{rank}", "w") as f:
             json.dump(rows, f)
     finally:
@@ -185,45 +211,53 @@ def _worker(rank: int, world: int, port: int, out: str, shapes: Sequence[tuple[i
 
 
 def count_syncs_two_processes(shapes: Sequence[tuple[int, int, int, int]] = (SCALED_12,),
-                              held: Sequence[tuple[int, int, int, int]] = (), steps: int = 6) -> list[dict[str, Any]]:
+                              held: Sequence[tuple[int, int, int, int]] = (), steps: int = 6,
+                              bytes_divisor: int = 1) -> list[dict[str, Any]]:
     """:func:`count_sync` for every preset on each of ``shapes`` with 2 processes (fork, gloo), then
     ``"lordo_compressed"`` on each of ``held`` with a ``bucket_cap_mb`` that holds its low-rank round whole; rank 0's
-    counts (rank 1's are checked to be the same). ``steps``: each run's (the counted sync is its last)."""
+    counts (rank 1's are checked to be the same). ``steps``: each run's (the counted sync is its last).
+    ``bytes_divisor``: the byte bounds of :func:`byte_bounds_divided` and the sync's ``bucket_cap_mb`` divided by it.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "counts")
-        mp.start_processes(_worker, args=(2, port, out, tuple(shapes), tuple(held), steps), nprocs=2,
+        mp.start_processes(_worker, args=(2, port, out, tuple(shapes), tuple(held), steps, bytes_divisor), nprocs=2,
                            start_method="fork")
         ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
     assert ranks[0] == ranks[1], f"the ranks counted differently: {ranks}"
     return ranks[0]
 
 
-def count_step(make: Callable[[list[Tensor], torch.nn.Module], torch.optim.Optimizer]) -> int:
-    """Dispatched ops of one optimizer step on GPT-2-small's parameter set (12 layers, width 768, tied head)."""
+def count_step(make: Callable[[list[Tensor], torch.nn.Module], torch.optim.Optimizer],
+               shape: tuple[int, int, int, int] = GPT2_SMALL, bytes_divisor: int = 1) -> int:
+    """Dispatched ops of one optimizer step on the parameter set of a GPT of ``shape`` (GPT-2-small's: 12 layers,
+    width 768, tied head, 1,024 positions; positions shrink with the width), with :func:`byte_bounds_divided`."""
     torch.manual_seed(0)
-    model = CharGPT(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, seq_len=1024, tie_weights=True)
+    layers, width, vocab, heads = shape
+    model = CharGPT(vocab_size=vocab, d_model=width, n_layers=layers, n_heads=heads, seq_len=1024 * width // 768,
+                    tie_weights=True)
     params = list(model.parameters())
-    opt = make(params, model)
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt.step()
-    opt.step()
-    with Counts(step_counters(opt)) as counts:
+    with byte_bounds_divided(bytes_divisor):
+        opt = make(params, model)
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
         opt.step()
+        opt.step()
+        with Counts(step_counters(opt)) as counts:
+            opt.step()
     return counts.ops
 
 
-def count_steps() -> dict[str, Any]:
+def count_steps(shape: tuple[int, int, int, int] = GPT2_SMALL, bytes_divisor: int = 1) -> dict[str, Any]:
     # the accelerators' layout (layout="stacked"), counted on the CPU
-    row = {"adamw_foreach": count_step(lambda ps, m: torch.optim.AdamW(ps, foreach=True)),
-           "adamw_fused": count_step(lambda ps, m: torch.optim.AdamW(ps, fused=True))}
+    row = {"adamw_foreach": count_step(lambda ps, m: torch.optim.AdamW(ps, foreach=True), shape, bytes_divisor),
+           "adamw_fused": count_step(lambda ps, m: torch.optim.AdamW(ps, fused=True), shape, bytes_divisor)}
     for name in ("lordo", "lordo_lean"):
         knobs = preset_knobs(name)[0]
         row[name] = count_step(lambda ps, m, k=knobs: LoRDO(ps, rank=12, full_rank=full_rank_params(m),
-                                                            layout="stacked", **k))
+                                                            layout="stacked", **k), shape, bytes_divisor)
     row.update({f"{name}_over_foreach": round(row[name] / row["adamw_foreach"], 2) for name in ("lordo", "lordo_lean")})
     return row
 
