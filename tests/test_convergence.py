@@ -7,6 +7,7 @@ then rose past its start (an integral wind-up), and with LDAdam's rotation a ref
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_lordo import LoRDO, LoRDOStrategy
 from lightning_lordo.config import LEAN_KNOBS
@@ -140,15 +141,35 @@ class Regression(L.LightningModule):
     def configure_optimizers(self) -> LoRDO:
         return LoRDO(self.parameters(), lr=1e-2, weight_decay=0.0, rank=8, **self.knobs)
 
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(FullBatches(self.global_rank, self.trainer.world_size), batch_size=None)
+
+
+class FullBatches(IterableDataset):
+    """The full batch (512 samples a step in all), one step an epoch as Lightning's ``DistributedSampler`` deals it
+    (a permutation seeded by the epoch, every ``world``-th sample of it to this rank), taken whole, in one epoch of
+    :data:`STEPS` batches: a sample at a time and an epoch a step, the loader took more time than the training."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = _problem()
+        for epoch in range(STEPS):
+            rows = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))[self.rank::self.world]
+            yield x[rows], y[rows]
+
+
+STEPS = 1600
+
 
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("preset", ["defaults", "lean"])
 def test_regression_converges_under_the_trainer(preset: str, devices: int, tmp_path: Path) -> None:
-    x, y = _problem()
     torch.manual_seed(0)
     module = Regression(PRESET_KNOBS[preset], str(tmp_path / "losses.json"))
-    loader = DataLoader(TensorDataset(x, y), batch_size=512 // devices)  # full batch: 512 samples a step in all
     strategy = LoRDOStrategy(sync_every=8, start_method="fork", monitor=False)
-    L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=1600, logger=False,
-              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(module, loader)
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              use_distributed_sampler=False).fit(module)
     _check(json.loads((tmp_path / "losses.json").read_text()), f"{preset}, {devices} device(s)")

@@ -118,7 +118,7 @@ def _strategy(k: int, timeout: float) -> LoRDOStrategy:
 class HangsAtStep(TinyRegressor):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if dist.get_rank() == 1 and self.trainer.global_step == 2:
-            time.sleep(30)  # hangs between syncs (K = 8), longer than the timeout
+            time.sleep(8)  # hangs between syncs (K = 8), longer than the 3 s timeout
         return super().training_step(batch, batch_idx)
 
 
