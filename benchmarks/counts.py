@@ -195,15 +195,14 @@ def count_sync(preset: str, steps: int = 6, sync_every: int = 2, shape: tuple[in
 def _worker(rank: int, world: int, port: int, out: str, shapes: Sequence[tuple[int, int, int, int]],
             held: Sequence[tuple[int, int, int, int]], steps: int, bytes_divisor: int) -> None:
     torch.set_num_threads(1)
-    bounds = byte_bounds_divided(bytes_divisor)
-    bounds.__enter__()  # this forked process only
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        rows = [count_sync(name, steps=steps, shape=shape, bytes_divisor=bytes_divisor)
-                for shape in shapes for name in SYNC_PRESETS]
-        rows += [count_sync("lordo_compressed", steps=steps, shape=shape, bucket_cap_mb=HELD_CAP_MB,
-                            bytes_divisor=bytes_divisor) for shape in held]
+        with byte_bounds_divided(bytes_divisor):
+            rows = [count_sync(name, steps=steps, shape=shape, bytes_divisor=bytes_divisor)
+                    for shape in shapes for name in SYNC_PRESETS]
+            rows += [count_sync("lordo_compressed", steps=steps, shape=shape, bucket_cap_mb=HELD_CAP_MB,
+                                bytes_divisor=bytes_divisor) for shape in held]
         with open(f"{out}.{rank}", "w") as f:
             json.dump(rows, f)
     finally:
