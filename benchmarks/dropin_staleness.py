@@ -1,0 +1,60 @@
+"""How stale is LoRDO's validation at step 50 in ``dropin.py``? (issue 30, one-off, printed)
+
+Mid-round, the strategy validates the synchronized model, the anchor of the last sync: at step 50 with K = 16 that is
+step 48's model, while DDP's is step 50's. Each run is ``dropin.run_one`` on the demo Transformer (2 processes, the
+user's LR) with one change:
+
+* ``ddp48``: DDP validated at steps 48 and 96 (the steps LoRDO's step-50 and step-100 validations show);
+* ``avg50``: LoRDO validated at steps 50 and 100 on the mean of the workers' replicas at that step (a callback
+  all-reduces the parameters before validation and restores each replica after; the anchor swap is turned off).
+
+    python benchmarks/dropin_staleness.py MODE SEED LR   # prints one RESULT line
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import dropin
+import lightning as L
+import torch.distributed as dist
+
+from lightning_lordo.lightning import saving
+
+DATA = str(dropin.ROOT.parent.parent / "shared" / "data" / "wikitext2-valid.txt")
+
+
+class ReplicaMean(L.Callback):
+    """At validation: the mean of the workers' replicas in the model, each worker's own restored after."""
+
+    def on_validation_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.saved = [p.detach().clone() for p in module.parameters()]
+        for p in module.parameters():
+            dist.all_reduce(p.data)
+            p.data.div_(dist.get_world_size())
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        for p, mine in zip(module.parameters(), self.saved):
+            p.data.copy_(mine)
+
+
+def main(mode: str, seed: int, lr: float) -> dict[str, Any]:
+    if mode == "ddp48":
+        dropin.SHORT, dropin.STEPS = 48, 96
+        method = "ddp"
+    elif mode == "avg50":
+        dropin.SHORT, dropin.STEPS = 50, 100
+        method = "lordo"
+        saving.SynchronizedState._mid_round = lambda self: False  # validate the replica, which the callback averages
+        trainer = L.Trainer
+        dropin.L.Trainer = lambda *a, callbacks=(), **kw: trainer(*a, callbacks=[ReplicaMean(), *callbacks], **kw)
+    else:
+        raise SystemExit(f"MODE is ddp48 or avg50, not {mode!r}")
+    out = dropin.run_one({"family": "transformer", "method": method, "lr": lr, "seed": seed}, DATA)
+    return {"mode": mode, "seed": seed, "lr": lr, "losses": out["losses"]}
+
+
+if __name__ == "__main__":
+    print("RESULT", json.dumps(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))))
