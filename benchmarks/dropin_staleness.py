@@ -5,10 +5,12 @@ step 48's model, while DDP's is step 50's. Each run is ``dropin.run_one`` on the
 user's LR) with one change:
 
 * ``ddp48``: DDP validated at steps 48 and 96 (the steps LoRDO's step-50 and step-100 validations show);
-* ``avg50``: LoRDO validated at steps 50 and 100 on the mean of the workers' replicas at that step (a callback
-  all-reduces the parameters before validation and restores each replica after; the anchor swap is turned off).
+* ``anchor``: LoRDO validated as the strategy does, at steps 50, 100 and 150 (the last: the fit's final sync has
+  run); mid-round that is the anchor, the model of the last sync (steps 48 and 96);
+* ``mean``: the same run validated on the mean of the workers' replicas (a callback all-reduces the parameters
+  before validation and restores each replica after; the anchor swap is turned off).
 
-    python benchmarks/dropin_staleness.py MODE SEED LR   # prints one RESULT line
+    cd benchmarks && python dropin_staleness.py MODE SEED LR   # prints one RESULT line
 """
 
 from __future__ import annotations
@@ -41,17 +43,14 @@ class ReplicaMean(L.Callback):
 
 
 def main(mode: str, seed: int, lr: float) -> dict[str, Any]:
-    if mode == "ddp48":
-        dropin.SHORT, dropin.STEPS = 48, 96
-        method = "ddp"
-    elif mode == "avg50":
-        dropin.SHORT, dropin.STEPS = 50, 100
-        method = "lordo"
+    if mode not in ("ddp48", "anchor", "mean"):
+        raise SystemExit(f"MODE is ddp48, anchor or mean, not {mode!r}")
+    dropin.SHORT, dropin.STEPS = (48, 96) if mode == "ddp48" else (50, 150)
+    method = "ddp" if mode == "ddp48" else "lordo"
+    if mode == "mean":
         saving.SynchronizedState._mid_round = lambda self: False  # validate the replica, which the callback averages
         trainer = L.Trainer
         dropin.L.Trainer = lambda *a, callbacks=(), **kw: trainer(*a, callbacks=[ReplicaMean(), *callbacks], **kw)
-    else:
-        raise SystemExit(f"MODE is ddp48 or avg50, not {mode!r}")
     out = dropin.run_one({"family": "transformer", "method": method, "lr": lr, "seed": seed}, DATA)
     return {"mode": mode, "seed": seed, "lr": lr, "losses": out["losses"]}
 
