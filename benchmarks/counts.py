@@ -145,21 +145,28 @@ GPT2_SMALL_BY_16 = (12, 192, 12565, 12)
 def byte_bounds_divided(divisor: int) -> Iterator[None]:
     """The bounds in bytes that cut the work (a stack of same-shape matrices, a collective's message) divided by
     ``divisor`` while active, for a model whose tensors are ``divisor`` times smaller (:data:`GPT2_SMALL_BY_16`)."""
-    saved = functional.STACK_BYTES, communicator._MESSAGE_BYTES
-    functional.STACK_BYTES = fullrank.STACK_BYTES = saved[0] // divisor
-    communicator._MESSAGE_BYTES = saved[1] // divisor
+    bounds = [(functional, "STACK_BYTES"), (fullrank, "STACK_BYTES"), (communicator, "_MESSAGE_BYTES")]
+    saved = [getattr(module, name) for module, name in bounds]
+    for (module, name), value in zip(bounds, saved):
+        setattr(module, name, value // divisor)
     try:
         yield
     finally:
-        functional.STACK_BYTES = fullrank.STACK_BYTES = saved[0]
-        communicator._MESSAGE_BYTES = saved[1]
+        for (module, name), value in zip(bounds, saved):
+            setattr(module, name, value)
 
 
 def count_sync(preset: str, steps: int = 6, sync_every: int = 2, shape: tuple[int, int, int, int] = SCALED_12,
                bucket_cap_mb: Optional[float] = None, bytes_divisor: int = 1) -> dict[str, Any]:
     """Host reads and dispatched ops of the last sync of a short run (the process group, if any, is set up), on a
     GPT of ``shape`` (layers, width, vocabulary, heads); ``bucket_cap_mb``: the sync's, if not the default;
-    ``bytes_divisor``: the sync's ``bucket_cap_mb`` divided by it (see :func:`count_syncs_two_processes`)."""
+    ``bytes_divisor``: the sync's ``bucket_cap_mb`` and :func:`byte_bounds_divided`'s bounds divided by it."""
+    with byte_bounds_divided(bytes_divisor):
+        return _count_sync(preset, steps, sync_every, shape, bucket_cap_mb, bytes_divisor)
+
+
+def _count_sync(preset: str, steps: int, sync_every: int, shape: tuple[int, int, int, int],
+                bucket_cap_mb: Optional[float], bytes_divisor: int) -> dict[str, Any]:
     # the accelerators' layout (layout="stacked"), counted on the CPU
     torch.manual_seed(0)
     layers, width, vocab, heads = shape
@@ -198,11 +205,10 @@ def _worker(rank: int, world: int, port: int, out: str, shapes: Sequence[tuple[i
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        with byte_bounds_divided(bytes_divisor):
-            rows = [count_sync(name, steps=steps, shape=shape, bytes_divisor=bytes_divisor)
-                    for shape in shapes for name in SYNC_PRESETS]
-            rows += [count_sync("lordo_compressed", steps=steps, shape=shape, bucket_cap_mb=HELD_CAP_MB,
-                                bytes_divisor=bytes_divisor) for shape in held]
+        rows = [count_sync(name, steps=steps, shape=shape, bytes_divisor=bytes_divisor)
+                for shape in shapes for name in SYNC_PRESETS]
+        rows += [count_sync("lordo_compressed", steps=steps, shape=shape, bucket_cap_mb=HELD_CAP_MB,
+                            bytes_divisor=bytes_divisor) for shape in held]
         with open(f"{out}.{rank}", "w") as f:
             json.dump(rows, f)
     finally:
@@ -215,8 +221,7 @@ def count_syncs_two_processes(shapes: Sequence[tuple[int, int, int, int]] = (SCA
     """:func:`count_sync` for every preset on each of ``shapes`` with 2 processes (fork, gloo), then
     ``"lordo_compressed"`` on each of ``held`` with a ``bucket_cap_mb`` that holds its low-rank round whole; rank 0's
     counts (rank 1's are checked to be the same). ``steps``: each run's (the counted sync is its last).
-    ``bytes_divisor``: the byte bounds of :func:`byte_bounds_divided` and the sync's ``bucket_cap_mb`` divided by it.
-    """
+    ``bytes_divisor``: :func:`count_sync`'s."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -27,6 +27,17 @@ def _one_thread():
 
 
 @pytest.fixture(autouse=True)
+def _launcher_environment():
+    """Each test ends with the environment it found. Lightning's and Fabric's launchers write ``MASTER_PORT``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``... into this process's environment, and a later fit would reuse that port: with two
+    tests at a time (pytest-xdist), the other worker may have taken it since."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _no_leftover_process_group():
     """A 1-device fit runs in this process and leaves its process group behind (Lightning destroys it at exit);
     forked workers of a later test would inherit it and skip their own initialization."""

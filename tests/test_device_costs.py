@@ -8,6 +8,7 @@ import math
 import sys
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from lightning_lordo import LoRDO
 from lightning_lordo._tensors import FlatLayout
-from lightning_lordo.comm import communicator
+from lightning_lordo.comm import communicator, lowrank_phases
 from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.comm.lowrank import LowRankPayload
 from lightning_lordo.config import SyncConfig
@@ -78,8 +79,11 @@ def test_a_sync_reads_back_at_most_two_values_with_two_workers() -> None:
 
 def _cuts(shape: tuple[int, int, int, int], divisor: int) -> dict[str, list[int]]:
     """How the work of a GPT of ``shape`` is cut under :func:`counts.byte_bounds_divided`: the stacks of each shape of
-    low-rank matrices, the sync's buckets (``bucket_cap_mb`` divided too), the collectives' messages of the
-    parameters' own tensors and of the whole model flattened, and the row slices of each full-rank matrix."""
+    low-rank matrices, the sync's buckets (``bucket_cap_mb`` divided too), the units and buckets of
+    ``lordo_compressed``'s streamed round (every matrix's message low-rank; its cap: the bucket cap or the largest
+    matrix), the collectives' messages of the parameters' own tensors, the chunks of the whole model flattened and of
+    the low-rank messages (``P`` and ``B`` at the counts' rank 8: sized by the rank, these shrink 4 times where the
+    bounds shrink 16), and the row slices of each full-rank matrix."""
     layers, width, vocab, heads = shape
     model = CharGPT(vocab_size=vocab, d_model=width, n_layers=layers, n_heads=heads, seq_len=32)
     params = list(model.parameters())
@@ -88,23 +92,30 @@ def _cuts(shape: tuple[int, int, int, int], divisor: int) -> dict[str, list[int]
     by_shape: dict[tuple[int, ...], int] = {}
     for p in lowrank:
         by_shape[tuple(p.shape)] = by_shape.get(tuple(p.shape), 0) + 1
+    cap = SyncConfig.bucket_cap_mb / divisor * 2**20
+    sent = [p for p in params if p.dim() == 2]  # lordo_compressed: every matrix's message is low-rank
+    streamed_cap = max(cap, max(p.numel() for p in sent) * 4)
+    units = lowrank_phases.make_units(SimpleNamespace(batched=True, ranks=[8] * len(sent)), sent, streamed_cap)
+    messages = sum(8 * sum(p.shape) for p in sent)  # P (a x r) and B (r x b) of every matrix
     with counts.byte_bounds_divided(divisor):
         return {
             "stacks": [len(functional.stack_slices(n, math.prod(s))) for s, n in by_shape.items()],
-            "buckets": [len(b) for b in bucketed.buckets(params, set(lowrank), SyncConfig.bucket_cap_mb / divisor
-                                                         * 2**20)],
+            "buckets": [len(b) for b in bucketed.buckets(params, set(lowrank), cap)],
+            "units": [len(u) for u in units],
+            "streamed buckets": [len(b) for b in lowrank_phases._buckets(units, sent, streamed_cap)],
             "messages": [len(b) for b in communicator._buckets(params)],
-            "chunks": [len(communicator._chunks(torch.empty(sum(p.numel() for p in params), device="meta")))],
+            "chunks": [len(communicator._chunks(torch.empty(n, device="meta")))
+                       for n in (sum(p.numel() for p in params), messages)],
             "rows": [len(fullrank.row_slices(*p.shape)) for p in params if p.dim() == 2 and id(p) in full],
         }
 
 
 def test_gpt2_small_a_sixteenth_the_size_is_cut_as_gpt2_small_is() -> None:
     """The counts below run GPT-2-small at a quarter of its width and vocabulary (every matrix 16 times smaller) with
-    every byte bound divided by 16: it is cut into the same stacks, buckets, messages and slices, so it dispatches
-    what GPT-2-small does. With the package of 15ef1eb both gave the same ops, sync by sync (361, 283, 390, 335) and
-    step by step (LoRDO 309, lean 229, foreach AdamW 404), in 7 s and 2 s against 122 s and 21 s. The comparison can
-    fail: not dividing the bounds cuts the small model otherwise."""
+    every byte bound divided by 16: it is cut into the same stacks, buckets, units, messages and slices, so it
+    dispatches what GPT-2-small does. With the package of 15ef1eb both gave the same ops, sync by sync (361, 283, 390,
+    335) and step by step (LoRDO 309, lean 229, foreach AdamW 404), in 7 s and 2 s against 122 s and 21 s. The
+    comparison can fail: not dividing the bounds cuts the small model otherwise."""
     full = _cuts(counts.GPT2_SMALL, 1)
     assert full == _cuts(counts.GPT2_SMALL_BY_16, 16), (full, _cuts(counts.GPT2_SMALL_BY_16, 16))
     assert max(full["stacks"]) > 1 and len(full["buckets"]) > 1 and max(full["rows"]) > 1  # the bounds cut it

@@ -28,15 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 K = 4
 
 
-@pytest.fixture(autouse=True)
-def _keep_environment():
-    """Fabric's launcher writes MASTER_PORT, LOCAL_RANK, WORLD_SIZE into this process's environment."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def fabric_for(devices: int = 2, precision: str = "32-true", **knobs: Any) -> Fabric:
     """Fork for two workers; one device runs in this process (no launcher process)."""
     if knobs.get("lowrank", True):  # "diloco" takes no optimizer knobs

@@ -16,16 +16,13 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from strategy_helpers import assert_identical, expand_lordo_state, flat_params, loader
-from test_fabric import K, _keep_environment, _launched, fabric_for, ranks_identical, regression_model, run_steps
+from test_fabric import K, _launched, fabric_for, ranks_identical, regression_model, run_steps
 
 from lightning_lordo.checkpoint import _FABRIC_1_SYNC
 from lightning_lordo.optim.loading import FROM_ANOTHER_STRATEGY
 
 pytestmark = pytest.mark.slow  # multi-process runs; CI runs them, -m 'not slow' skips them
 ROOT = Path(__file__).resolve().parents[1]
-
-
-assert _keep_environment  # the autouse fixture that restores the environment Fabric's launcher writes
 
 
 def _lordo_leg(fabric: Fabric, path: Path) -> None:
