@@ -147,8 +147,9 @@ class Regression(L.LightningModule):
 
 class FullBatches(IterableDataset):
     """The full batch (512 samples a step in all), one step an epoch as Lightning's ``DistributedSampler`` deals it
-    (a permutation seeded by the epoch, every ``world``-th sample of it to this rank), taken whole, in one epoch of
-    :data:`STEPS` batches: a sample at a time and an epoch a step, the loader took more time than the training."""
+    (a permutation seeded by the epoch and seed 0, every ``world``-th sample of it to this rank), taken whole, in one
+    epoch of :data:`STEPS` batches: a sample at a time and an epoch a step, the loader took more time than the
+    training. The same batches as before, whatever ``PL_GLOBAL_SEED`` an earlier test left behind."""
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
