@@ -10,7 +10,7 @@ user's LR) with one change:
 * ``mean``: the same run validated on the mean of the workers' replicas (a callback all-reduces the parameters
   before validation and restores each replica after; the anchor swap is turned off).
 
-    cd benchmarks && python dropin_staleness.py MODE SEED LR   # prints one RESULT line
+    cd benchmarks && python dropin_staleness.py MODE SEED LR [FAMILY]   # prints one RESULT line (FAMILY: transformer)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class ReplicaMean(L.Callback):
             p.data.copy_(mine)
 
 
-def main(mode: str, seed: int, lr: float) -> dict[str, Any]:
+def main(mode: str, seed: int, lr: float, family: str = "transformer") -> dict[str, Any]:
     if mode not in ("ddp48", "anchor", "mean"):
         raise SystemExit(f"MODE is ddp48, anchor or mean, not {mode!r}")
     dropin.SHORT, dropin.STEPS = (48, 96) if mode == "ddp48" else (50, 150)
@@ -51,9 +51,9 @@ def main(mode: str, seed: int, lr: float) -> dict[str, Any]:
         saving.SynchronizedState._mid_round = lambda self: False  # validate the replica, which the callback averages
         trainer = L.Trainer
         dropin.L.Trainer = lambda *a, callbacks=(), **kw: trainer(*a, callbacks=[ReplicaMean(), *callbacks], **kw)
-    out = dropin.run_one({"family": "transformer", "method": method, "lr": lr, "seed": seed}, DATA)
-    return {"mode": mode, "seed": seed, "lr": lr, "losses": out["losses"]}
+    out = dropin.run_one({"family": family, "method": method, "lr": lr, "seed": seed}, DATA)
+    return {"mode": mode, "family": family, "seed": seed, "lr": lr, "losses": out["losses"]}
 
 
 if __name__ == "__main__":
-    print("RESULT", json.dumps(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))))
+    print("RESULT", json.dumps(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:5])))
