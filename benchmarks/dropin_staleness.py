@@ -1,14 +1,14 @@
 """How stale is LoRDO's validation at step 50 in ``dropin.py``? (issue 30, one-off, printed)
 
 Mid-round, the strategy validates the synchronized model, the anchor of the last sync: at step 50 with K = 16 that is
-step 48's model, while DDP's is step 50's. Each run is ``dropin.run_one`` on the demo Transformer (2 processes, the
-user's LR) with one change:
+step 48's model, while DDP's is step 50's. Each run is ``dropin.run_one`` on one of its families (the demo
+Transformer by default; 2 processes, the user's LR) with one change:
 
 * ``ddp48``: DDP validated at steps 48 and 96 (the steps LoRDO's step-50 and step-100 validations show);
 * ``anchor``: LoRDO validated as the strategy does, at steps 50, 100 and 150 (the last: the fit's final sync has
   run); mid-round that is the anchor, the model of the last sync (steps 48 and 96);
-* ``mean``: the same run validated on the mean of the workers' replicas (a callback all-reduces the parameters
-  before validation and restores each replica after; the anchor swap is turned off).
+* ``mean``: the same run validated on the mean of the workers' replicas (a callback all-reduces the parameters and
+  floating-point buffers before validation and restores each replica's after; the anchor swap is turned off).
 
     cd benchmarks && python dropin_staleness.py MODE SEED LR [FAMILY]   # prints one RESULT line (FAMILY: transformer)
 """
@@ -29,17 +29,22 @@ DATA = str(dropin.ROOT.parent.parent / "shared" / "data" / "wikitext2-valid.txt"
 
 
 class ReplicaMean(L.Callback):
-    """At validation: the mean of the workers' replicas in the model, each worker's own restored after."""
+    """At validation: the mean of the workers' replicas in the model, parameters and floating-point buffers (BatchNorm
+    statistics, which a sync averages too), each worker's own restored after."""
+
+    @staticmethod
+    def _tensors(module: L.LightningModule) -> list[Any]:
+        return [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]
 
     def on_validation_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.saved = [p.detach().clone() for p in module.parameters()]
-        for p in module.parameters():
-            dist.all_reduce(p.data)
-            p.data.div_(dist.get_world_size())
+        self.saved = [t.detach().clone() for t in self._tensors(module)]
+        for t in self._tensors(module):
+            dist.all_reduce(t.data)
+            t.data.div_(dist.get_world_size())
 
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        for p, mine in zip(module.parameters(), self.saved):
-            p.data.copy_(mine)
+        for t, mine in zip(self._tensors(module), self.saved):
+            t.data.copy_(mine)
 
 
 def main(mode: str, seed: int, lr: float, family: str = "transformer") -> dict[str, Any]:
