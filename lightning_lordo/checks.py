@@ -3,14 +3,25 @@
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable, Mapping
 from numbers import Real
 from typing import Any
 
 
-def fail(name: str, value: Any, allowed: str, fix: str) -> ValueError:
+class KnobError(ValueError):
+    """A knob's value refused; :attr:`knob` names the knob (a preset's value that the user's knobs make meaningless
+    gives way instead of being blamed on the user: :func:`~lightning_lordo.strategy_knobs.resolve_knobs`)."""
+
+    def __init__(self, knob: str, message: str) -> None:
+        super().__init__(message)
+        self.knob = knob
+
+
+def fail(name: str, value: Any, allowed: str, fix: str) -> KnobError:
     """The error for ``name=value``: what is allowed, and how to fix it."""
-    return ValueError(f"Invalid {name}={value!r}: {allowed}. {fix}")
+    return KnobError(name.split("[")[0], f"Invalid {name}={value!r}: {allowed}. {fix}")
 
 
 def is_number(value: Any) -> bool:
@@ -43,3 +54,37 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise fail(name, value, f"allowed values are {', '.join(map(repr, choices))}", "Pick one of them.")
     return value
+
+
+def check_group_keys(group: Mapping[str, Any], knobs: Iterable[str], whole_optimizer: Iterable[str]) -> None:
+    """Refuse a param group's key that would be ignored there: an argument of the whole optimizer (``seed``), an
+    Adam flag the optimizer does not have, or a close misspelling of a knob (``rnak``). Other keys (a scheduler's,
+    the user's own tags) pass, as torch's optimizers let them."""
+    knobs = tuple(knobs)
+    for key in group:
+        if key in whole_optimizer:
+            raise KnobError(key, f"Invalid param group key {key}={group[key]!r}: it is an argument of the whole "
+                            f"optimizer, so a group would ignore it. Pass it to the constructor, e.g. {key}=...")
+        if key in _ADAM_FLAGS and group[key]:
+            raise KnobError(key, f"Invalid param group key {key}={group[key]!r}: LoRDO has no such mode, so it "
+                            "would be ignored. Drop it.")
+        match = difflib.get_close_matches(str(key), knobs, n=1, cutoff=0.75) if key not in knobs else []
+        if match and key not in _TORCH_GROUP_KEYS:
+            raise KnobError(key, f"Invalid param group key {key!r}: no knob has that name, so it would be ignored. "
+                            f"Did you mean {match[0]!r}?")
+
+
+_ADAM_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+_TORCH_GROUP_KEYS = ("params", "param_names", "initial_lr", *_ADAM_FLAGS, "foreach", "fused", "decoupled_weight_decay")
+
+
+def check_whole_optimizer(*, seed: Any, foreach: Any, fused: Any, layout: Any) -> None:
+    """The arguments of a whole LoRDO optimizer (no param group has them)."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise fail("seed", seed, "it must be an integer", "Pass e.g. seed=0.")
+    for name, flag in (("foreach", foreach), ("fused", fused)):
+        if not (isinstance(flag, bool) or (name == "fused" and flag is None)):
+            raise fail(name, flag, "it must be True or False" + " or None" * (name == "fused"), "Pass a bool.")
+    if layout not in (None, "in_place", "stacked", "compiled"):
+        raise fail("layout", layout, "allowed values are None (by device), 'in_place', 'stacked', 'compiled'",
+                   "Pick one of them.")

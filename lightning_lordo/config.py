@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 import torch
 
 from lightning_lordo.checks import (
+    KnobError,
     check_choice,
     check_positive,
     check_positive_int,
@@ -93,8 +94,11 @@ def check_rank(value: Any, *, allow_zero: bool) -> Union[int, float]:
 
 def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
     """Validate the optimizer knobs present in ``knobs`` (a param group or the constructor's defaults)."""
-    if "lr" in knobs and not isinstance(knobs["lr"], torch.Tensor):
-        check_positive("lr", knobs["lr"], allow_zero=True)
+    lr = knobs.get("lr", 0.0)
+    if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or not torch.isfinite(lr).all() or lr.item() < 0):
+        raise fail("lr", lr, "a tensor lr must hold one finite number >= 0", "Pass e.g. lr=torch.tensor(1e-3).")
+    if not isinstance(lr, torch.Tensor):
+        check_positive("lr", lr, allow_zero=True)
     if "betas" in knobs:
         betas = knobs["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -143,38 +147,41 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
                         'Pass ef_decay="auto", or 1.0 to keep all feedback (it can wind up: see LoRDO\'s docs).')
 
 
-#: Knobs that only shape the full-rank term (none exists with ``update="subspace_qh"``).
+#: Knobs that only shape the full-rank term (none exists with ``update="subspace_qh"`` or ``omega=1``).
 _FULL_RANK_TERM_KNOBS = ("mu", "normalizer", "lifted_floor", "full_rank_input")
 _ERROR_FEEDBACK_KNOBS = ("ef_dtype", "ef_decay")
 _APPLIES_ONLY_WITH = (("power_iters", "projection", ("power", "randomized")),  # (knob, the knob it needs, values)
-                      ("oversample", "projection", ("randomized",)), ("lifted_floor", "normalizer", ("lifted",)))
+                      ("oversample", "projection", ("randomized",)), ("lifted_floor", "normalizer", ("lifted",)),
+                      ("variance_clamp", "transition", ("rotate",)))
 
 
 def check_knob_combinations(explicit: Mapping[str, Any], merged: Mapping[str, Any]) -> None:
     """Refuse knobs passed explicitly (``explicit``) that the effective configuration (``merged``) would ignore.
 
-    Nothing is silently ignored: a knob of the full-rank term with ``update="subspace_qh"`` (which has none), an
-    error-feedback knob without error feedback, or ``full_rank_input="accumulated"`` without error feedback (it
-    would equal the gradient)."""
-    if merged.get("update") == "subspace_qh":
-        ignored = [k for k in _FULL_RANK_TERM_KNOBS if k in explicit]
-        if ignored:
-            raise ValueError(f"Invalid {ignored[0]}={explicit[ignored[0]]!r} with update='subspace_qh': that update "
-                             "mixes the gradient into the momentum inside the subspace and has no full-rank term, so "
-                             f"{', '.join(ignored)} would be ignored. Drop it, or use update='lordo'.")
+    Nothing is silently ignored: a knob of the full-rank term where there is none (``update="subspace_qh"``, or
+    ``omega=1``), a knob of a projection, normalizer or transition not chosen, an error-feedback knob without error
+    feedback, or ``full_rank_input="accumulated"`` without error feedback (it would equal the gradient)."""
+    no_term = "update='subspace_qh'" if merged.get("update") == "subspace_qh" else \
+        "omega=1.0" if merged.get("omega") == 1.0 else None
+    ignored = [k for k in _FULL_RANK_TERM_KNOBS if k in explicit]
+    if no_term and ignored:
+        raise KnobError(ignored[0], f"Invalid {ignored[0]}={explicit[ignored[0]]!r} with {no_term}: there is no "
+                        f"full-rank term then (1 - omega weights it; subspace_qh mixes the gradient in inside the "
+                        f"subspace), so {', '.join(ignored)} would be ignored. Drop it, or use update='lordo' with "
+                        "omega < 1.")
     for knob, needs, allowed in _APPLIES_ONLY_WITH:
         if knob in explicit and merged.get(needs) not in allowed:
-            raise ValueError(f"Invalid {knob}={explicit[knob]!r} with {needs}={merged.get(needs)!r}: it only applies "
-                             f"to {needs}={' or '.join(map(repr, allowed))}, so it would be ignored. Drop it, or pass "
-                             f"{needs}={allowed[0]!r}.")
+            raise KnobError(knob, f"Invalid {knob}={explicit[knob]!r} with {needs}={merged.get(needs)!r}: it only "
+                            f"applies to {needs}={' or '.join(map(repr, allowed))}, so it would be ignored. Drop it, "
+                            f"or pass {needs}={allowed[0]!r}.")
     if not merged.get("error_feedback"):
         ignored = [k for k in _ERROR_FEEDBACK_KNOBS if k in explicit]
         if explicit.get("full_rank_input") == "accumulated":
             ignored.append("full_rank_input")
         if ignored:
-            raise ValueError(f"Invalid {ignored[0]}={explicit[ignored[0]]!r} with error_feedback=False: it only "
-                             "applies to the error-feedback buffer (without one the accumulated input is the "
-                             "gradient itself). Pass error_feedback=True, or drop it.")
+            raise KnobError(ignored[0], f"Invalid {ignored[0]}={explicit[ignored[0]]!r} with error_feedback=False: "
+                            "it only applies to the error-feedback buffer (without one the accumulated input is the "
+                            "gradient itself). Pass error_feedback=True, or drop it.")
 
 
 @dataclass
@@ -379,7 +386,7 @@ _SWITCH_KNOBS = ("switch_betas", "switch_reset_moments", "switch_lr_scale")
 #: Knobs that only shape the local rounds (no such round exists with ``synchronous=True``).
 _LOCAL_ROUND_KNOBS = ("outer_optimizer", "outer_lr", "outer_momentum", "basis_scope", "payload", "payload_dtype",
                       "average_fullrank_moments", "average_error_feedback", "fullrank_rank", "moments_every",
-                      "basis_every", "overlap_steps")
+                      "basis_every", "overlap_steps", "anchor_device")
 
 
 def ef_dtype_for(ef_dtype: str, device: torch.device) -> torch.dtype:

@@ -41,8 +41,10 @@ def convert_optimizer(optimizer: Optimizer, full_rank: Mapping[Tensor, str], kno
         )
     groups = []
     for group in optimizer.param_groups:
-        if group.get("amsgrad") or group.get("maximize"):
-            raise ValueError("LoRDO has no amsgrad or maximize mode; create the Adam/AdamW without them.")
+        modes = [k for k in ("amsgrad", "maximize", "capturable", "differentiable") if group.get(k)]
+        if modes:
+            raise ValueError(f"LoRDO has no {' or '.join(modes)} mode, so it would be ignored; create the Adam/AdamW "
+                             f"without {modes[0]}=True.")
         coupled_decay = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay")
         if coupled_decay and group["weight_decay"]:
             warnings.warn("LoRDO applies weight decay decoupled (as AdamW); your Adam's L2 weight_decay="
@@ -143,7 +145,7 @@ def _warn_about_fullrank_matrices(optimizer: LoRDO, names: dict[Tensor, str]) ->
     too_small = [f"{r['name'] or r['shape']} {r['shape']}" for r in rows if r["reason"].startswith("rank ")]
     if not any(r["step"] == "lowrank" for r in rows):
         warnings.warn("LoRDO: no parameter of this model takes the low-rank step (it needs 2-D weights whose "
-                      "smaller side is at least the rank); every parameter runs AdamW locally, synchronized every "
+                      "smaller side is larger than the rank); every parameter runs AdamW locally, synchronized every "
                       "sync_every steps. Lower `rank` to use the low-rank step.", stacklevel=3)
     elif too_small:
         warnings.warn(f"LoRDO: {len(too_small)} weight matrices are smaller than the rank and run AdamW: "

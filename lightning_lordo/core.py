@@ -9,6 +9,7 @@ neither Lightning nor Fabric: each strategy keeps only its framework's hooks and
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -108,10 +109,17 @@ class LoRDOCore:
                     f"its preset), but {source} a LoRDO, whose own knobs are the ones that train. Set them in one "
                     "place: in LoRDO(...) with preset='lordo' and no optimizer=, or use torch's AdamW and let the "
                     "strategy convert it.")
+            names = list(self.parameter_names.values())
+            unmatched = [r.pattern for r in self.full_rank_patterns if not any(map(r.search, names))]
+            if unmatched:
+                raise ValueError(f"Invalid full_rank_params: {unmatched} match no parameter name, so they would be "
+                                 f"ignored. The names are like {names[:4]}; "
+                                 "strategy.parameter_plan() lists them with their steps. Fix or drop the pattern.")
             optimizer = convert_optimizer(user_optimizer, full_rank_params(module, self.full_rank_patterns),
                                           self.knobs.optimizer_knobs, self.sync_config.seed, self.parameter_names)
             if optimizer is not user_optimizer:
                 repoint_schedulers(list(schedulers), user_optimizer, optimizer)
+        self.check_sync_knobs(optimizer, converted=optimizer is not user_optimizer)
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.ddp_bytes_per_step = nbytes(trainable)
         self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
@@ -119,6 +127,29 @@ class LoRDOCore:
         self.synchronizer.switch_callbacks.append(on_switch)
         self.module, self.optimizer = module, optimizer
         return optimizer
+
+    def check_sync_knobs(self, optimizer: Optimizer, converted: bool) -> None:
+        """Refuse synchronization knobs the user set that this optimizer would ignore, and warn once about those one
+        process ignores (nothing travels: :meth:`~lightning_lordo.config.SyncConfig.alone`)."""
+        given, config, lordo = self.knobs.sync_given, self.sync_config, isinstance(optimizer, LoRDO)
+        lowrank_only = ["basis_scope", "initial_basis", "broadcast_bases", "average_moments", "average_error_feedback",
+                        *(["seed"] if config.fullrank_rank == 0 else []),
+                        *(["moments_every"] if not config.average_fullrank_moments else [])]
+        ignored = ["average_error_feedback"] * (config.average_error_feedback and not any(
+            g["error_feedback"] for g in optimizer.param_groups)) if lordo else [k for k in given if k in lowrank_only]
+        if ignored:
+            raise ValueError(f"Invalid {ignored[0]}={getattr(config, ignored[0])!r}: it shapes what a sync does with "
+                             f"LoRDO's {'error-feedback buffers' if lordo else 'low-rank state'}, and the "
+                             f"{type(optimizer).__name__} that trains has none, so it would be ignored. Drop it.")
+        if lordo and not converted and "seed" in given and config.seed != optimizer.seed:
+            raise ValueError(f"Invalid seed={config.seed!r}: the LoRDO you return has seed={optimizer.seed}, which "
+                             "seeds its bases. Set the seed in one place: LoRDO(..., seed=...), no experimental seed.")
+        alone = [k for k in ("payload", "payload_dtype", "fullrank_rank", "moments_every", "average_fullrank_moments",
+                             "average_error_feedback", "broadcast_bases") if k in given]
+        if alone and self.communicator is not None and self.communicator.world_size == 1:
+            warnings.warn(f"LoRDO on one process: {', '.join(f'{k}={getattr(config, k)!r}' for k in alone)} shape "
+                          "what travels between workers, and nothing travels here, so they have no effect.",
+                          stacklevel=3)
 
     def plan_message(self) -> Optional[str]:
         """The start-up line of the parameter plan (``None`` without a LoRDO optimizer)."""

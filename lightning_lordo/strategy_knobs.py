@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-from lightning_lordo.checks import check_choice
+from lightning_lordo.checks import KnobError, check_choice, fail
 from lightning_lordo.config import (
     LEAN_KNOBS,
     OPTIMIZER_DEFAULTS,
@@ -29,6 +29,7 @@ from lightning_lordo.config import (
     check_knob_combinations,
     check_optimizer_knobs,
 )
+from lightning_lordo.sync import bucketed
 
 #: The registered strategy names (the Trainer's and Fabric's) and the values of ``preset``: name -> (knobs, by
 #: name wherever they live, and a description). Each is registered as is and with the suffixes of
@@ -148,6 +149,7 @@ class Knobs:
     checkpoint_shards: bool
     monitor_progress_bar: Optional[bool]
     optimizer_given: tuple[str, ...] = ()  # the optimizer keys set explicitly or by the preset (even to defaults)
+    sync_given: tuple[str, ...] = ()  # the synchronization knobs the user set (named ones: to other than defaults)
 
 
 def _differs(value: Any, default: Any) -> bool:
@@ -159,11 +161,12 @@ def _mapping(argument: str, value: Any, allowed: Sequence[str], owner: str) -> d
     """The entries of the ``optimizer`` or ``experimental`` argument, every key checked against ``allowed``."""
     if value is None:
         return {}
-    if isinstance(value, Experimental):
+    if isinstance(value, Experimental) and argument == "experimental":
         return {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
     if not isinstance(value, Mapping):
         raise TypeError(f"{owner}({argument}={value!r}): it must be a mapping of knob names to values, e.g. "
-                        f"{argument}={{{allowed[0]!r}: ...}}.")
+                        f"{argument}={{{allowed[0]!r}: ...}}" + (", and an Experimental goes in experimental=."
+                                                                 if isinstance(value, Experimental) else "."))
     for key in value:
         if key not in allowed:
             home = home_of(key, value[key])
@@ -177,6 +180,10 @@ def _mapping(argument: str, value: Any, allowed: Sequence[str], owner: str) -> d
 def resolve_knobs(owner: str, *, preset: str, named: Mapping[str, Any], optimizer: Any, experimental: Any,
                   misplaced: Mapping[str, Any], optimizer_source: str, trainer_only: bool) -> Knobs:
     """Merge a preset, the named arguments, ``optimizer`` and ``experimental`` into validated :class:`Knobs`.
+
+    A preset's value that the knobs passed make meaningless gives way (``preset="lordo_lean"`` sets
+    ``power_iters=1``, which ``projection="svd"`` has no use for); a knob passed that the preset's values make
+    meaningless is refused, and the error names the preset.
 
     Args:
         owner: the strategy's class name, for the errors.
@@ -209,37 +216,69 @@ def resolve_knobs(owner: str, *, preset: str, named: Mapping[str, Any], optimize
             if key in experimental_knobs:
                 raise ValueError(f"Invalid experimental {key}={experimental_knobs[key]!r}: {owner} has no such "
                                  "setting (it is the Trainer strategy's), so it would be ignored. Drop it.")
-    flat = {**PRESETS[preset][0], **{k: v for k, v in named.items() if v is not None or k not in PRESET_NAMED},
-            **_mapping("optimizer", optimizer, OPTIMIZER_MAPPING_KNOBS, owner), **experimental_knobs}
+    passed = {k: v for k, v in named.items() if v is not None or k not in PRESET_NAMED}
+    passed.update({**_mapping("optimizer", optimizer, OPTIMIZER_MAPPING_KNOBS, owner), **experimental_knobs})
+    explicit = {k for k in passed if k not in named or k in PRESET_NAMED or _differs(passed[k], _default(k))}
+    kept = {k: v for k, v in PRESETS[preset][0].items() if k not in passed}
+    while True:
+        try:
+            return _validated(kept, passed, explicit)
+        except KnobError as error:
+            if error.knob not in kept:  # the user's knob: refused, naming the preset's values that made it so
+                why = {k: v for k, v in kept.items() if k in str(error)}
+                if not why:
+                    raise
+                raise KnobError(error.knob, f"{error} (preset={preset!r} sets {why})") from None
+            del kept[error.knob]  # the preset's value that the user's knobs make meaningless gives way
+
+
+def _default(name: str) -> Any:
+    field = SyncConfig.__dataclass_fields__[name]
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default  # type: ignore[misc]
+
+
+def _validated(preset_knobs: Mapping[str, Any], passed: Mapping[str, Any], explicit: set[str]) -> Knobs:
+    """The knobs of a preset's values and the ones passed, validated. ``explicit``: the names the user set (a knob
+    the user or the preset sets is refused where the others make it meaningless, even at its default value)."""
+    flat = {**preset_knobs, **passed}
+    set_by_either = explicit | set(preset_knobs)
     lowrank = flat.pop("lowrank", True)
     shards = flat.pop("checkpoint_shards", True)
     progress_bar = flat.pop("monitor_progress_bar", None)
     for name, flag in (("lowrank", lowrank), ("checkpoint_shards", shards)):
         if not isinstance(flag, bool):
-            raise ValueError(f"Invalid {name}={flag!r}: it must be True or False.")
+            raise fail(name, flag, "it must be True or False", "Pass a bool.")
     given = tuple(k for k in OPTIMIZER_MAPPING_KNOBS if k in flat)
     full_rank = flat.pop("full_rank_params", ())
     if not isinstance(full_rank, (list, tuple)) or not all(isinstance(p, str) for p in full_rank):
-        raise ValueError(f"Invalid full_rank_params={full_rank!r}: it must be a list of regular expressions on "
-                         "parameter names, e.g. optimizer={'full_rank_params': ['decoder']}.")
-    optimizer_knobs = {k: flat.pop(k) for k in STRATEGY_OPTIMIZER_KNOBS if k in flat}
-    optimizer_knobs = {k: v for k, v in optimizer_knobs.items() if _differs(v, OPTIMIZER_DEFAULTS[k])}
-    if (optimizer_knobs or full_rank) and lowrank is False:
-        name = next(iter(optimizer_knobs), "full_rank_params")
-        raise ValueError(f"Invalid optimizer {name}={optimizer_knobs.get(name, full_rank)!r} with lowrank=False "
-                         f"(preset={preset!r}): the optimizer knobs shape LoRDO's step, and without LoRDO your "
-                         "optimizer runs as it is, so it would be ignored. Drop it, or use preset='lordo'.")
-    check_optimizer_knobs(optimizer_knobs, in_group=False)
-    check_knob_combinations(optimizer_knobs, {**OPTIMIZER_DEFAULTS, **optimizer_knobs})
+        raise fail("full_rank_params", full_rank, "it must be a list of regular expressions on parameter names",
+                   "Pass e.g. optimizer={'full_rank_params': ['decoder']}.")
+    chosen = {k: flat.pop(k) for k in STRATEGY_OPTIMIZER_KNOBS if k in flat}
+    if given and lowrank is False:
+        raise KnobError(given[0], f"Invalid optimizer {given[0]}={chosen.get(given[0], full_rank)!r} with "
+                        f"lowrank=False: the optimizer knobs shape LoRDO's step, and without LoRDO your optimizer "
+                        "runs as it is, so it would be ignored. Drop it, or use preset='lordo'.")
+    check_optimizer_knobs(chosen, in_group=False)
+    check_knob_combinations(chosen, {**OPTIMIZER_DEFAULTS, **chosen})
     config = SyncConfig(**flat)
     if config.basis_every > 1 and lowrank is False:
-        raise ValueError(f"Invalid basis_every={config.basis_every} with lowrank=False (preset={preset!r}): there "
-                         "are no low-rank bases to refresh. Drop basis_every, or use preset='lordo'.")
+        raise KnobError("basis_every", f"Invalid basis_every={config.basis_every} with lowrank=False: there are no "
+                        "low-rank bases to refresh. Drop basis_every, or use preset='lordo'.")
     if config.payload == "lowrank" and lowrank is False:
-        raise ValueError(f"Invalid payload='lowrank' with lowrank=False (preset={preset!r}): the low-rank payload "
-                         "sends the low-rank matrices of the LoRDO optimizer. Use payload='full' (payload_dtype may "
-                         "be 'bfloat16' or 'int8'), or preset='lordo'.")
-    return Knobs(config, optimizer_knobs, lowrank, full_rank, shards, progress_bar, given)
+        raise KnobError("payload", "Invalid payload='lowrank' with lowrank=False: the low-rank payload sends the "
+                        "low-rank matrices of the LoRDO optimizer. Use payload='full' (payload_dtype may be 'bfloat16' "
+                        "or 'int8'), or preset='lordo'.")
+    if config.basis_scope == "local" and "average_moments" in set_by_either and config.average_moments:
+        raise fail("average_moments", True, "with basis_scope='local' each worker's moments live in its own basis, "
+                   "so they cannot be averaged and it would be ignored", "Drop it, or use basis_scope='global'.")
+    if "bucket_cap_mb" in explicit and not bucketed.cap_applies(config):
+        raise fail("bucket_cap_mb", config.bucket_cap_mb, "it only shapes a blocking round that averages the "
+                   "pseudo-gradient bucket by bucket (outer_optimizer='average', basis_every=1, no broadcast_bases, "
+                   "and payload='lowrank', or a float32 full payload without fullrank_rank), so it would be ignored",
+                   "Drop it.")
+    optimizer_knobs = {k: v for k, v in chosen.items() if _differs(v, OPTIMIZER_DEFAULTS[k])}
+    sync_given = tuple(k for k in SyncConfig.__dataclass_fields__ if k in explicit)  # the user's, not the preset's
+    return Knobs(config, optimizer_knobs, lowrank, full_rank, shards, progress_bar, given, sync_given)
 
 
 def strategy_kwargs(**knobs: Any) -> dict[str, Any]:

@@ -202,11 +202,23 @@ IGNORED_COMBINATIONS: list[tuple[dict[str, Any], str]] = [
     ({"synchronous": True, "warmup_steps": 10}, "warmup_steps=10"),
     ({"synchronous": True, "basis_scope": "local"}, "basis_scope='local'"),
     ({"broadcast_bases": True, "basis_scope": "local"}, "broadcast_bases=True"),
+    ({"omega": 1.0, "normalizer": "scalar"}, "normalizer='scalar' with omega=1.0"),
+    ({"omega": 1.0, "mu": 5.0}, "mu=5.0 with omega=1.0"),
+    ({"transition": "keep", "variance_clamp": True}, "variance_clamp=True with transition='keep'"),
+    ({"oversample": 4}, "oversample=4 with projection='power'"),  # its default value, passed: refused as LoRDO does
+    ({"error_feedback": False, "full_rank_input": "accumulated"}, "full_rank_input='accumulated'"),
+    ({"basis_scope": "local", "average_moments": True}, "average_moments=True"),
+    ({"outer_optimizer": "nesterov", "bucket_cap_mb": 1.0}, "bucket_cap_mb=1.0"),
+    ({"basis_every": 2, "bucket_cap_mb": 1.0}, "bucket_cap_mb=1.0"),
+    ({"payload_dtype": "bfloat16", "bucket_cap_mb": 1.0}, "bucket_cap_mb=1.0"),
+    ({"synchronous": True, "anchor_device": "param"}, "anchor_device='param'"),
+    ({"lowrank": False, "rank": 16}, "rank=16 with lowrank=False"),  # the default rank, passed
 ]
 
 
 def test_the_accumulated_input_without_error_feedback_is_refused_by_the_optimizer() -> None:
-    """``full_rank_input="accumulated"`` is the default, so a strategy cannot tell it was passed; the optimizer can."""
+    """``full_rank_input="accumulated"`` is the default, and passed it is refused (the strategy's case is in
+    :data:`IGNORED_COMBINATIONS`)."""
     w = nn.Parameter(torch.randn(8, 8))
     given = {"error_feedback": False, "full_rank_input": "accumulated"}
     with pytest.raises(ValueError, match=r"full_rank_input='accumulated' with error_feedback=False"):
@@ -270,6 +282,27 @@ def test_optimizer_refuses_a_bad_value_in_a_param_group_before_any_step() -> Non
     w.grad = torch.ones_like(w)
     opt.step()
     assert torch.isfinite(w).all()
+
+
+@pytest.mark.parametrize(("group", "shown"), [({"rnak": 0}, "Did you mean 'rank'"), ({"seed": 3}, "seed=3"),
+                                               ({"foreach": False}, "foreach=False"), ({"amsgrad": True}, "amsgrad")])
+def test_a_param_group_key_that_would_be_ignored_is_refused_and_the_group_not_added(group: dict[str, Any],
+                                                                                    shown: str) -> None:
+    """A misspelt knob, an argument of the whole optimizer, or an Adam mode LoRDO lacks; other keys (a scheduler's,
+    the user's own) pass as torch's optimizers let them."""
+    w, v = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+    opt = LoRDO([w], rank=2)
+    with pytest.raises(ValueError, match=re.escape(shown)):
+        opt.add_param_group({"params": [v], **group})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [v], "initial_lr": 0.1, "name": "mine", "amsgrad": False})
+
+
+@pytest.mark.parametrize("lr", [torch.tensor(-1.0), torch.tensor(NAN), torch.tensor([1e-3, 1e-3])], ids=str)
+def test_a_tensor_lr_must_hold_one_finite_number_at_least_zero(lr: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match=r"Invalid lr=.*a tensor lr must hold one finite number >= 0"):
+        LoRDO([nn.Parameter(torch.randn(8, 8))], lr=lr, rank=2)
+    LoRDO([nn.Parameter(torch.randn(8, 8))], lr=torch.tensor(1e-3), rank=2)
 
 
 def test_optimizer_seed_reaches_random_bases() -> None:

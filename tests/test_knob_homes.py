@@ -106,3 +106,94 @@ def test_optimizer_keys_given_beside_a_users_lordo_are_refused_even_at_their_def
                         enable_progress_bar=False, enable_model_summary=False)
         with pytest.raises(ValueError, match=rf"optimizer knobs \({next(iter(given))}, from optimizer=.*a LoRDO"):
             fit.fit(ReturnsLoRDO(), loader())
+
+
+@pytest.mark.parametrize(("preset", "passed", "gone", "kept"), [
+    ("lordo_lean", {"optimizer": {"projection": "svd"}}, "power_iters", {"omega": 0.7, "error_feedback": False}),
+    ("lordo_lean", {"optimizer": {"update": "subspace_qh"}}, "full_rank_input", {"power_iters": 1}),
+    ("lordo_compressed", {"experimental": {"synchronous": True}}, "payload", {"error_feedback": False}),
+    ("lordo_compressed", {"experimental": {"average_moments": False, "average_fullrank_moments": False}},
+     "moments_every", {"payload": "lowrank", "payload_dtype": "int8"}),
+])
+def test_a_presets_value_that_the_knobs_passed_make_meaningless_gives_way(preset: str, passed: dict[str, Any],
+                                                                         gone: str, kept: dict[str, Any]) -> None:
+    """The preset's value is not blamed on the user (who could not drop it): it gives way, and the rest stays."""
+    strategy = LoRDOStrategy(preset=preset, **passed)
+    config, knobs = strategy.sync_config, strategy.optimizer_knobs
+    assert gone not in knobs and getattr(config, gone, None) in (None, LoRDOStrategy().sync_config.__dict__.get(gone))
+    for name, value in kept.items():
+        assert (knobs[name] if name in knobs else getattr(config, name)) == value, name
+
+
+def test_a_knob_the_presets_values_make_meaningless_is_refused_naming_the_preset() -> None:
+    with pytest.raises(ValueError, match=re.escape("ef_dtype='bfloat16' with error_feedback=False") + ".*" +
+                       re.escape("(preset='lordo_compressed' sets {'error_feedback': False})")):
+        LoRDOStrategy(preset="lordo_compressed", optimizer={"ef_dtype": "bfloat16"})
+    with pytest.raises(ValueError, match=re.escape("(preset='lordo_local' sets {'basis_scope': 'local'})")):
+        LoRDOStrategy(preset="lordo_local", experimental={"average_moments": True})
+
+
+@pytest.mark.parametrize("cls", STRATEGIES, ids=lambda c: c.__name__)
+def test_an_experimental_passed_as_optimizer_is_refused(cls: Any) -> None:
+    with pytest.raises(TypeError, match=r"optimizer=Experimental\(.*an Experimental goes in experimental="):
+        cls(optimizer=Experimental(basis_every=2))
+
+
+def test_every_strategy_and_optimizer_the_readme_builds_builds() -> None:
+    """The README's examples are run as written (those with ``...`` are sketches), so that none goes stale."""
+    from pathlib import Path
+
+    import torch
+
+    from lightning_lordo import LoRDO
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    found = []
+    for match in re.finditer(r"\b(LoRDOStrategy|LoRDOFabricStrategy|LoRDO)\(", text):
+        end, depth = match.end(), 1
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            end += 1
+        found.append(text[match.start():end])
+    runnable = [call for call in found if "..." not in call]
+    assert len(runnable) >= 3, found
+    model = torch.nn.Linear(64, 64)
+    for call in runnable:
+        eval(call, {"LoRDOStrategy": LoRDOStrategy, "LoRDOFabricStrategy": LoRDOFabricStrategy, "LoRDO": LoRDO,
+                    "Experimental": Experimental, "model": model})
+
+
+def test_a_sync_knob_the_optimizer_that_trains_would_ignore_is_refused_at_setup() -> None:
+    """What the strategy cannot tell before it sees the optimizer: LoRDO's state knobs under ``"diloco"`` with the
+    user's AdamW, averaging error feedback that a lean LoRDO does not keep, a seed beside a returned LoRDO's own, a
+    ``full_rank_params`` pattern that matches nothing; and on one process, one warning for what only travels."""
+    import lightning as L
+    from strategy_helpers import TinyRegressor, loader
+
+    from lightning_lordo import LoRDO
+
+    class ReturnsLoRDO(TinyRegressor):
+        def configure_optimizers(self) -> LoRDO:
+            return LoRDO(self.parameters(), rank=2, seed=1)
+
+    def fit(model: Any, **kwargs: Any) -> None:
+        L.Trainer(strategy=LoRDOStrategy(start_method="popen", monitor=False, **kwargs), accelerator="cpu", devices=1,
+                  max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False).fit(model, loader())
+
+    refused = [
+        (TinyRegressor, {"preset": "diloco", "experimental": {"initial_basis": "random"}}, "initial_basis='random'"),
+        (TinyRegressor, {"preset": "diloco", "experimental": {"average_moments": True}}, "average_moments=True"),
+        (TinyRegressor, {"preset": "diloco", "experimental": {"seed": 5}}, "seed=5"),
+        (TinyRegressor, {"preset": "lordo_lean", "experimental": {"average_error_feedback": True}},
+         "average_error_feedback=True: it shapes what a sync does with LoRDO's error-feedback buffers"),
+        (ReturnsLoRDO, {"experimental": {"seed": 5}}, "the LoRDO you return has seed=1"),
+        (TinyRegressor, {"optimizer": {"full_rank_params": ["no_such_layer"]}}, "['no_such_layer'] match no"),
+    ]
+    for model, kwargs, shown in refused:
+        with pytest.raises(ValueError, match=re.escape(shown)):
+            fit(model(), **kwargs)
+    fit(TinyRegressor(), preset="diloco", experimental={"seed": 5, "fullrank_rank": 2})  # the messages' seed: used
+    fit(ReturnsLoRDO(), experimental={"seed": 1})  # the same seed in both places
+    with pytest.warns(UserWarning, match=r"one process: payload_dtype='int8' shape what travels"):
+        fit(TinyRegressor(), payload_dtype="int8")

@@ -67,6 +67,15 @@ def _stacked_bases(params: Sequence[Tensor], sources: Mapping[Tensor, Tensor], w
     return dict(zip(params, q.unbind(0)))
 
 
+def check_shapes(entries: Sequence[Entry], bases: Mapping[Tensor, Tensor]) -> None:
+    """Refuse, before any is installed, a basis that does not fit its matrix (``a x r``: smaller side by rank)."""
+    for p, _, r in entries:
+        if tuple(bases[p].shape) != (min(p.shape), r):
+            raise ValueError(f"Invalid basis of shape {tuple(bases[p].shape)} for a {tuple(p.shape)} weight at rank "
+                             f"{r}: it must be {(min(p.shape), r)}, the smaller side by the rank, as compute_bases "
+                             "gives it.")
+
+
 def install_stacked(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]], bases: Mapping[Tensor, Tensor]
                     ) -> dict[Tensor, Tensor]:
     """Install ``bases`` into ``states`` (one per entry) and move the moments into them (``transition``), stacked by

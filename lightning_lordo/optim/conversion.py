@@ -136,3 +136,24 @@ def restore_saved_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
                     and "factored_row" not in optimizer.state[p]:
                 optimizer.state[p]["step"] = step.to(p.device)  # torch's fused AdamW keeps it on the device
             index += 1
+
+
+#: LoRDO's attributes beside torch's pickled ``defaults``, ``state`` and ``param_groups``.
+_OWN_ATTRIBUTES = ("seed", "foreach", "fused", "layout", "_compiled_on_cuda", "_random_bases", "_warned", "_record")
+
+
+def picklable(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (torch's ``__getstate__``) with LoRDO's own attributes, the full-rank parameters by position (a
+    copy's parameters are other tensors, with other ids)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    full = {i: optimizer._full_rank[id(p)] for i, p in enumerate(params) if id(p) in optimizer._full_rank}
+    return {**state, **{k: getattr(optimizer, k) for k in _OWN_ATTRIBUTES}, "_full_rank_at": full}
+
+
+def unpickled(optimizer: Any) -> None:
+    """After torch's ``__setstate__`` of :func:`picklable`'s state: the full-rank parameters by id again. (torch's
+    ``load_state_dict`` calls ``__setstate__`` too, with ``state`` and ``param_groups`` only: nothing to do then.)"""
+    if "_full_rank_at" in optimizer.__dict__:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        optimizer._full_rank = {id(params[i]): why for i, why in optimizer.__dict__.pop("_full_rank_at").items()}
+        optimizer._stats = {}

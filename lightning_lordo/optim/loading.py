@@ -80,8 +80,12 @@ def load_optimizer(optimizer: Optimizer, saved: dict[str, Any], saved_names: Opt
         index += len(group["params"])
         groups.append(merged)
     knobs = [{k: g[k] for k in LORDO_KNOBS if k in g} for g in optimizer.param_groups]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-    for group, now in zip(optimizer.param_groups, knobs):  # the knobs passed now win
+    if lordo_now:  # conformed to the saved knobs (load_notes), then to the knobs passed now, which win
+        optimizer.load_state_dict({"state": state, "param_groups": groups}, names)
+        notes += optimizer.load_notes
+    else:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    for group, now in zip(optimizer.param_groups, knobs):
         group.update(now)
     if lordo_now:
         notes += optimizer.conform_state(names)

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_lordo._tensors import canonical, mix_seed
+from lightning_lordo.checks import check_group_keys, check_whole_optimizer
 from lightning_lordo.config import (
     OPTIMIZER_DEFAULTS,
     check_knob_combinations,
@@ -38,8 +39,8 @@ class LoRDO(Optimizer):
             per group, GaLore-style: ``{"params": ..., "rank": 0}`` runs that group full-rank (AdamW).
         lr, betas, eps, weight_decay: as in :class:`torch.optim.AdamW` (decoupled weight decay).
         rank: rank ``r`` of each low-rank matrix: an int >= 1, or a float in (0, 1] taken as a fraction of
-            each matrix's smaller side. A 2-D parameter whose smaller side is below ``r`` runs AdamW, with one
-            warning; it is never silently clamped.
+            each matrix's smaller side (rounded down, at least 1). A 2-D parameter whose smaller side is not above
+            ``r`` runs AdamW, with one warning; ``r`` is never lowered to fit it.
         omega: weight of the low-rank term; ``1 - omega`` weights the full-rank normalized term (SPEC §6).
         mu: scale of the full-rank term, or ``"auto"`` to give both terms the same RMS every step.
         update: ``"lordo"`` (SPEC §3), ``"subspace_qh"`` (the authors' low-rank DDP: the QH mix inside the
@@ -105,20 +106,13 @@ class LoRDO(Optimizer):
         defaults = {**OPTIMIZER_DEFAULTS, **knobs, "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         check_optimizer_knobs(defaults, in_group=False)
         check_knob_combinations(knobs, defaults)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"Invalid seed={seed!r}: it must be an integer. Pass e.g. seed=0.")
+        check_whole_optimizer(seed=seed, foreach=foreach, fused=fused, layout=layout)
         given = full_rank
         reasons = {id(p): why for p, why in full_rank.items()} if isinstance(full_rank, Mapping) else {}
         full_rank = list(full_rank) if isinstance(full_rank, Iterable) and not isinstance(full_rank, Tensor) else None
         if full_rank is None or not all(isinstance(p, Tensor) for p in full_rank):
             raise ValueError(f"Invalid full_rank={given!r}: it must be an iterable of parameters (tensors). "
                              "Pass e.g. full_rank=[model.lm_head.weight].")
-        for name, flag in (("foreach", foreach), ("fused", fused)):
-            if not (isinstance(flag, bool) or (name == "fused" and flag is None)):
-                raise ValueError(f"Invalid {name}={flag!r}: it must be True or False{' or None' * (name == 'fused')}.")
-        if layout not in (None, "in_place", "stacked", "compiled"):
-            raise ValueError(f"Invalid layout={layout!r}: allowed values are None (by device), 'in_place', "
-                             "'stacked', 'compiled'.")
         self.seed = seed
         self.foreach, self.fused, self.layout = foreach, fused, layout
         self._compiled_on_cuda = compiled.on_cuda(layout)  # Triton looked for once: a step compares devices only
@@ -130,6 +124,7 @@ class LoRDO(Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        check_group_keys(param_group, OPTIMIZER_DEFAULTS, ("seed", "full_rank", "foreach", "fused", "layout"))
         merged = {**self.defaults, **param_group}  # validated before appending: a rejected group is not left behind
         check_optimizer_knobs(merged, in_group=True)
         check_knob_combinations({k: v for k, v in param_group.items() if k in OPTIMIZER_DEFAULTS}, merged)
@@ -139,21 +134,18 @@ class LoRDO(Optimizer):
         for p in group["params"]:
             if p.ndim == 2 and group["rank"] != 0:
                 r, a = resolve_rank(group["rank"], min(p.shape)), min(p.shape)
-                if r > a and (tuple(p.shape), r) not in self._warned:
+                if r >= a and (tuple(p.shape), r) not in self._warned:
                     self._warned.add((tuple(p.shape), r))
-                    warnings.warn(
-                        f"LoRDO: rank={r} is larger than the smaller side ({a}) of a {tuple(p.shape)} weight, so "
-                        "that weight runs full-rank AdamW (no memory saving). Pass a smaller rank, or rank=0 in "
-                        "its param group to opt it out explicitly.",
-                        stacklevel=3,
-                    )
+                    warnings.warn(f"LoRDO: rank={r} is not below the smaller side ({a}) of a {tuple(p.shape)} weight, "
+                                  "so that weight runs full-rank AdamW (a basis of full rank saves nothing). Pass a "
+                                  "smaller rank, or rank=0 in its param group to opt it out explicitly.", stacklevel=3)
 
     def lowrank_rank(self, p: Tensor, group: Mapping[str, Any]) -> int:
         """The rank this parameter runs at in this group, or 0 when it takes the AdamW step."""
         if p.ndim != 2 or group["rank"] == 0 or id(p) in self._full_rank:
             return 0
         r = resolve_rank(group["rank"], min(p.shape))
-        return r if r <= min(p.shape) else 0
+        return r if r < min(p.shape) else 0  # SPEC §2: low-rank where min(p, q) > r
 
     def lowrank_params(self) -> list[Tensor]:
         """All parameters that take the low-rank step, in param-group order."""
@@ -314,8 +306,8 @@ class LoRDO(Optimizer):
                     missing[p] = p.grad if p.grad is not None else torch.zeros_like(p)
         return missing
 
-    def _ensure_bases(self) -> None:
-        missing = self.missing_bases()
+    def _ensure_bases(self) -> None:  # a matrix without a gradient does not step: its basis waits for its first one
+        missing = {p: g for p, g in self.missing_bases().items() if p.grad is not None}
         if missing and self._random_bases:  # e.g. a parameter unfrozen later: a seeded basis, as the others got
             self.init_random_bases()
         elif missing:
@@ -360,6 +352,7 @@ class LoRDO(Optimizer):
         (``transition``). Local tensor math only (with ``foreach``, stacked by shape). Returns ``{param: movement}``,
         the fraction of the old subspace the new basis lost (0-d tensors; only for parameters that had a basis)."""
         entries = [(p, g, r) for p, g, r in self._lowrank_entries() if p in bases]
+        bases_module.check_shapes(entries, bases)
         states = [self._init_lowrank_state(p, g, r) for p, g, r in entries]
         stacked = bool(entries) and self.stacked_layout(entries[0][0])
         install = bases_module.install_stacked if stacked else bases_module.install_reference
@@ -381,12 +374,21 @@ class LoRDO(Optimizer):
         return [(p, g, r) for g in self.param_groups for p in g["params"] if (r := self.lowrank_rank(p, g))]
 
     # ------------------------------------------------------------------ state and accounting
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As :meth:`torch.optim.Optimizer.load_state_dict`, but keeps each state tensor's saved dtype: PyTorch casts
-        floating state to the parameter's dtype, LoRDO keeps its math state in float32 (and the error-feedback buffer
-        in its own dtype), so for bf16 parameters that cast would lose precision."""
+    def load_state_dict(self, state_dict: dict[str, Any], names: Optional[Mapping[Tensor, str]] = None) -> None:
+        """As :meth:`torch.optim.Optimizer.load_state_dict`, but keeps each state tensor's saved dtype (PyTorch casts
+        floating state to the parameter's dtype; LoRDO keeps its math state in float32, the error-feedback buffer in
+        its own dtype), and makes the state fit the knobs (:meth:`conform_state`: e.g. AdamW's moments of a low-rank
+        matrix restart); :attr:`load_notes` says what changed, naming parameters by ``names``."""
         super().load_state_dict(state_dict)
         conversion.restore_saved_state(self, state_dict)
+        self.load_notes = conversion.conform_state(self, names)
+
+    def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy, pickle: torch's keeps only defaults, state, groups
+        return conversion.picklable(self, super().__getstate__())
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        conversion.unpickled(self)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of optimizer state by category (SPEC §8), and AdamW's for the same parameters (:mod:`.report`)."""

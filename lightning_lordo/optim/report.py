@@ -25,7 +25,7 @@ def describe(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None)
         for p in group["params"]:
             r = optimizer.lowrank_rank(p, group)
             if r:
-                reason = f"2-D, rank {r} <= smaller side {min(p.shape)}"
+                reason = f"2-D, rank {r} < smaller side {min(p.shape)}"
             elif p.ndim != 2:
                 reason = f"{p.ndim}-D"
             elif id(p) in optimizer._full_rank:
@@ -33,7 +33,7 @@ def describe(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None)
             elif group["rank"] == 0:
                 reason = "opted out (rank=0)"
             else:
-                reason = f"rank {resolve_rank(group['rank'], min(p.shape))} > smaller side {min(p.shape)}"
+                reason = f"rank {resolve_rank(group['rank'], min(p.shape))} >= smaller side {min(p.shape)}"
             if not r and group["fullrank_state"] == "factored" and p.ndim >= 2:
                 reason += "; factored state (fullrank_state='factored')"
             name = names.get(p, "") if names is not None else ""

@@ -49,8 +49,20 @@ from torch import Tensor
 
 from lightning_lordo._tensors import are_finite, finite_flags, math_dtype, norm_list
 from lightning_lordo.comm.lowrank import LowRankPayload
+from lightning_lordo.config import SyncConfig
 from lightning_lordo.sync import exchange as ex
 from lightning_lordo.sync.payloads import FULLRANK_PART, LOWRANK_PART
+
+
+def cap_applies(config: SyncConfig) -> bool:
+    """Whether ``bucket_cap_mb`` shapes the blocking rounds of several processes under these knobs (the strategies
+    refuse it otherwise): plain averaging, a refresh at every sync, no broadcast bases, and a low-rank payload (the
+    cap says when it streams) or a float32 full payload without ``fullrank_rank``."""
+    if config.outer_optimizer != "average" or config.basis_every != 1 or config.broadcast_bases:
+        return False
+    if config.payload == "lowrank":
+        return config.basis_scope == "global"
+    return config.payload_dtype == "float32" and config.fullrank_rank == 0
 
 
 def applies(sync: Any) -> bool:
@@ -58,9 +70,7 @@ def applies(sync: Any) -> bool:
     config = sync.config
     if not (config.outer_optimizer == "average" and config.basis_every == 1 and sync.params):
         return False
-    return sync.comm.world_size == 1 or streams(sync) or (
-        config.payload == "full" and config.payload_dtype == "float32" and config.fullrank_rank == 0
-        and not config.broadcast_bases)
+    return sync.comm.world_size == 1 or (cap_applies(config) and (config.payload == "full" or streams(sync)))
 
 
 def streams(sync: Any) -> bool:
