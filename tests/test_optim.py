@@ -488,7 +488,17 @@ def test_omega_07_leaves_span(shape, projection):
 
 
 # ------------------------------------------------------------------------- full-rank basis = Adam
+class SquareBasisLoRDO(LoRDO):
+    """LoRDO that keeps a matrix whose smaller side equals the rank on the low-rank step (a square basis). The
+    optimizer itself runs such a matrix as AdamW (SPEC §2: low-rank where min(p, q) > r); the rotation's math is
+    checked against Adam's here, where it is exact."""
+
+    def lowrank_rank(self, p: Tensor, group: dict) -> int:
+        return min(p.shape) if p.ndim == 2 and group["rank"] == min(p.shape) else super().lowrank_rank(p, group)
+
+
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.filterwarnings("ignore:LoRDO. rank=")
 def test_full_rank_gradient_basis_moments_are_adam_moments(shape):
     """rank = min(m, n), exact SVD basis of each step's gradient, transition "rotate", omega = 1, no decay.
 
@@ -510,8 +520,8 @@ def test_full_rank_gradient_basis_moments_are_adam_moments(shape):
     def run(transition: str) -> list[tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]:
         w = nn.Parameter(torch.randn(shape, generator=_gen(9)))
         ref = nn.Parameter(w.detach().clone())
-        opt = LoRDO([w], lr=1e-2, betas=betas, rank=a, projection="svd", transition=transition, omega=1.0,
-                    weight_decay=0.0)
+        opt = SquareBasisLoRDO([w], lr=1e-2, betas=betas, rank=a, projection="svd", transition=transition,
+                               omega=1.0, weight_decay=0.0)
         adam = torch.optim.Adam([ref], lr=1e-2, betas=betas)
         assert opt.describe()[0]["step"] == "lowrank" and opt.describe()[0]["rank"] == a
         out = []
@@ -752,17 +762,17 @@ def _regression(opt_factory, steps: int = 300) -> float:
 
 
 def test_converges_comparably_to_adamw():
-    """300 full-batch steps of a 16-64-64-4 MLP, rank 4, a basis refresh every 25 steps. Measured (torch 2.13,
-    CPU): initial loss 2.97; AdamW lr 3e-3: 0.0149; LoRDO's defaults (omega 0.97, error feedback, lr 1e-2): 0.0148;
-    the lean knobs (omega 0.7, no error feedback): 0.0186; LoRDO with lr = 0: 2.97 (unchanged); omega = 1 (no
-    full-rank term): 0.073. The bound, 1 % of the initial loss, is met by AdamW and both LoRDO configurations and
-    missed by a do-nothing or a stagnating optimizer."""
-    initial = _regression(lambda ps: LoRDO(ps, lr=0.0, rank=4, weight_decay=0.0))
+    """300 full-batch steps of a 16-64-64-4 MLP, rank 3 (every weight low-rank), a basis refresh every 25 steps.
+    Measured (torch 2.13, CPU): initial loss 2.97; AdamW lr 3e-3: 0.0149; LoRDO's defaults (omega 0.97, error
+    feedback, lr 1e-2): 0.00165; the lean knobs (omega 0.7, no error feedback): 0.0227; LoRDO with lr = 0: 2.97
+    (unchanged); omega = 1 (no full-rank term): 0.083. The bound, 1 % of the initial loss, is met by AdamW and both
+    LoRDO configurations and missed by a do-nothing or a stagnating optimizer."""
+    initial = _regression(lambda ps: LoRDO(ps, lr=0.0, rank=3, weight_decay=0.0))
     adamw = _regression(lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.0))
-    lordo = _regression(lambda ps: LoRDO(ps, lr=1e-2, rank=4, weight_decay=0.0))
-    lean = _regression(lambda ps: LoRDO(ps, lr=1e-2, rank=4, weight_decay=0.0, omega=0.7, error_feedback=False,
+    lordo = _regression(lambda ps: LoRDO(ps, lr=1e-2, rank=3, weight_decay=0.0))
+    lean = _regression(lambda ps: LoRDO(ps, lr=1e-2, rank=3, weight_decay=0.0, omega=0.7, error_feedback=False,
                                         full_rank_input="gradient", power_iters=1))
-    stagnating = _regression(lambda ps: LoRDO(ps, lr=1e-2, rank=4, weight_decay=0.0, omega=1.0))
+    stagnating = _regression(lambda ps: LoRDO(ps, lr=1e-2, rank=3, weight_decay=0.0, omega=1.0))
     bound = 0.01 * initial
     assert initial > 1.0
     assert adamw < bound and lordo < bound and lean < bound, (adamw, lordo, lean, bound)
@@ -817,7 +827,7 @@ def test_rank_larger_than_matrix_runs_adamw_with_one_warning():
     rows = opt.describe({small: "small", big: "big", bias: "bias"})
     assert [(r["name"], r["step"], r["rank"]) for r in rows] == [("small", "adamw", 0), ("big", "lowrank", 4),
                                                                  ("bias", "adamw", 0)]
-    assert "rank 4 > smaller side 3" in rows[0]["reason"]
+    assert "rank 4 >= smaller side 3" in rows[0]["reason"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no further warning while stepping
         for p in (small, big, bias):
@@ -929,7 +939,7 @@ def _small_regression(dtype: torch.dtype, autocast: bool, knobs: dict) -> tuple[
     y = torch.sin(x[:, :3] * 2)
     torch.manual_seed(24)
     model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 3)).to(dtype)
-    opt = LoRDO(model.parameters(), lr=1e-2, rank=3, **knobs)
+    opt = LoRDO(model.parameters(), lr=1e-2, rank=2, **knobs)
     losses = []
     for _ in range(40):
         opt.zero_grad()
@@ -946,7 +956,7 @@ def _small_regression(dtype: torch.dtype, autocast: bool, knobs: dict) -> tuple[
                                                  (torch.bfloat16, True)], ids=["bf16", "autocast", "bf16+autocast"])
 def test_bf16_and_autocast(dtype, autocast):
     """A step works with bf16 parameters and/or a bf16 autocast forward, the state stays float32 and the loss
-    goes down (measured: 0.52 -> 0.105 in 40 steps for all three)."""
+    goes down (measured: 0.521 -> 0.101 in 40 steps for all three, rank 2)."""
     losses, opt = _small_regression(dtype, autocast, {"error_feedback": True, "normalizer": "factored"})
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < 0.6 * losses[0], losses

@@ -20,8 +20,8 @@ def test_a_resolved_rank_follows_the_groups_rank_and_the_parameters_shape() -> N
     opt = LoRDO([p], rank=1)
     group = opt.param_groups[0]
     assert opt.lowrank_rank(p, group) == 1
-    group["rank"] = 1.0  # a fraction of the smaller side, not rank 1 (1 == 1.0 in Python)
-    assert opt.lowrank_rank(p, group) == 8
+    group["rank"] = 1.0  # a fraction of the smaller side, not rank 1 (1 == 1.0 in Python): 8, so AdamW (SPEC §2)
+    assert opt.lowrank_rank(p, group) == 0
     group["rank"] = 0.5
     assert opt.lowrank_rank(p, group) == 4
     p.data = torch.zeros(4, 12)  # the same parameter, another shape

@@ -110,7 +110,7 @@ def test_a_warning_from_the_users_configure_optimizers_points_there_once(tmp_pat
     _fit_recording(path, trainer(own, max_steps=4), OwnLoRDO())
     shown = _shown(path)
     ours = [w for w in shown if w["message"].startswith("LoRDO")]
-    assert len(ours) == 1 and "rank=8 is larger than the smaller side (3)" in ours[0]["message"], ours
+    assert len(ours) == 1 and "rank=8 is not below the smaller side (3)" in ours[0]["message"], ours
     assert ours[0]["rank"] == 0 and ours[0]["filename"] == __file__
     lines, start = inspect.getsourcelines(OwnLoRDO.configure_optimizers)
     call = start + next(i for i, text in enumerate(lines) if "return LoRDO(" in text)

@@ -1,0 +1,101 @@
+"""The LoRDO optimizer used as a plain torch optimizer, at its edges: copied and pickled, loaded from AdamW's state,
+a matrix whose first step has no gradient, a rank as large as a side, a basis that does not fit."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_lordo import LoRDO
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_continues_as_the_original_does(how: str) -> None:
+    """torch keeps only ``defaults``, ``state`` and ``param_groups`` in a pickle; LoRDO's own attributes (its seed,
+    layout, full-rank parameters) travel too, the full-rank ones by position."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(20, 12), nn.Tanh(), nn.Linear(12, 8)), torch.randn(16, 20)
+    opt = LoRDO(model.parameters(), rank=4, seed=3, full_rank=[model[2].weight])
+    _train(model, opt, x, 3)
+    pair = copy.deepcopy((model, opt)) if how == "deepcopy" else pickle.loads(pickle.dumps((model, opt)))
+    twin, twin_opt = pair
+    assert twin_opt.seed == 3 and twin_opt.lowrank_rank(twin[2].weight, twin_opt.param_groups[0]) == 0
+    assert twin_opt.lowrank_rank(twin[0].weight, twin_opt.param_groups[0]) == 4
+    _train(model, opt, x, 3)
+    _train(twin, twin_opt, x, 3)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_adamws_state_dict_loads_and_the_low_rank_moments_restart() -> None:
+    torch.manual_seed(0)
+    model, x = nn.Linear(20, 8), torch.randn(4, 20)
+    adamw = torch.optim.AdamW(model.parameters())
+    _train(model, adamw, x, 2)
+    opt = LoRDO(model.parameters(), rank=4)
+    opt.load_state_dict(adamw.state_dict())
+    assert opt.load_notes == ["(8, 20): rank 4, moments restarted"]
+    assert torch.equal(opt.state[model.bias]["exp_avg"], adamw.state[model.bias]["exp_avg"])  # full-rank: kept
+    _train(model, opt, x, 2)
+    assert opt.state[model.weight]["exp_avg"].shape == (4, 20) and torch.isfinite(model.weight).all()
+
+
+def test_a_matrix_without_a_gradient_at_the_first_step_gets_its_basis_from_its_first_gradient() -> None:
+    """Not from a zero placeholder (an axis-aligned basis it would keep without refreshes)."""
+    torch.manual_seed(0)
+    w, v = nn.Parameter(torch.randn(48, 64)), nn.Parameter(torch.randn(48, 64))
+    opt = LoRDO([w, v], rank=8)
+    v.grad = torch.randn(48, 64)
+    opt.step()
+    assert "basis" not in opt.state.get(w, {})
+    g = torch.randn(48, 8) @ torch.randn(8, 64) + 0.01 * torch.randn(48, 64)  # a rank-8 gradient, and noise
+    w.grad = g
+    opt.step()
+    expected = torch.linalg.svd(g.double(), full_matrices=False)[0][:, :8]
+    overlap = torch.linalg.svdvals(expected.T @ opt.state[w]["basis"].double())  # cosines of the principal angles
+    assert overlap.min() > 0.99, overlap
+
+
+def test_a_rank_as_large_as_the_smaller_side_runs_adamw_with_a_warning() -> None:
+    """SPEC §2: low-rank where min(p, q) > r; a full-rank basis would hold more state than AdamW and save nothing."""
+    w = nn.Parameter(torch.randn(4, 20))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = LoRDO([w], rank=4)
+    assert any("rank=4 is not below the smaller side (4)" in str(c.message) for c in caught)
+    assert opt.lowrank_rank(w, opt.param_groups[0]) == 0
+    lower = LoRDO([w], rank=3)
+    assert lower.lowrank_rank(w, lower.param_groups[0]) == 3
+
+
+@pytest.mark.parametrize("shape", [(20, 2), (8, 5)])
+def test_a_basis_that_does_not_fit_is_refused_before_any_is_installed(shape: tuple[int, int]) -> None:
+    w, v = nn.Parameter(torch.randn(8, 20)), nn.Parameter(torch.randn(8, 20))
+    opt = LoRDO([v, w], rank=2)
+    good = torch.linalg.qr(torch.randn(8, 2))[0]
+    shown = re.escape(f"Invalid basis of shape {tuple(shape)}") + r".*it must be \(8, 2\)"
+    with pytest.raises(ValueError, match=shown):
+        opt.set_bases({v: good, w: torch.randn(*shape)})
+    assert "basis" not in opt.state.get(v, {})
+
+
+@pytest.mark.parametrize("flag", ["capturable", "differentiable"])
+def test_adamw_modes_lordo_lacks_are_refused_on_conversion(flag: str) -> None:
+    from lightning_lordo.convert import convert_optimizer
+
+    model = nn.Linear(8, 8)
+    with pytest.raises(ValueError, match=rf"LoRDO has no {flag} mode.*without {flag}=True"):
+        convert_optimizer(torch.optim.AdamW(model.parameters(), **{flag: True}), {}, {}, 0, {})
