@@ -286,15 +286,17 @@ def _strategy(spec: RunSpec) -> Any:
         knobs.setdefault("rank", spec.rank)
         # every recorded LoRDO run is a spec over the optimizer's defaults of its day: the lean ones (the defaults
         # before the authors' protocol), pinned so that a stored spec keeps meaning what it meant
-        lean = {k: v for k, v in LEAN_KNOBS.items() if not (k == "full_rank_input" and
-                                                           knobs.get("update") == "subspace_qh")
+        no_term = knobs.get("update") == "subspace_qh" or knobs.get("omega") == 1.0  # no full-rank term, no input
+        lean = {k: v for k, v in LEAN_KNOBS.items() if not (k == "full_rank_input" and no_term)
                 and not (k == "power_iters" and knobs.get("projection") == "svd")}  # exact bases: no power steps
         knobs = {**lean, **knobs}
         # and every one of them ran before update_scale and ef_decay existed: the authors' step size, an undecayed
         # buffer (a spec that sets them, e.g. authors.py's lordo_current, runs what it sets)
         knobs = {"update_scale": 1.0, **({"ef_decay": 1.0} if knobs.get("error_feedback") else {}), **knobs}
+    # the seed seeds LoRDO's bases; DiLoCo's AdamW has none (the strategy refuses a seed it would ignore)
+    seed = {"seed": spec.seed} if knobs.get("lowrank", True) else {}
     return LoRDOStrategy(sync_every=spec.sync_every, start_method="fork", monitor=False,
-                         **strategy_kwargs(**knobs, seed=spec.seed))
+                         **strategy_kwargs(**knobs, **seed))
 
 
 def run(spec: RunSpec) -> dict[str, Any]:

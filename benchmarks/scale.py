@@ -66,7 +66,7 @@ import lightning_lordo  # noqa: F401  (registers the strategy names)
 from lightning_lordo import LoRDOStrategy
 from lightning_lordo.comm.accounting import ddp_wire_bytes
 from lightning_lordo.models import ByteDataModule
-from lightning_lordo.strategy_knobs import strategy_kwargs
+from lightning_lordo.strategy_knobs import PRESETS, strategy_kwargs
 
 SYNC_EVERY = 32  # the paper's K
 #: Model, data and run sizes per stage (batch_size per worker; val_batches: batches of held-out windows per
@@ -210,9 +210,11 @@ def make_strategy(job: dict[str, Any]) -> Any:
     if job["strategy"] == "ddp":
         return TimedDDP(job["knobs"]["hook"], timeout=timedelta(seconds=job["timeout"]), **common)
     entry = StrategyRegistry[job["strategy"]]
+    # the seed seeds LoRDO's bases; DiLoCo's AdamW has none (the strategy refuses a seed it would ignore)
+    preset = PRESETS[entry["init_params"]["preset"]][0] if "preset" in entry["init_params"] else {}
+    seed = {"seed": job["spec"]["seed"]} if preset.get("lowrank", True) else {}
     return entry["strategy"](**entry["init_params"], **common, timeout=job["timeout"], monitor=False,
-                             sync_every=job["spec"]["sync_every"],
-                             **strategy_kwargs(**job["knobs"], seed=job["spec"]["seed"]))
+                             sync_every=job["spec"]["sync_every"], **strategy_kwargs(**job["knobs"], **seed))
 
 
 def train(job: dict[str, Any]) -> None:

@@ -217,11 +217,21 @@ class CheckDefaults(L.Callback):
         assert lowrank and all("error_feedback" in optimizer.state[p] for p in lowrank)
 
 
+class WideRegressor(TinyRegressor):
+    """TinyRegressor with a 32 x 32 middle layer: the registered names' rank (16) is below its smaller side, so it
+    takes the low-rank step (no matrix of TinyRegressor does at rank 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 32), nn.GELU(),
+                                 nn.Linear(32, 3))
+
+
 def test_lordo_trains_with_error_feedback_by_default() -> None:
     torch.manual_seed(0)
-    trainer("lordo_fork", callbacks=[CheckDefaults()], max_steps=12).fit(TinyRegressor(), loader())
+    trainer("lordo_fork", callbacks=[CheckDefaults()], max_steps=12).fit(WideRegressor(), loader())
 
 
 def test_lordo_lean_is_a_registered_name_that_trains_without_the_buffer() -> None:
     torch.manual_seed(0)
-    trainer("lordo_lean_fork", callbacks=[CheckLean()], max_steps=12).fit(TinyRegressor(), loader())
+    trainer("lordo_lean_fork", callbacks=[CheckLean()], max_steps=12).fit(WideRegressor(), loader())

@@ -111,10 +111,12 @@ def test_optimizer_reproduces_the_recorded_trajectory(case: str, implementation:
     expected = copy.deepcopy(recorded["optimizer"][case])
     actual = without_added_knobs(run_optimizer_case(dict(OPTIMIZER_CASES[case]), foreach=implementation == "grouped"),
                                  expected)
-    # knobs the case's others make meaningless (refused if given) are today's defaults in the groups: that update has
-    # no full-rank term (full_rank_input), exact bases take no power steps (power_iters)
-    unused = ["full_rank_input"] * (OPTIMIZER_CASES[case].get("update") == "subspace_qh") + \
-        ["power_iters"] * (OPTIMIZER_CASES[case].get("projection") == "svd")
+    # knobs the case's others make meaningless (refused if given) are today's defaults in the groups: subspace_qh and
+    # omega=1 have no full-rank term (full_rank_input), exact bases take no power steps (power_iters)
+    knobs = OPTIMIZER_CASES[case]
+    no_term = knobs.get("update") == "subspace_qh" or knobs.get("omega") == 1.0
+    unused = ["full_rank_input"] * no_term + \
+        ["power_iters"] * (knobs.get("projection") == "svd")
     for state in (actual, expected):
         for group in state["optimizer"]["param_groups"]:
             for knob in unused:

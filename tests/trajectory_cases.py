@@ -48,9 +48,10 @@ RECORDED_DEFAULTS: dict[str, Any] = {"omega": 0.7, "full_rank_input": "gradient"
 
 
 def recorded_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
-    """``knobs`` over :data:`RECORDED_DEFAULTS` (``subspace_qh`` has no full-rank term, so no input for it)."""
-    base = {k: v for k, v in RECORDED_DEFAULTS.items()
-            if not (k == "full_rank_input" and knobs.get("update") == "subspace_qh")}
+    """``knobs`` over :data:`RECORDED_DEFAULTS` (``subspace_qh`` and ``omega=1`` have no full-rank term, so no input
+    for it)."""
+    no_term = knobs.get("update") == "subspace_qh" or knobs.get("omega") == 1.0
+    base = {k: v for k, v in RECORDED_DEFAULTS.items() if not (k == "full_rank_input" and no_term)}
     merged = {**base, **knobs}
     if not merged["error_feedback"]:  # the recording's decay (1.0) only applies to a buffer
         merged.pop("ef_decay")
