@@ -151,7 +151,8 @@ def check_optimizer_knobs(knobs: dict[str, Any], *, in_group: bool) -> None:
 _FULL_RANK_TERM_KNOBS = ("mu", "normalizer", "lifted_floor", "full_rank_input")
 _ERROR_FEEDBACK_KNOBS = ("ef_dtype", "ef_decay")
 _APPLIES_ONLY_WITH = (("power_iters", "projection", ("power", "randomized")),  # (knob, the knob it needs, values)
-                      ("oversample", "projection", ("randomized",)), ("lifted_floor", "normalizer", ("lifted",)),
+                      ("oversample", "projection", ("power", "randomized")),  # power's first basis: a range finder
+                      ("lifted_floor", "normalizer", ("lifted",)),
                       ("variance_clamp", "transition", ("rotate",)))
 
 
@@ -350,7 +351,8 @@ class SyncConfig:
             if local:
                 raise fail(local[0], getattr(self, local[0]), "it must be left at its default with synchronous=True "
                             "(every step is synchronous low-rank DDP: no local rounds, no switch)",
-                            "Drop it, or use warmup_steps=N for a synchronous start followed by local steps.")
+                            "Drop it, or pass synchronous=False for local rounds (warmup_steps=N keeps N "
+                            "synchronous steps first).")
 
     def alone(self) -> SyncConfig:
         """The knobs one process runs with: nothing travels, so nothing is compressed, averaged or broadcast.
@@ -361,8 +363,8 @@ class SyncConfig:
         rounds_asked = [n for n in ROUND_KNOBS_ALONE if getattr(self, n) != SYNC_DEFAULTS[n].default]
         synchronous = not rounds_asked if self.synchronous is None else self.synchronous
         # alone, a local basis is the global one, and the outer step is averaging unless a round knob says otherwise
-        rounds = {} if not synchronous else {n: SYNC_DEFAULTS[n].default for n in ("basis_scope", "outer_lr",
-                                                                                   "outer_momentum")}
+        rounds = {} if not synchronous else {n: SYNC_DEFAULTS[n].default for n in (
+            "basis_scope", "outer_lr", "outer_momentum", "average_moments", "max_skipped_syncs", "bucket_cap_mb")}
         return dataclasses.replace(self, payload="full", payload_dtype="float32", fullrank_rank=0, moments_every=1,
                                    average_fullrank_moments=False, average_error_feedback=False,
                                    broadcast_bases=False, synchronous=synchronous, **rounds)
@@ -386,7 +388,8 @@ _SWITCH_KNOBS = ("switch_betas", "switch_reset_moments", "switch_lr_scale")
 #: Knobs that only shape the local rounds (no such round exists with ``synchronous=True``).
 _LOCAL_ROUND_KNOBS = ("outer_optimizer", "outer_lr", "outer_momentum", "basis_scope", "payload", "payload_dtype",
                       "average_fullrank_moments", "average_error_feedback", "fullrank_rank", "moments_every",
-                      "basis_every", "overlap_steps", "anchor_device")
+                      "basis_every", "overlap_steps", "anchor_device", "average_moments", "max_skipped_syncs",
+                      "bucket_cap_mb")
 
 
 def ef_dtype_for(ef_dtype: str, device: torch.device) -> torch.dtype:

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from lightning_lordo._tensors import nbytes
 from lightning_lordo.comm.accounting import ddp_wire_bytes
 from lightning_lordo.comm.communicator import CollectiveTimeout, CommAccountant, Communicator, translate
+from lightning_lordo.config import OPTIMIZER_DEFAULTS
 from lightning_lordo.convert import (
     compile_patterns,
     convert_optimizer,
@@ -105,10 +106,12 @@ class LoRDOCore:
                     "(full-rank local steps with any optimizer, averaged every K steps).")
             if isinstance(optimizer, LoRDO) and self.knobs.optimizer_given:  # they would be silently dropped
                 raise ValueError(
-                    f"The strategy got optimizer knobs ({', '.join(self.knobs.optimizer_given)}, from optimizer= or "
-                    f"its preset), but {source} a LoRDO, whose own knobs are the ones that train. Set them in one "
-                    "place: in LoRDO(...) with preset='lordo' and no optimizer=, or use torch's AdamW and let the "
-                    "strategy convert it.")
+                    f"The strategy got optimizer knobs ({', '.join(self.knobs.optimizer_given)}, from optimizer=), "
+                    f"but {source} a LoRDO, whose own knobs are the ones that train. Set them in one place: in "
+                    "LoRDO(...) and no optimizer=, or use torch's AdamW and let the strategy convert it.")
+            if isinstance(optimizer, LoRDO) and self.knobs.preset_optimizer:  # the preset's give way to the user's
+                warnings.warn(f"LoRDO: {source} a LoRDO, whose own knobs train: the preset's optimizer values "
+                              f"{self.knobs.preset_optimizer} give way (its other knobs apply).", stacklevel=3)
             names = list(self.parameter_names.values())
             unmatched = [r.pattern for r in self.full_rank_patterns if not any(map(r.search, names))]
             if unmatched:
@@ -132,23 +135,29 @@ class LoRDOCore:
         """Refuse synchronization knobs the user set that this optimizer would ignore, and warn once about those one
         process ignores (nothing travels: :meth:`~lightning_lordo.config.SyncConfig.alone`)."""
         given, config, lordo = self.knobs.sync_given, self.sync_config, isinstance(optimizer, LoRDO)
-        lowrank_only = ["basis_scope", "initial_basis", "broadcast_bases", "average_moments", "average_error_feedback",
-                        *(["seed"] if config.fullrank_rank == 0 else []),
-                        *(["moments_every"] if not config.average_fullrank_moments else [])]
-        ignored = ["average_error_feedback"] * (config.average_error_feedback and not any(
-            g["error_feedback"] for g in optimizer.param_groups)) if lordo else [k for k in given if k in lowrank_only]
-        if ignored:
-            raise ValueError(f"Invalid {ignored[0]}={getattr(config, ignored[0])!r}: it shapes what a sync does with "
-                             f"LoRDO's {'error-feedback buffers' if lordo else 'low-rank state'}, and the "
-                             f"{type(optimizer).__name__} that trains has none, so it would be ignored. Drop it.")
+        # (knobs of LoRDO's low-rank state without LoRDO, lowrank=False, are refused when the strategy is built)
+        if lordo and config.average_error_feedback and not any(g["error_feedback"] for g in optimizer.param_groups):
+            raise ValueError("Invalid average_error_feedback=True: it shapes what a sync does with LoRDO's "
+                             "error-feedback buffers, and the LoRDO that trains has none, so it would be ignored. "
+                             "Drop it.")
+        if lordo and config.initial_basis == "random" and any(
+                g["projection"] == "power" and g["oversample"] != OPTIMIZER_DEFAULTS["oversample"]
+                for g in optimizer.param_groups):
+            raise ValueError("Invalid oversample with initial_basis='random' and projection='power': oversample only "
+                             "shapes power's first basis (a range finder), and the first bases are random here, so "
+                             "it would be ignored. Drop it, or use initial_basis='gradient' or "
+                             "projection='randomized'.")
         if lordo and not converted and "seed" in given and config.seed != optimizer.seed:
             raise ValueError(f"Invalid seed={config.seed!r}: the LoRDO you return has seed={optimizer.seed}, which "
                              "seeds its bases. Set the seed in one place: LoRDO(..., seed=...), no experimental seed.")
+        rounds_only = ("max_skipped_syncs", "bucket_cap_mb") if config.alone().synchronous else ()
         alone = [k for k in ("payload", "payload_dtype", "fullrank_rank", "moments_every", "average_fullrank_moments",
-                             "average_error_feedback", "broadcast_bases") if k in given]
+                             "average_error_feedback", "broadcast_bases", "average_moments", *rounds_only)
+                 if k in given]
         if alone and self.communicator is not None and self.communicator.world_size == 1:
             warnings.warn(f"LoRDO on one process: {', '.join(f'{k}={getattr(config, k)!r}' for k in alone)} shape "
-                          "what travels between workers, and nothing travels here, so they have no effect.",
+                          "what travels between workers or the rounds, and one process has neither here, so they "
+                          "have no effect.",
                           stacklevel=3)
 
     def plan_message(self) -> Optional[str]:

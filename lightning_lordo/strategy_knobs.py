@@ -148,13 +148,22 @@ class Knobs:
     full_rank_params: Sequence[str]
     checkpoint_shards: bool
     monitor_progress_bar: Optional[bool]
-    optimizer_given: tuple[str, ...] = ()  # the optimizer keys set explicitly or by the preset (even to defaults)
+    optimizer_given: tuple[str, ...] = ()  # the optimizer keys the user set (even to defaults)
     sync_given: tuple[str, ...] = ()  # the synchronization knobs the user set (named ones: to other than defaults)
+    preset_optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)  # the preset's optimizer values
 
 
 def _differs(value: Any, default: Any) -> bool:
-    """Whether a knob was set to something other than its default (``True`` is not ``1``, ``16.0`` not ``16``)."""
-    return type(value) is not type(default) or value != default
+    """Whether a knob was set to something other than its default: ``True`` is not ``1``, but ``64`` is ``64.0``
+    (the command line's parser makes every float knob a float)."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, default))
+    return value != default if numbers else type(value) is not type(default) or value != default
+
+
+#: Synchronization knobs that only shape what a sync does with LoRDO's low-rank state (refused with
+#: ``lowrank=False``); ``seed`` also seeds ``fullrank_rank``'s bases, ``moments_every`` the full-rank moments' rounds.
+_LOWRANK_SYNC_KNOBS = ("basis_scope", "initial_basis", "broadcast_bases", "average_moments", "average_error_feedback",
+                       "basis_every", "seed", "moments_every")
 
 
 def _mapping(argument: str, value: Any, allowed: Sequence[str], owner: str) -> dict[str, Any]:
@@ -228,6 +237,10 @@ def resolve_knobs(owner: str, *, preset: str, named: Mapping[str, Any], optimize
                 why = {k: v for k, v in kept.items() if k in str(error)}
                 if not why:
                     raise
+                try:
+                    _validated({}, passed, explicit)
+                except KnobError as own:  # the user's knobs conflict among themselves: the preset is not the cause
+                    raise own from None
                 raise KnobError(error.knob, f"{error} (preset={preset!r} sets {why})") from None
             del kept[error.knob]  # the preset's value that the user's knobs make meaningless gives way
 
@@ -249,6 +262,12 @@ def _validated(preset_knobs: Mapping[str, Any], passed: Mapping[str, Any], expli
         if not isinstance(flag, bool):
             raise fail(name, flag, "it must be True or False", "Pass a bool.")
     given = tuple(k for k in OPTIMIZER_MAPPING_KNOBS if k in flat)
+    unused = [k for k in _LOWRANK_SYNC_KNOBS if k in set_by_either and not (k == "seed" and flat.get("fullrank_rank"))
+              and not (k == "moments_every" and flat.get("average_fullrank_moments"))]
+    if unused and lowrank is False:
+        raise fail(unused[0], flat[unused[0]], "with lowrank=False it would be ignored: it shapes what a sync does "
+                   "with LoRDO's low-rank state, and your optimizer, which runs as it is, has none",
+                   "Drop it, or use preset='lordo'.")
     full_rank = flat.pop("full_rank_params", ())
     if not isinstance(full_rank, (list, tuple)) or not all(isinstance(p, str) for p in full_rank):
         raise fail("full_rank_params", full_rank, "it must be a list of regular expressions on parameter names",
@@ -261,9 +280,6 @@ def _validated(preset_knobs: Mapping[str, Any], passed: Mapping[str, Any], expli
     check_optimizer_knobs(chosen, in_group=False)
     check_knob_combinations(chosen, {**OPTIMIZER_DEFAULTS, **chosen})
     config = SyncConfig(**flat)
-    if config.basis_every > 1 and lowrank is False:
-        raise KnobError("basis_every", f"Invalid basis_every={config.basis_every} with lowrank=False: there are no "
-                        "low-rank bases to refresh. Drop basis_every, or use preset='lordo'.")
     if config.payload == "lowrank" and lowrank is False:
         raise KnobError("payload", "Invalid payload='lowrank' with lowrank=False: the low-rank payload sends the "
                         "low-rank matrices of the LoRDO optimizer. Use payload='full' (payload_dtype may be 'bfloat16' "
@@ -271,14 +287,17 @@ def _validated(preset_knobs: Mapping[str, Any], passed: Mapping[str, Any], expli
     if config.basis_scope == "local" and "average_moments" in set_by_either and config.average_moments:
         raise fail("average_moments", True, "with basis_scope='local' each worker's moments live in its own basis, "
                    "so they cannot be averaged and it would be ignored", "Drop it, or use basis_scope='global'.")
-    if "bucket_cap_mb" in explicit and not bucketed.cap_applies(config):
-        raise fail("bucket_cap_mb", config.bucket_cap_mb, "it only shapes a blocking round that averages the "
+    if "bucket_cap_mb" in explicit and (config.overlap_steps or not bucketed.cap_applies(config)):
+        raise fail("bucket_cap_mb", config.bucket_cap_mb, "it only shapes a blocking round (overlap_steps=0) that "
+                   "averages the "
                    "pseudo-gradient bucket by bucket (outer_optimizer='average', basis_every=1, no broadcast_bases, "
                    "and payload='lowrank', or a float32 full payload without fullrank_rank), so it would be ignored",
                    "Drop it.")
     optimizer_knobs = {k: v for k, v in chosen.items() if _differs(v, OPTIMIZER_DEFAULTS[k])}
     sync_given = tuple(k for k in SyncConfig.__dataclass_fields__ if k in explicit)  # the user's, not the preset's
-    return Knobs(config, optimizer_knobs, lowrank, full_rank, shards, progress_bar, given, sync_given)
+    return Knobs(config, optimizer_knobs, lowrank, full_rank, shards, progress_bar,
+                 tuple(k for k in given if k in passed), sync_given,
+                 {k: v for k, v in preset_knobs.items() if k in OPTIMIZER_MAPPING_KNOBS})
 
 
 def strategy_kwargs(**knobs: Any) -> dict[str, Any]:

@@ -205,7 +205,16 @@ IGNORED_COMBINATIONS: list[tuple[dict[str, Any], str]] = [
     ({"omega": 1.0, "normalizer": "scalar"}, "normalizer='scalar' with omega=1.0"),
     ({"omega": 1.0, "mu": 5.0}, "mu=5.0 with omega=1.0"),
     ({"transition": "keep", "variance_clamp": True}, "variance_clamp=True with transition='keep'"),
-    ({"oversample": 4}, "oversample=4 with projection='power'"),  # its default value, passed: refused as LoRDO does
+    ({"projection": "svd", "oversample": 4}, "oversample=4 with projection='svd'"),  # its default value, passed
+    ({"synchronous": True, "average_moments": False}, "average_moments=False"),
+    ({"synchronous": True, "max_skipped_syncs": 1}, "max_skipped_syncs=1"),
+    ({"synchronous": True, "bucket_cap_mb": 1.0}, "bucket_cap_mb=1.0"),
+    ({"overlap_steps": 1, "bucket_cap_mb": 1.0}, "bucket_cap_mb=1.0"),
+    ({"lowrank": False, "initial_basis": "random"}, "initial_basis='random'"),
+    ({"lowrank": False, "average_moments": True}, "average_moments=True"),
+    ({"lowrank": False, "seed": 5}, "seed=5"),
+    ({"lowrank": False, "basis_every": 1}, "basis_every=1"),  # the default, passed
+    ({"lowrank": False, "moments_every": 1}, "moments_every=1"),
     ({"error_feedback": False, "full_rank_input": "accumulated"}, "full_rank_input='accumulated'"),
     ({"basis_scope": "local", "average_moments": True}, "average_moments=True"),
     ({"outer_optimizer": "nesterov", "bucket_cap_mb": 1.0}, "bucket_cap_mb=1.0"),
@@ -363,7 +372,7 @@ def test_each_trainer_gets_its_own_strategy_instance() -> None:
     ({"outer_lr": 1.0}, "outer_lr=1.0: it only applies to outer_optimizer"),
     ({"outer_momentum": 0.5}, "outer_momentum=0.5: it only applies"),
     ({"projection": "svd", "power_iters": 2}, "power_iters=2 with projection='svd'"),
-    ({"oversample": 8}, "oversample=8 with projection='power'"),
+    ({"projection": "svd", "oversample": 8}, "oversample=8 with projection='svd'"),
     ({"lifted_floor": 0.2}, "lifted_floor=0.2 with normalizer='col_rms'"),
     ({"lowrank": False, "rank": 8}, "rank=8 with lowrank=False"), ({"lowrank": False, "omega": 0.5}, "omega=0.5"),
 ], ids=["outer_lr", "outer_momentum", "power_iters", "oversample", "lifted_floor", "diloco-rank", "diloco-omega"])

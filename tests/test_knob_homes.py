@@ -48,9 +48,11 @@ def test_a_preset_gives_its_knobs_and_what_is_passed_overrides_them(cls: Any, pr
         where = plain.optimizer_knobs.get(name) if name in plain.optimizer_knobs else \
             plain.lowrank if name == "lowrank" else getattr(plain.sync_config, name)
         assert where == value, (preset, name)
-    # an explicit value overrides the preset's, also when it is the knob's default value
+    # an explicit value overrides the preset's, also when it is the knob's default value (moments_every shapes the
+    # low-rank moments' rounds, which DiLoCo's optimizer has not: refused there, test_inputs.py)
+    moments_every = {"moments_every": 1} if knobs.get("lowrank", True) else {}
     overridden = cls(preset=preset, sync_every=8, payload="full", payload_dtype="float32",
-                     experimental=Experimental(moments_every=1, average_fullrank_moments=False))
+                     experimental=Experimental(**moments_every, average_fullrank_moments=False))
     assert overridden.sync_config.sync_every == 8
     assert (overridden.sync_config.payload, overridden.sync_config.payload_dtype) == ("full", "float32")
     assert (overridden.sync_config.moments_every, overridden.sync_config.average_fullrank_moments) == (1, False)
@@ -133,6 +135,19 @@ def test_a_knob_the_presets_values_make_meaningless_is_refused_naming_the_preset
         LoRDOStrategy(preset="lordo_local", experimental={"average_moments": True})
 
 
+def test_a_conflict_among_the_users_own_knobs_does_not_name_the_preset() -> None:
+    with pytest.raises(ValueError) as info:
+        LoRDOStrategy(preset="lordo_lean", optimizer={"omega": 1.0, "normalizer": "scalar"})
+    assert "normalizer='scalar' with omega=1.0" in str(info.value) and "preset=" not in str(info.value)
+
+
+def test_a_default_value_passed_as_an_int_is_the_default() -> None:
+    """``bucket_cap_mb=64`` is the default 64.0, as the command line's parser passes it: not refused as set."""
+    assert LoRDOStrategy(outer_optimizer="nesterov", bucket_cap_mb=64).sync_config.bucket_cap_mb == 64
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=65"):
+        LoRDOStrategy(outer_optimizer="nesterov", bucket_cap_mb=65)
+
+
 @pytest.mark.parametrize("cls", STRATEGIES, ids=lambda c: c.__name__)
 def test_an_experimental_passed_as_optimizer_is_refused(cls: Any) -> None:
     with pytest.raises(TypeError, match=r"optimizer=Experimental\(.*an Experimental goes in experimental="):
@@ -164,9 +179,10 @@ def test_every_strategy_and_optimizer_the_readme_builds_builds() -> None:
 
 
 def test_a_sync_knob_the_optimizer_that_trains_would_ignore_is_refused_at_setup() -> None:
-    """What the strategy cannot tell before it sees the optimizer: LoRDO's state knobs under ``"diloco"`` with the
-    user's AdamW, averaging error feedback that a lean LoRDO does not keep, a seed beside a returned LoRDO's own, a
-    ``full_rank_params`` pattern that matches nothing; and on one process, one warning for what only travels."""
+    """What the strategy cannot tell before it sees the optimizer: averaging error feedback that a lean LoRDO does
+    not keep, a seed beside a returned LoRDO's own, ``oversample`` of a returned LoRDO whose first bases are random,
+    a ``full_rank_params`` pattern that matches nothing; on one process, one warning for what only travels; and a
+    preset's optimizer values beside a returned LoRDO give way, with a warning."""
     import lightning as L
     from strategy_helpers import TinyRegressor, loader
 
@@ -181,10 +197,12 @@ def test_a_sync_knob_the_optimizer_that_trains_would_ignore_is_refused_at_setup(
                   max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False).fit(model, loader())
 
+    class Oversampled(TinyRegressor):
+        def configure_optimizers(self) -> LoRDO:
+            return LoRDO(self.parameters(), rank=2, oversample=8)
+
     refused = [
-        (TinyRegressor, {"preset": "diloco", "experimental": {"initial_basis": "random"}}, "initial_basis='random'"),
-        (TinyRegressor, {"preset": "diloco", "experimental": {"average_moments": True}}, "average_moments=True"),
-        (TinyRegressor, {"preset": "diloco", "experimental": {"seed": 5}}, "seed=5"),
+        (Oversampled, {"experimental": {"initial_basis": "random"}}, "oversample with initial_basis='random'"),
         (TinyRegressor, {"preset": "lordo_lean", "experimental": {"average_error_feedback": True}},
          "average_error_feedback=True: it shapes what a sync does with LoRDO's error-feedback buffers"),
         (ReturnsLoRDO, {"experimental": {"seed": 5}}, "the LoRDO you return has seed=1"),
@@ -195,5 +213,11 @@ def test_a_sync_knob_the_optimizer_that_trains_would_ignore_is_refused_at_setup(
             fit(model(), **kwargs)
     fit(TinyRegressor(), preset="diloco", experimental={"seed": 5, "fullrank_rank": 2})  # the messages' seed: used
     fit(ReturnsLoRDO(), experimental={"seed": 1})  # the same seed in both places
+    fit(Oversampled())  # the first bases come from the gradient: oversample shapes them
     with pytest.warns(UserWarning, match=r"one process: payload_dtype='int8' shape what travels"):
         fit(TinyRegressor(), payload_dtype="int8")
+    with pytest.warns(UserWarning, match=r"one process: average_moments=False, bucket_cap_mb=1.0 shape what"):
+        fit(TinyRegressor(), bucket_cap_mb=1.0, experimental={"average_moments": False})
+    with pytest.warns(UserWarning, match=r"returned a LoRDO, whose own knobs train: the preset's optimizer values "
+                      r"\{'omega': 0.7, .*\} give way"):
+        fit(ReturnsLoRDO(), preset="lordo_lean")

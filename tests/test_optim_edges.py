@@ -1,5 +1,6 @@
 """The LoRDO optimizer used as a plain torch optimizer, at its edges: copied and pickled, loaded from AdamW's state,
-a matrix whose first step has no gradient, a rank as large as a side, a basis that does not fit."""
+a matrix whose first step has no gradient, a rank as large as a side, a basis that does not fit, the first basis's
+oversampling."""
 
 from __future__ import annotations
 
@@ -99,3 +100,20 @@ def test_adamw_modes_lordo_lacks_are_refused_on_conversion(flag: str) -> None:
     model = nn.Linear(8, 8)
     with pytest.raises(ValueError, match=rf"LoRDO has no {flag} mode.*without {flag}=True"):
         convert_optimizer(torch.optim.AdamW(model.parameters(), **{flag: True}), {}, {}, 0, {})
+
+
+def test_oversample_shapes_the_first_basis_of_the_power_projection() -> None:
+    """``"power"`` has no warm start for a matrix's first basis and finds it with the randomized range finder, whose
+    extra columns ``oversample`` sets: a knob of ``"power"`` too (accepted, and it changes that basis)."""
+    torch.manual_seed(0)
+    grad = torch.randn(40, 6) @ torch.randn(6, 48) + 0.3 * torch.randn(40, 48)  # a rank-6 signal in noise
+    exact = torch.linalg.svd(grad.double(), full_matrices=False).U[:, :4]
+    captured = {}
+    for oversample in (0, 20):
+        w = nn.Parameter(torch.zeros(40, 48))
+        opt = LoRDO([w], rank=4, projection="power", oversample=oversample, power_iters=1, seed=1)
+        w.grad = grad.clone()
+        opt.step()
+        basis = opt.state[w]["basis"].double()
+        captured[oversample] = (exact.mT @ basis).square().sum().item() / 4  # share of the exact subspace, 1 = all
+    assert captured[20] > captured[0] + 0.01 and captured[20] > 0.99, captured

@@ -52,7 +52,7 @@ class LoRDO(Optimizer):
         lifted_floor: for ``"lifted"``, floor of ``S`` as a fraction of ``sqrt(mean(v_hat))``.
         projection: how a new basis is computed: ``"power"`` (warm-started block power iteration + QR),
             ``"randomized"`` (randomized SVD) or ``"svd"`` (exact).
-        power_iters, oversample: power steps of ``"power"`` and ``"randomized"``; the latter's extra columns.
+        power_iters, oversample: power steps; the range finder's extra columns (``"power"``'s first basis too).
         transition: what happens to the moments when the basis changes: ``"rotate"`` (LDAdam),
             ``"reset"`` (zero them and restart bias correction) or ``"keep"`` (GaLore; for ablations only).
         variance_clamp: clamp the variance estimate ``v_hat - u_hat^2`` at 0 before rotating (LDAdam).
