@@ -149,6 +149,15 @@ def test_what_cannot_be_converted_is_refused_before_training(tmp_path: Path, kno
         _resume(tmp_path, ckpt, TinyRegressor(scheduler=True), lordo(sync_every=K, **knobs), "refused")
 
 
+def test_synchronous_steps_from_a_mid_round_checkpoint_are_refused_naming_the_knob(tmp_path: Path) -> None:
+    """Mid-round the replicas differ, so synchronous steps cannot start there; the message names the knob passed,
+    not a warm-up the run never had."""
+    ckpt = _first_fit(tmp_path, TinyRegressor(), lordo(sync_every=K)) / "step=6.ckpt"
+    with pytest.raises(Exception, match=r"Cannot resume with synchronous steps \(synchronous=True\) at optimizer "
+                                        r"step 7: the checkpoint was written mid-round"):
+        _resume(tmp_path, ckpt, TinyRegressor(), lordo(sync_every=K, synchronous=True), "refused")
+
+
 class MomentumAtStart(L.Callback):
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -355,3 +364,29 @@ def test_a_lordo_state_saved_by_another_strategy_keeps_its_moments(tmp_path: Pat
         for key in ("basis", "exp_avg", "exp_avg_sq"):
             if key in entry:
                 assert torch.equal(start.state[index][key], entry[key]), (index, key)
+
+
+class ReplicasEqualEveryStep(L.Callback):
+    """In the synchronous steps the replicas are one model after every step (and after the final sync)."""
+
+    def __init__(self, synchronous_until: int) -> None:
+        self.synchronous_until = synchronous_until
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step <= self.synchronous_until:
+            assert torch.equal(*gather(flat_params(module))), f"replicas differ after step {trainer.global_step}"
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        assert torch.equal(*gather(flat_params(module)))
+
+
+@pytest.mark.parametrize("knobs", [{"synchronous": True}, {"warmup_steps": 14}], ids=["synchronous", "warm-up"])
+def test_synchronous_steps_resumed_after_local_ones_keep_one_model(tmp_path: Path, knobs: dict[str, Any]) -> None:
+    """A checkpoint of local rounds written at a sync (step 12) holds each rank's own moments: resumed with
+    synchronous steps, which average only the gradients, every rank takes rank 0's optimizer state (each its own
+    kept the replicas apart for good: 6e-2 after 6 steps)."""
+    first = _first_fit(tmp_path, TinyRegressor(), lordo(sync_every=K))
+    synchronous_until = 16 if "synchronous" in knobs else 14
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=K, **knobs), callbacks=[ReplicasEqualEveryStep(synchronous_until)], max_steps=16,
+            **FIXED_DATA).fit(TinyRegressor(), epoch_loader(), ckpt_path=str(first / "step=12.ckpt"))

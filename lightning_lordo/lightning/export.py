@@ -6,7 +6,7 @@ low-rank moments, error feedback) is under ``checkpoint["lordo"]`` (rank 0's sha
 What this module adds:
 
 * ``Trainer(strategy="ddp", callbacks=[ConvertLoRDOCheckpoint()])`` warns once with what the resume leaves behind;
-* ``python -m lightning_lordo.lightning.export lordo.ckpt ddp.ckpt`` writes a file without the LoRDO state (smaller);
+* ``lordo-export lordo.ckpt ddp.ckpt`` writes a file without the LoRDO state (smaller);
 * both convert a checkpoint whose optimizer entry is LoRDO's own (the earlier format).
 
 The AdamW moments: each low-rank matrix's expanded through its basis (the first moment exactly, ``Q u``; the second
@@ -121,7 +121,7 @@ class ConvertLoRDOCheckpoint(Callback):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_lordo.lightning.export",
+    parser = argparse.ArgumentParser(prog="lordo-export",
                                      description="Convert a LoRDO checkpoint for a run without the LoRDO strategy.")
     parser.add_argument("source", help="a checkpoint written under strategy='lordo' (or 'diloco', 'lowrank_ddp')")
     parser.add_argument("target", help="where to write the converted checkpoint (written atomically)")

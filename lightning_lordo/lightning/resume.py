@@ -70,6 +70,20 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+def own_states(restored: dict[str, Any], strategy: Any) -> bool:
+    """Whether each rank resumes its own state (its shard): the same world size, a complete save, and not
+    synchronous steps after local ones. Those average only the gradients, so each rank's own optimizer moments would
+    keep the replicas apart for good: every rank then takes rank 0's state, as for another world size."""
+    if restored["world_size"] != strategy.world_size or restored.get("partial", False):
+        return False
+    saved, steps, now = restored.get("layout"), restored["sync"]["optimizer_steps"], strategy.sync_config
+    if saved is None:
+        return True
+    old = saved["sync_knobs"]
+    local_before = not old.get("synchronous", False) and 0 < steps and steps >= old.get("warmup_steps", 0)
+    return not (local_before and (now.synchronous or steps < now.warmup_steps))
+
+
 def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], strategy: Saved,
                          replicas_saved: bool = False) -> None:
     """Raise ``ValueError`` (before training starts) for what a resume cannot convert; ``replicas_saved``: the
@@ -78,14 +92,16 @@ def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], stra
     steps, mid_round = sync_state["optimizer_steps"], sync_state["steps_since_sync"] > 0 or replicas_saved
     switched = not old.get("synchronous", False) and steps >= old.get("warmup_steps", 0)
     synchronous_now = now.synchronous or steps < now.warmup_steps
-    if switched and synchronous_now and (old.get("warmup_steps", 0) or mid_round):
+    if switched and synchronous_now and old.get("warmup_steps", 0):
         knob = "synchronous" if now.synchronous else "warmup_steps"
         saved_phase = f"warmup_steps={old.get('warmup_steps', 0)!r}, synchronous={old.get('synchronous', False)!r}"
         raise ValueError(f"Cannot resume with {knob}={getattr(now, knob)!r} (the checkpoint has {saved_phase}): "
                          f"it was written at optimizer step {steps}, after the switch to local steps, and the switch "
                          "cannot be undone. Keep the checkpoint's warm-up, or start a new run.")
     if synchronous_now and mid_round:
-        raise ValueError(f"Cannot resume with synchronous steps at optimizer step {steps + 1}: the checkpoint was "
+        knob = "synchronous=True" if now.synchronous else f"warmup_steps={now.warmup_steps}"
+        raise ValueError(f"Cannot resume with synchronous steps ({knob}) at optimizer step {steps + 1}: the "
+                         "checkpoint was "
                          f"written mid-round ({sync_state['steps_since_sync']} local steps since the last sync, or "
                          "an overlapped round in flight), when the replicas differ. Resume from a checkpoint written "
                          "at a sync.")
@@ -106,7 +122,7 @@ def apply_restored(self: Saved, restored: dict[str, Any]) -> list[str]:
     restore the synchronizer, this rank's replica, buffers, payload state and totals; returns the notes for the
     resume's warning (the optimizer's state comes later, in ``load_optimizer``)."""
     saved = restored.get("layout")
-    same_world = restored["world_size"] == self.world_size and not restored.get("partial", False)
+    same_world = own_states(restored, self)  # else every rank resumes rank 0's state
     notes = knob_changes(saved, self) if saved is not None else []
     if saved is not None:
         # every rank reads its own shard (rank 0's for another world size or a partial save); its replica is saved
@@ -169,7 +185,8 @@ def apply_restored(self: Saved, restored: dict[str, Any]) -> list[str]:
         self.synchronizer.steps_since_sync = 0  # the round restarts from the synchronized model
         self._reset_on_load = True
         written = ("written after a failed or interrupted collective (rank 0's state only)" if restored.get(
-            "partial") else f"written by {restored['world_size']} workers, resumed by {self.world_size}")
+            "partial") else f"written by {restored['world_size']} workers, resumed by {self.world_size}"
+            if restored["world_size"] != self.world_size else "synchronous steps after local ones")
         notes.append(f"{written}: resumed from the "
                      "synchronized model; reset: each worker's progress since the last sync, the error-feedback "
                      "buffers and the payload's sync-level error feedback; every worker starts from rank 0's "

@@ -193,10 +193,9 @@ class SynchronizedState:
         restored = checkpoint.get("lordo") if fitting else None
         if restored is not None:
             restored = check(restored, f"Checkpoint {str(checkpoint_path)!r}")
-        if restored is not None and "shards" in restored:  # this rank's shard (rank 0's for another world size)
+        if restored is not None and "shards" in restored:  # this rank's shard, or rank 0's (resume.own_states)
             meta = restored["shards"]
-            same_world = restored["world_size"] == self.world_size and not restored.get("partial", False)
-            rank = self.global_rank if same_world else 0
+            rank = self.global_rank if resume.own_states(restored, self) else 0
             ranks: list[Any] = [None] * max(meta["ranks"], rank + 1)
             ranks[rank] = shards.read(self.checkpoint_io, checkpoint_path, meta, rank, lordo=restored)
             restored = {**restored, "ranks": ranks}
