@@ -1,14 +1,17 @@
-"""Validation during ``fit`` sees the synchronized model (the anchor), identical on every rank, in the middle of a
-round; each worker's own replica comes back afterwards (README, "Which model you validate"). 2 processes."""
+"""Validation during ``fit`` sees the synchronized model (the anchor and the buffers of the last sync), identical on
+every rank, in the middle of a round, and so do checkpoints; each worker's own replica comes back afterwards (README,
+"Which model you validate"). 2 processes."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
 from strategy_helpers import TinyRegressor, gather, loader, lordo, trainer
+from torch import nn
 
 pytestmark = pytest.mark.slow  # multi-process; CI runs it, -m 'not slow' skips it
 
@@ -66,3 +69,69 @@ def test_validation_in_the_middle_of_a_round_sees_the_synchronized_model() -> No
     trainer(lordo(sync_every=K), callbacks=[around], max_steps=2 * K, val_check_interval=K // 2 + 1,
             check_val_every_n_epoch=None, limit_val_batches=2, num_sanity_val_steps=0
             ).fit(Seen(), loader(), loader(n=32))
+
+
+class BatchNormSeen(Seen):
+    """With a BatchNorm, whose running statistics are each rank's own between syncs: records the floating buffers
+    each validation step runs with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 24), nn.BatchNorm1d(24), nn.GELU(), nn.Linear(24, 3))
+        self.validated_buffers: list[torch.Tensor] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.validated_buffers.append(flat(b for b in self.buffers() if b.is_floating_point()))
+        super().validation_step(batch, batch_idx)
+
+
+class Buffers(L.Callback):
+    """The floating buffers at the start and after each sync (identical on every rank), before each validation (the
+    rank's own) and at the next training batch; a checkpoint written mid-round (step K + 2)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.synced, self.records = path, None, []
+
+    @staticmethod
+    def own(module: L.LightningModule) -> torch.Tensor:
+        return flat(b for b in module.buffers() if b.is_floating_point())
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.synced = self.own(module)  # the first synchronized model: the one every rank starts from
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        sync = trainer.strategy.synchronizer
+        if sync.steps_since_sync == 0:
+            self.synced = self.own(module)
+            assert all(torch.equal(self.synced, c) for c in gather(self.synced)), "buffers differ after a sync"
+        if trainer.global_step == K + 2:
+            trainer.save_checkpoint(self.path)
+            assert self.synced is not None and not torch.equal(self.own(module), self.synced), "not mid-round"
+            if trainer.global_rank == 0:
+                saved = torch.load(self.path, weights_only=True)["state_dict"]
+                names = [n for n, b in module.named_buffers() if b.is_floating_point()]
+                assert torch.equal(flat(saved[n] for n in names), self.synced), "the checkpoint holds rank 0's own"
+
+    def on_validation_start(self, trainer: L.Trainer, module: BatchNormSeen) -> None:
+        if trainer.strategy.synchronizer.steps_since_sync > 0:
+            self.records.append({"own": self.own(module), "synced": self.synced,
+                                 "first": len(module.validated_buffers)})
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        for record in self.records:
+            record.setdefault("after", self.own(module))
+
+    def on_train_end(self, trainer: L.Trainer, module: BatchNormSeen) -> None:
+        assert self.records
+        for record in self.records:
+            seen = module.validated_buffers[record["first"]]
+            assert not torch.equal(record["own"], record["synced"]), "mid-round, a rank's own buffers should differ"
+            assert torch.equal(seen, record["synced"]), "validation did not run with the synchronized buffers"
+            assert torch.equal(record["after"], record["own"]), "the rank's own buffers did not come back"
+
+
+def test_between_syncs_validation_and_checkpoints_see_the_synchronized_buffers(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=K), callbacks=[Buffers(tmp_path / "mid.ckpt")], max_steps=2 * K,
+            val_check_interval=K // 2 + 1, check_val_every_n_epoch=None, limit_val_batches=2,
+            num_sanity_val_steps=0).fit(BatchNormSeen(), loader(), loader(n=32))

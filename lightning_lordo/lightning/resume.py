@@ -52,6 +52,8 @@ class Saved(Protocol):
     _reset_on_load: bool
     _overlap_to_redo: Optional[dict[str, Any]]
 
+    def _note_synced_buffers(self, now: bool = False) -> None: ...
+
 
 def knob_changes(saved: dict[str, Any], strategy: Saved) -> list[str]:
     """The knobs that differ from the checkpoint's, as ``name: saved -> now`` (optimizer knobs per group)."""
@@ -157,6 +159,7 @@ def apply_restored(self: Saved, restored: dict[str, Any]) -> list[str]:
                      f"{', ...' if len(edited) > 3 else ''}; edited after the save?): training follows the loaded "
                      "weights, which become the synchronized model (each worker's progress since the last sync and "
                      "its own buffers are dropped)")
+    self._note_synced_buffers(now=True)  # the loaded model's (the synchronized one), before each rank's own come back
     if same_world and same_params and not edited:
         # mid-round each rank's own parameters; else the model Lightning loaded is already the synchronized one
         source = mine.get("params", self.synchronizer.anchor.tensors)  # no anchor in the synchronous phase

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_lordo import checkpoint as lordo_checkpoint
@@ -37,6 +38,11 @@ class SynchronizedState:
     synchronizer: Optional[Synchronizer]
     communicator: Optional[Communicator]
     _swapped_for_eval: bool
+    #: the floating buffers (BatchNorm's statistics) of the synchronized model, and its step: copied when the anchor
+    #: changes (the strategy's ``_note_synced_buffers``, on the step's path), so that between syncs validation and
+    #: checkpoints see its buffers too, not a rank's own
+    _synced_buffers: Optional[list[Tensor]] = None
+    _synced_buffers_step: Optional[int] = None
     checkpoint_shards: bool = True  # per-rank shards next to the file (False: gathered into the file)
     _plugin_warnings: PluginWarnings  # warnings once, on rank 0, at the user's line
     _overlap_to_redo: Optional[dict[str, Any]] = None  # the copies of a round in flight at the save
@@ -46,20 +52,37 @@ class SynchronizedState:
     def _mid_round(self) -> bool:
         return self.synchronizer is not None and self.synchronizer.mid_round
 
+    def _exchange_buffers(self) -> None:
+        """Exchange the floating buffers with the synchronized model's copies (twice: back as they were)."""
+        assert self.synchronizer is not None and self._synced_buffers is not None
+        for b, kept in zip([b for b in self.synchronizer.buffers if b.is_floating_point()], self._synced_buffers,
+                           strict=True):
+            own = b.detach().clone()
+            b.copy_(kept)
+            kept.copy_(own)
+
+    def _swap_model(self, synchronized: bool) -> None:
+        """The synchronized model (anchor and buffers) in, or each rank's own replica back."""
+        assert self.synchronizer is not None
+        if synchronized:
+            self.synchronizer.anchor.swap_in()
+        else:
+            self.synchronizer.anchor.swap_out()
+        if self._synced_buffers is not None:
+            self._exchange_buffers()
+
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
         trainer = self._trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._mid_round():
-            assert self.synchronizer is not None
-            self.synchronizer.anchor.swap_in()  # validate the synchronized model: identical on all ranks
+            self._swap_model(synchronized=True)  # validate the synchronized model: identical on all ranks
             self._swapped_for_eval = True
 
     @override
     def on_validation_end(self) -> None:
         if self._swapped_for_eval:
-            assert self.synchronizer is not None
-            self.synchronizer.anchor.swap_out()
+            self._swap_model(synchronized=False)
             self._swapped_for_eval = False
         super().on_validation_end()
 
@@ -74,6 +97,11 @@ class SynchronizedState:
             for name, p in module.named_parameters(remove_duplicate=False):  # tied weights: every name
                 if id(p) in anchor and name in state:
                     state[name] = anchor[id(p)].detach().clone()
+            floating = [b for b in self.synchronizer.buffers if b.is_floating_point()]
+            synced = dict(zip(map(id, floating), self._synced_buffers or []))
+            for name, b in module.named_buffers(remove_duplicate=False):
+                if id(b) in synced and name in state:
+                    state[name] = synced[id(b)].clone()
         return state
 
     # ------------------------------------------------------------------ checkpoint state (../checkpoint.py, shards.py)
@@ -153,12 +181,12 @@ class SynchronizedState:
         """``read()`` with the local replica in place (a save from within validation has the anchor swapped in)."""
         swapped = self._swapped_for_eval
         if swapped:
-            self.synchronizer.anchor.swap_out()
+            self._swap_model(synchronized=False)
         try:
             return read()
         finally:
             if swapped:
-                self.synchronizer.anchor.swap_in()
+                self._swap_model(synchronized=True)
 
     def _write_or_agree_to_fail(self, filepath: Any, save_id: str, comm: Any, what: str, write: Any) -> None:
         """Run ``write``; if it failed on any rank, every rank removes this save's shards and raises with every

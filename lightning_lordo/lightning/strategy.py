@@ -250,6 +250,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
                                      self._scale_schedulers)
         if optimizer is not user_optimizer:
             self.optimizers = [optimizer]
+        self._note_synced_buffers(now=True)
         if self._restored is not None:
             self._apply_restored_state()
         message = self.core.plan_message()
@@ -275,6 +276,16 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
             self.core.after_step(last)
             if last:
                 self._finish_training()
+            self._note_synced_buffers()
+
+    def _note_synced_buffers(self, now: bool = False) -> None:
+        """After a step (or ``now``: at setup and at a resume, before each rank's own buffers are restored): copy the
+        floating buffers when the synchronized model changed (a round landed, the anchor was taken)."""
+        sync = self.synchronizer
+        if sync is None or sync.synchronous_now or not (now or sync.synchronized_step != self._synced_buffers_step):
+            return
+        self._synced_buffers = [b.detach().clone() for b in sync.buffers if b.is_floating_point()]
+        self._synced_buffers_step = sync.synchronized_step
 
     @property
     def _trainer(self) -> Optional[Trainer]:
