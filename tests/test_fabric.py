@@ -369,6 +369,72 @@ def test_synchronous_phase_averages_once_per_step_before_clipping() -> None:
     fabric.launch(work)
 
 
+def test_a_step_skipped_after_clipping_leaves_the_next_one_prepared() -> None:
+    """A loss-spike guard (clip, then skip the step): the next step's gradients are averaged again (they were
+    not: the skipped step's preparation counted for it, and the synchronous replicas drifted apart)."""
+    fabric = fabric_for(synchronous=True)
+    model = regression_model()
+
+    def work(fabric: Fabric) -> None:
+        data = fabric.setup_dataloaders(loader())
+        net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        strategy: LoRDOFabricStrategy = fabric.strategy  # type: ignore[assignment]
+        taken, first = 0, 0
+        for step, (x, y) in zip(range(1, 7), data):
+            fabric.backward(nn.functional.mse_loss(net(x), y))
+            fabric.clip_gradients(net, optimizer, max_norm=1.0)
+            if step == 3:  # skipped on every rank
+                optimizer.zero_grad()
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+            taken += 1
+            first = first or strategy.communication_summary()["bytes_by_purpose"]["gradients"]
+            assert ranks_identical(flat_params(model)), f"step {step}"
+        averaged = strategy.communication_summary()["bytes_by_purpose"]["gradients"]
+        assert averaged == 6 * first and taken == 5  # each backward's gradients averaged once, the skipped one's too
+
+    fabric.launch(work)
+
+
+def test_finish_refuses_ranks_one_step_apart() -> None:
+    """One rank a step ahead (a variance of exactly 0.25 across two ranks, which the check let pass): both raise."""
+    fabric = fabric_for()
+    model = regression_model()
+
+    def work(fabric: Fabric) -> None:
+        data = list(zip(range(9), fabric.setup_dataloaders(loader())))
+        net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        run_steps(fabric, net, optimizer, (b for _, b in data[:9 if fabric.global_rank == 0 else 8]))
+        with pytest.raises(RuntimeError, match=r"different numbers of optimizer steps \(this rank (9|8), the mean "
+                                               r"8.5\)"):
+            fabric.strategy.finish()
+
+    fabric.launch(work)
+
+
+def test_loading_the_optimizer_alone_between_syncs_is_refused(tmp_path: Path) -> None:
+    """Between syncs each rank's model is its own: loading the optimizer state without the model would make each
+    rank's own model its synchronized point (the replicas then stayed apart for good)."""
+    fabric = fabric_for()
+    model = regression_model()
+    path = tmp_path / "sync.ckpt"
+
+    def work(fabric: Fabric) -> None:
+        data = list(zip(range(6), fabric.setup_dataloaders(loader())))
+        net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        run_steps(fabric, net, optimizer, (b for _, b in data[:K]))
+        fabric.save(path, {"model": net, "optimizer": optimizer})
+        run_steps(fabric, net, optimizer, (b for _, b in data[K:]))
+        with pytest.raises(RuntimeError, match=r"optimizer without the model between syncs.*finish\(\) first"):
+            fabric.load(path, {"optimizer": optimizer})
+        fabric.strategy.finish()
+        fabric.load(path, {"optimizer": optimizer})  # at a sync every rank holds one model: allowed
+        assert ranks_identical(flat_params(model))
+
+    fabric.launch(work)
+
+
 def _train_and_save(fabric: Fabric, model: nn.Module, path: Path, result: Path) -> None:
     data = list(zip(range(16), fabric.setup_dataloaders(loader())))
     net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))

@@ -115,6 +115,11 @@ class SynchronizedCheckpoints:
             self._new_synchronized_point()
             return remainder
         model, optimizer_key = self._ours(state)
+        if not model and optimizer_key is not None and self.synchronizer is not None and self.synchronizer.mid_round:
+            raise RuntimeError("fabric.load of the optimizer without the model between syncs: each rank's model is its "
+                               "own then, and the loaded state belongs to the checkpoint's synchronized model. Load "
+                               "the model too (fabric.load(path, {'model': model, 'optimizer': optimizer})), or call "
+                               "fabric.strategy.finish() first.")
         if not model and optimizer_key is None:  # nothing synchronized is loaded: a round in flight goes on
             return base.load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         self._drop_round_in_flight()

@@ -226,6 +226,11 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
                                    self.sync_config.switch_lr_scale)
 
     # ------------------------------------------------------------------ the step
+    @override
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        self._prepared = False  # new gradients: the next clip or step prepares them (a skipped step's did not count)
+        super().backward(tensor, module, *args, **kwargs)
+
     def _prepare(self) -> None:
         """Once per optimizer step, after the backward pass: the gradient average (synchronous phase), first bases."""
         if not self._prepared:
@@ -287,7 +292,8 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
         self.communicator.context = "finish(): the step-count check"
         self.communicator.all_reduce_mean([counts], "step_count_check", in_round=False)
         mean, mean_square = counts.tolist()
-        if mean_square - mean * mean > 0.25:  # the same decision on every rank
+        # equal counts give a variance of exactly 0; one rank a step off gives (M - 1) / M^2 (float64 holds them)
+        if mean_square - mean * mean > 0.5 / self.world_size**2:  # the same decision on every rank
             raise RuntimeError(
                 f"LoRDO finish(): the ranks took different numbers of optimizer steps (this rank {int(steps)}, the "
                 f"mean {mean:g}). Every rank must call optimizer.step() equally often: give every rank the same "
