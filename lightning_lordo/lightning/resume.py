@@ -127,7 +127,7 @@ def apply_restored(self: Saved, restored: dict[str, Any]) -> list[str]:
     same_world = own_states(restored, self)  # else every rank resumes rank 0's state
     notes = knob_changes(saved, self) if saved is not None else []
     if saved is not None:
-        # every rank reads its own shard (rank 0's for another world size or a partial save); its replica is saved
+        # every rank reads its own shard (rank 0's: own_states); its replica is saved
         # whenever the replicas differ from the anchor (``mid_round``: a round in flight included), on all alike
         replicas = any(r is not None and "params" in r for r in restored["ranks"])
         refuse_unconvertible(saved, restored["sync"], self, replicas_saved=replicas)
