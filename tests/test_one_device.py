@@ -81,6 +81,18 @@ def test_one_device_holds_no_anchor_and_less_state_than_adamw() -> None:
     assert lean < lordo, f"lordo_lean holds {lean} B, more than lordo's {lordo} B"  # no error-feedback buffer
 
 
+def test_the_summary_of_one_device_counts_basis_refreshes_not_synchronizations() -> None:
+    from rich.console import Console
+
+    from lightning_lordo.lightning.callbacks import summary_table
+
+    trainer, _ = _fit(LoRDOStrategy(sync_every=2, monitor=False))
+    console = Console(record=True, width=120)
+    console.print(summary_table(trainer.strategy))
+    text = console.export_text()
+    assert "basis refreshes (skipped)" in text and "mean refresh time" in text and "synchronizations" not in text
+
+
 @pytest.mark.parametrize("knobs", [{"synchronous": False}, {"basis_every": 2}, {"outer_optimizer": "nesterov"}])
 def test_a_knob_of_the_rounds_asks_one_device_for_rounds(knobs: dict[str, Any]) -> None:
     trainer, _ = _fit(LoRDOStrategy(sync_every=2, monitor=False, **strategy_kwargs(**knobs)))

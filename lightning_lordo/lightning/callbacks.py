@@ -172,7 +172,10 @@ def summary_table(strategy: Any) -> Table:
     table = Table(title="LoRDO: communication and memory per worker")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    table.add_row("synchronizations (skipped)", f"{s['syncs']} ({s['skipped_syncs']})")
+    sync = strategy.synchronizer  # synchronous throughout (one device, "lowrank_ddp"): a sync is a basis refresh
+    refreshes = sync is not None and bool(sync.config.synchronous)
+    table.add_row(f"{'basis refreshes' if refreshes else 'synchronizations'} (skipped)",
+                  f"{s['syncs']} ({s['skipped_syncs']})")
     for purpose, nbytes in s["bytes_by_purpose"].items():
         table.add_row(f"  bytes sent: {purpose}", _human(nbytes))
     table.add_row("bytes sent, total", _human(s["bytes_sent_total"]))
@@ -183,7 +186,7 @@ def summary_table(strategy: Any) -> Table:
         table.add_row("DDP would have sent", "nothing (one device)")
         table.add_row("saving vs DDP", "none (one device)")
     if s["mean_sync_seconds"] is not None:
-        table.add_row("mean sync time", f"{s['mean_sync_seconds'] * 1e3:.1f} ms")
+        table.add_row(f"mean {'refresh' if refreshes else 'sync'} time", f"{s['mean_sync_seconds'] * 1e3:.1f} ms")
         table.add_row("  of which bases", f"{s['mean_basis_seconds'] * 1e3:.1f} ms")
     if "optimizer_state_bytes" in s:
         table.add_row("optimizer state", _human(s["optimizer_state_bytes"]))
