@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from torch.optim import Optimizer
 
 from lightning_lordo.optim.lordo import LoRDO
@@ -39,6 +40,11 @@ def convert_optimizer(optimizer: Optimizer, full_rank: Mapping[Tensor, str], kno
             f"{type(optimizer).__name__}. Return Adam/AdamW or lightning_lordo.LoRDO, or use strategy='diloco' "
             "(full-rank local steps with any optimizer, averaged every K steps)."
         )
+    complex_params = [names.get(p, tuple(p.shape)) for g in optimizer.param_groups for p in g["params"]
+                      if p.is_complex()]
+    if complex_params:  # LoRDO's state is real (float32): a step would drop the imaginary part
+        raise ValueError(f"LoRDO trains real parameters, but {complex_params[:3]} are complex. Keep them as real pairs "
+                         "(torch.view_as_real, torch.view_as_complex in forward), or use strategy='ddp'.")
     groups = []
     for group in optimizer.param_groups:
         modes = [k for k in ("amsgrad", "maximize", "capturable", "differentiable") if group.get(k)]
@@ -87,8 +93,9 @@ def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()
     found: dict[Tensor, str] = {}
     embeddings = [m for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
     for m in embeddings:
-        found.setdefault(m.weight, "embedding")
-    shared = {m.weight.data_ptr() for m in embeddings}
+        for p in weights(m):
+            found.setdefault(p, "embedding")
+    shared = {p.data_ptr() for m in embeddings for p in weights(m)}
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
     # the token table is the largest embedding (positions, segments are smaller); a width some layer reads is a hidden
     # width, not logits (a 128-position table in a 128-wide model must not make every 128-wide projection a head)
@@ -96,15 +103,27 @@ def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()
     if vocabulary is not None and all(m.in_features != vocabulary for m in linears):
         for m in linears:
             if m.out_features == vocabulary:
-                found.setdefault(m.weight, "output head (out_features = the token embedding's vocabulary)")
+                for p in weights(m):
+                    found.setdefault(p, "output head (out_features = the token embedding's vocabulary)")
     for m in output_heads(module):
-        found.setdefault(m.weight, "output head (the model's last linear layer)")
+        for p in weights(m):
+            found.setdefault(p, "output head (the model's last linear layer)")
     for name, p in module.named_parameters():
         if p.data_ptr() in shared:
             found.setdefault(p, "tied to an embedding")
         if any(r.search(name) for r in patterns):
             found.setdefault(p, "named in full_rank_params")
     return found
+
+
+def weights(m: nn.Module) -> list[Tensor]:
+    """The parameters behind ``m.weight``: itself, or those a parametrization computes it from (``weight_norm``'s
+    ``original0``/``original1`` or ``weight_g``/``weight_v``, ``spectral_norm``'s ``original`` or ``weight_orig``)."""
+    if parametrize.is_parametrized(m, "weight"):
+        return list(m.parametrizations.weight.parameters())  # type: ignore[union-attr]
+    older = [getattr(m, n) for n in ("weight_g", "weight_v", "weight_orig") if isinstance(getattr(m, n, None),
+                                                                                       nn.Parameter)]
+    return older or [m.weight]
 
 
 def output_heads(module: nn.Module) -> list[nn.Linear]:
@@ -117,11 +136,12 @@ def output_heads(module: nn.Module) -> list[nn.Linear]:
     start-up shows what was chosen."""
     heads: list[nn.Linear] = []
     for child in reversed(list(module.children())):
-        parallel = isinstance(child, nn.Linear) and (not heads or (
+        trainable = any(p.requires_grad for p in child.parameters())  # a frozen teacher or backbone is passed over
+        parallel = isinstance(child, nn.Linear) and trainable and (not heads or (
             child.in_features == heads[0].in_features and child.out_features != heads[0].in_features))
         if parallel:
             heads.append(child)
-        elif heads or next(child.parameters(), None) is not None:
+        elif heads or trainable:
             if not heads:
                 heads = output_heads(child)
             break

@@ -212,6 +212,8 @@ class LoRDOCore:
         """Refuse parameters that became trainable after setup (e.g. unfrozen by a callback): they would train
         locally on every rank and never be averaged."""
         assert self.synchronizer is not None and self.module is not None
+        if self.communicator is not None and self.communicator.world_size == 1:
+            return  # one process: nothing to drift apart from
         known = {id(p) for p in self.synchronizer.params}
         new = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in known]
         if new:

@@ -139,3 +139,49 @@ def test_a_vocabulary_sized_head_is_found_wherever_it_is_registered():
     plan = _plan(HeadFirst())
     assert plan["lm_head.weight"].startswith("output head (out_features = the token")
     assert "blocks.0.weight" not in plan
+
+
+def test_a_weight_normed_head_keeps_the_parameters_behind_its_weight_full_rank():
+    """Under ``weight_norm`` (DINO's last layer) ``head.weight`` is computed; the parameters the optimizer holds are
+    those behind it, in either of torch's forms (they took the low-rank step)."""
+    from torch.nn.utils import parametrizations
+
+    new = nn.Sequential(nn.Linear(16, 64), nn.GELU(), parametrizations.weight_norm(nn.Linear(64, 100)))
+    plan = _plan(new)
+    assert {"2.parametrizations.weight.original0", "2.parametrizations.weight.original1"} <= set(plan), plan
+    assert "0.weight" not in plan
+    import warnings
+
+    with warnings.catch_warnings():  # torch deprecates the older form
+        warnings.simplefilter("ignore")
+        old = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.utils.weight_norm(nn.Linear(64, 100)))
+    assert {"2.weight_g", "2.weight_v"} <= set(_plan(old)), _plan(old)
+
+
+class WithTeacher(nn.Module):
+    """A student and, registered after it, a frozen copy (distillation, BYOL, DINO): the head is the student's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 100))
+        self.teacher = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 100)).requires_grad_(False)
+
+
+def test_a_frozen_module_registered_last_is_passed_over_for_the_head():
+    assert set(_plan(WithTeacher())) == {"student.2.weight"}
+
+
+def test_complex_parameters_are_refused_by_name_not_trained_as_real():
+    """LoRDO's state is real: a step dropped the imaginary part (torch's AdamW trains it)."""
+    import pytest
+
+    from lightning_lordo.convert import convert_optimizer
+
+    model = nn.Linear(8, 8).to(torch.complex64)
+    names = {p: n for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"\['weight', 'bias'\] are complex.*torch.view_as_real"):
+        convert_optimizer(torch.optim.AdamW(model.parameters()), {}, {}, 0, names)
+    opt = LoRDO(model.parameters(), rank=2)
+    model(torch.randn(4, 8, dtype=torch.complex64)).abs().sum().backward()
+    with pytest.raises(RuntimeError, match="nor complex parameters"):
+        opt.step()

@@ -117,3 +117,18 @@ def test_oversample_shapes_the_first_basis_of_the_power_projection() -> None:
         basis = opt.state[w]["basis"].double()
         captured[oversample] = (exact.mT @ basis).square().sum().item() / 4  # share of the exact subspace, 1 = all
     assert captured[20] > captured[0] + 0.01 and captured[20] > 0.99, captured
+
+
+def test_frozen_parameters_take_no_step_in_the_plan_and_count_no_adamw_state() -> None:
+    """``AdamW(self.parameters())`` with a frozen backbone: the plan named frozen weights as low-rank and the
+    memory report counted AdamW state for them, which torch's AdamW never holds (a saving that was not there)."""
+    from lightning_lordo.optim.report import plan_summary
+
+    model = nn.Sequential(nn.Linear(48, 40), nn.GELU(), nn.Linear(40, 8))
+    model[0].requires_grad_(False)
+    opt = LoRDO(model.parameters(), rank=4)
+    rows = {r["name"]: r for r in opt.describe({p: n for n, p in model.named_parameters()})}
+    assert rows["0.weight"]["step"] == rows["0.bias"]["step"] == "frozen" and rows["2.weight"]["step"] == "lowrank"
+    assert plan_summary(list(rows.values()))[-1] == "LoRDO: 2 frozen tensors (requires_grad=False) take no step."
+    _train(model, opt, torch.randn(16, 48), 2)
+    assert opt.memory_report()["adamw_equivalent"] == 2 * 4 * (40 * 8 + 8)  # the trainable layer's only

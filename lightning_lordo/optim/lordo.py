@@ -175,8 +175,8 @@ class LoRDO(Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("LoRDO does not support sparse gradients; use a dense embedding.")
+                if p.grad.is_sparse or p.is_complex():  # (its real state would drop the imaginary part)
+                    raise RuntimeError(f"LoRDO supports neither sparse gradients nor complex parameters: {p.shape}.")
                 (lowrank if self.lowrank_rank(p, group) else adamw).append(p)
             h = functional.Hyper.of(group)
             self._adamw_step(adamw, h)

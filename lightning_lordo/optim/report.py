@@ -18,8 +18,8 @@ _LOWRANK_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def describe(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None) -> list[dict[str, Any]]:
-    """One row per parameter of a :class:`~lightning_lordo.LoRDO`: its step (``lowrank`` or ``adamw``), rank and
-    the reason."""
+    """One row per parameter of a :class:`~lightning_lordo.LoRDO`: its step (``lowrank``, ``adamw``, or ``frozen``
+    while it does not require a gradient), rank and the reason."""
     rows = []
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -37,8 +37,11 @@ def describe(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None)
             if not r and group["fullrank_state"] == "factored" and p.ndim >= 2:
                 reason += "; factored state (fullrank_state='factored')"
             name = names.get(p, "") if names is not None else ""
-            rows.append({"name": name, "group": gi, "shape": tuple(p.shape),
-                         "step": "lowrank" if r else "adamw", "rank": r, "reason": reason})
+            step = "lowrank" if r else "adamw"
+            if not p.requires_grad:
+                step, reason = "frozen", f"requires_grad=False: no step and no state (it would take {step})"
+            rows.append({"name": name, "group": gi, "shape": tuple(p.shape), "step": step, "rank": r,
+                         "reason": reason})
     return rows
 
 
@@ -55,7 +58,8 @@ def plan_summary(rows: list[dict[str, Any]]) -> list[str]:
         shape = " x ".join(map(str, big["shape"])) or "scalar"
         lines.append(f"LoRDO: {len(mine)} tensors {label}; the largest is {big['name'] or '(unnamed)'} ({shape}: "
                      f"{big['reason']}).")
-    return lines
+    frozen = sum(r["step"] == "frozen" for r in rows)
+    return lines + ([f"LoRDO: {frozen} frozen tensors (requires_grad=False) take no step."] if frozen else [])
 
 
 def memory_report(optimizer: Optimizer) -> dict[str, int]:
@@ -64,17 +68,19 @@ def memory_report(optimizer: Optimizer) -> dict[str, int]:
     Keys: ``lowrank_moments``, ``bases``, ``fullrank_moments``, ``error_feedback`` (the buffers and, where the
     grouped step may keep them unfolded, the ``r x b`` projection that holds between folds, whether or not it does
     at this moment), ``other`` (step counters, factored normalizer), ``adamw_equivalent`` (2 float32 moments per
-    parameter element, all params) and ``adamw_equivalent_lowrank`` (the same for the low-rank matrices alone).
+    parameter element, the parameters that train or hold state) and ``adamw_equivalent_lowrank`` (the same for the
+    low-rank matrices alone).
     """
     out = dict.fromkeys(("lowrank_moments", "bases", "fullrank_moments", "error_feedback", "other",
                          "adamw_equivalent", "adamw_equivalent_lowrank"), 0)
     for group in optimizer.param_groups:
         for p in group["params"]:
             lowrank = bool(optimizer.lowrank_rank(p, group))
-            adamw = 2 * p.numel() * torch.float32.itemsize
+            state = optimizer.state.get(p, {})
+            held = p.requires_grad or bool(state)  # AdamW keeps no state for a frozen parameter either
+            adamw = 2 * p.numel() * torch.float32.itemsize * held
             out["adamw_equivalent"] += adamw
             out["adamw_equivalent_lowrank"] += adamw if lowrank else 0
-            state = optimizer.state.get(p, {})
             for key, value in state.items():
                 out[_category(key, lowrank)] += value.numel() * value.element_size()
             if lowrank and "error_feedback" in state and EF_PROJECTION not in state and optimizer.foreach \
