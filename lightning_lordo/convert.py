@@ -137,6 +137,8 @@ def output_heads(module: nn.Module) -> list[nn.Linear]:
     heads: list[nn.Linear] = []
     for child in reversed(list(module.children())):
         trainable = any(p.requires_grad for p in child.parameters())  # a frozen teacher or backbone is passed over
+        if isinstance(child, nn.Linear) and not trainable and not heads:
+            break  # a frozen output layer: no trainable layer is the head (the one before it is hidden)
         parallel = isinstance(child, nn.Linear) and trainable and (not heads or (
             child.in_features == heads[0].in_features and child.out_features != heads[0].in_features))
         if parallel:

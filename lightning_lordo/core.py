@@ -79,6 +79,7 @@ class LoRDOCore:
         self.ddp_bytes_per_step = 0  # what DDP's gradient all-reduce passes per worker and optimizer step
         self.module: Optional[nn.Module] = None
         self.optimizer: Optional[Optimizer] = None  # the optimizer stepped: LoRDO, or the user's (diloco)
+        self.unfrozen: set[str] = set()  # one process: the parameters unfrozen after setup, warned about once
 
     def new_fit(self) -> None:
         """A new run counts its own traffic and reports."""
@@ -212,11 +213,16 @@ class LoRDOCore:
         """Refuse parameters that became trainable after setup (e.g. unfrozen by a callback): they would train
         locally on every rank and never be averaged."""
         assert self.synchronizer is not None and self.module is not None
-        if self.communicator is not None and self.communicator.world_size == 1:
-            return  # one process: nothing to drift apart from
         known = {id(p) for p in self.synchronizer.params}
         new = [n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in known]
-        if new:
+        if new and self.communicator is not None and self.communicator.world_size == 1:  # nothing drifts apart
+            if not set(new) <= self.unfrozen:
+                warnings.warn(f"LoRDO: {new[:5]} became trainable after training started: they train, but their bases "
+                              "are never refreshed (only what was trainable at setup is). Unfreeze them before "
+                              "trainer.fit / fabric.setup, or resume from a checkpoint, for refreshed bases.",
+                              stacklevel=3)
+            self.unfrozen.update(new)
+        elif new:
             raise RuntimeError(f"LoRDO synchronizes the parameters that were trainable when training started, but "
                                f"{new[:5]} became trainable later; they would drift apart on every rank. Unfreeze "
                                "them before trainer.fit / fabric.setup, or save a checkpoint and resume to include "

@@ -185,3 +185,10 @@ def test_complex_parameters_are_refused_by_name_not_trained_as_real():
     model(torch.randn(4, 8, dtype=torch.complex64)).abs().sum().backward()
     with pytest.raises(RuntimeError, match="nor complex parameters"):
         opt.step()
+
+
+def test_a_frozen_output_layer_makes_no_hidden_layer_a_head():
+    """A fixed classifier (frozen last layer): the trainable layer before it is hidden, and stays low-rank."""
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+    model[4].requires_grad_(False)
+    assert _plan(model) == {}

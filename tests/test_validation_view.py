@@ -135,3 +135,48 @@ def test_between_syncs_validation_and_checkpoints_see_the_synchronized_buffers(t
     trainer(lordo(sync_every=K), callbacks=[Buffers(tmp_path / "mid.ckpt")], max_steps=2 * K,
             val_check_interval=K // 2 + 1, check_val_every_n_epoch=None, limit_val_batches=2,
             num_sanity_val_steps=0).fit(BatchNormSeen(), loader(), loader(n=32))
+
+
+class WiderBatchNorm(BatchNormSeen):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 32), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 3))
+
+
+def test_a_second_fit_keeps_no_copy_of_the_first_fits_buffers(tmp_path: Path) -> None:
+    """One Trainer, two fits of different models (one process, rounds after a warm-up of 2 steps): the first fit's
+    copy of its buffers is not the second's (it was kept across fits, and a mid-round checkpoint of the second model
+    could take the first model's statistics); after the second fit's first round, its own model's are copied."""
+    class Check(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+            copy, steps = trainer.strategy._synced_buffers, trainer.strategy.synchronizer.optimizer_steps
+            if isinstance(module, WiderBatchNorm) and steps < 2 + K:
+                assert copy is None, steps
+            if isinstance(module, WiderBatchNorm) and steps >= 2 + K:
+                assert copy is not None and copy[0].shape == (32,), steps
+
+    fit = trainer(lordo(sync_every=K, start_method="popen", synchronous=False, warmup_steps=2), devices=1,
+                  max_steps=2 + K + 1, callbacks=[Check()])
+    fit.fit(BatchNormSeen(), loader())
+    assert fit.strategy._synced_buffers is not None and fit.strategy._synced_buffers[0].shape == (24,)
+    fit.fit_loop.epoch_loop.max_steps = 2 * (2 + K + 1)  # the same Trainer goes on with another model
+    fit.fit(WiderBatchNorm(), loader())
+
+
+@pytest.mark.parametrize("knobs", [{"overlap_steps": 1}, {"warmup_steps": K}], ids=["overlap", "after-warm-up"])
+def test_where_no_copy_is_one_models_each_rank_keeps_its_own_buffers(knobs: dict[str, Any]) -> None:
+    """With ``overlap_steps`` (a landing adds each rank's own change since the launch) and after the warm-up's
+    switch until the first sync (the buffers were never averaged), there is no synchronized copy of the buffers:
+    the strategy keeps none rather than a rank's own (README, "Which model you validate"); after a blocking sync
+    the copy is identical on every rank."""
+
+    class Snapshots(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+            copy, step = trainer.strategy._synced_buffers, trainer.global_step
+            if "overlap_steps" in knobs or step < 2 * K:  # warm-up K steps, the first sync after it at 2K
+                assert copy is None, step
+            else:
+                assert copy is not None and all(torch.equal(flat(copy), c) for c in gather(flat(copy))), step
+
+    torch.manual_seed(0)
+    trainer(lordo(sync_every=K, **knobs), callbacks=[Snapshots()], max_steps=3 * K).fit(BatchNormSeen(), loader())

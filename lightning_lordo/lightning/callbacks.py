@@ -172,8 +172,8 @@ def summary_table(strategy: Any) -> Table:
     table = Table(title="LoRDO: communication and memory per worker")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    sync = strategy.synchronizer  # synchronous throughout (one device, "lowrank_ddp"): a sync is a basis refresh
-    refreshes = sync is not None and bool(sync.config.synchronous)
+    sync = strategy.synchronizer  # one device, synchronous: a sync is a basis refresh (and its time the refresh's)
+    refreshes = sync is not None and bool(sync.config.synchronous) and strategy.world_size == 1
     table.add_row(f"{'basis refreshes' if refreshes else 'synchronizations'} (skipped)",
                   f"{s['syncs']} ({s['skipped_syncs']})")
     for purpose, nbytes in s["bytes_by_purpose"].items():

@@ -38,11 +38,11 @@ class SynchronizedState:
     synchronizer: Optional[Synchronizer]
     communicator: Optional[Communicator]
     _swapped_for_eval: bool
-    #: the floating buffers (BatchNorm's statistics) of the synchronized model, and its step: copied when the anchor
-    #: changes (the strategy's ``_note_synced_buffers``, on the step's path), so that between syncs validation and
-    #: checkpoints see its buffers too, not a rank's own
+    #: the floating buffers (BatchNorm's statistics) of the synchronized model, and how many sync reports there were
+    #: when they were copied (the strategy's ``_note_synced_buffers``, on the step's path), so that between syncs
+    #: validation and checkpoints see its buffers too, not a rank's own
     _synced_buffers: Optional[list[Tensor]] = None
-    _synced_buffers_step: Optional[int] = None
+    _synced_buffers_reports: Optional[int] = None
     checkpoint_shards: bool = True  # per-rank shards next to the file (False: gathered into the file)
     _plugin_warnings: PluginWarnings  # warnings once, on rank 0, at the user's line
     _overlap_to_redo: Optional[dict[str, Any]] = None  # the copies of a round in flight at the save

@@ -279,13 +279,19 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
             self._note_synced_buffers()
 
     def _note_synced_buffers(self, now: bool = False) -> None:
-        """After a step (or ``now``: at setup and at a resume, before each rank's own buffers are restored): copy the
-        floating buffers when the synchronized model changed (a round landed, the anchor was taken)."""
-        sync = self.synchronizer
-        if sync is None or sync.synchronous_now or not (now or sync.synchronized_step != self._synced_buffers_step):
+        """Copy the floating buffers where they are one model's on every rank: ``now`` (setup, and a resume before
+        each rank's own come back) and after a blocking sync. None where no copy is: in the synchronous phase and
+        after the switch until the first sync (the gradients are averaged, not the buffers), and with
+        ``overlap_steps`` (a landing adds each rank's own change since the launch); each rank keeps its own then."""
+        sync, reports = self.synchronizer, self.core.sync_reports
+        if sync is None:
             return
-        self._synced_buffers = [b.detach().clone() for b in sync.buffers if b.is_floating_point()]
-        self._synced_buffers_step = sync.synchronized_step
+        rounds = [r for r in reports[self._synced_buffers_reports or 0:] if not r.extra.get("synchronous")]
+        if sync.synchronous_now or sync.config.overlap_steps:
+            self._synced_buffers = None
+        elif now or rounds:  # a round averaged the buffers (a synchronous phase's basis refresh did not)
+            self._synced_buffers = [b.detach().clone() for b in sync.buffers if b.is_floating_point()]
+        self._synced_buffers_reports = len(reports)
 
     @property
     def _trainer(self) -> Optional[Trainer]:

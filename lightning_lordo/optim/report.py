@@ -39,7 +39,7 @@ def describe(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = None)
             name = names.get(p, "") if names is not None else ""
             step = "lowrank" if r else "adamw"
             if not p.requires_grad:
-                step, reason = "frozen", f"requires_grad=False: no step and no state (it would take {step})"
+                step, reason = "frozen", f"requires_grad=False: no step (it would take {step})"
             rows.append({"name": name, "group": gi, "shape": tuple(p.shape), "step": step, "rank": r,
                          "reason": reason})
     return rows
