@@ -286,10 +286,10 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         sync, reports = self.synchronizer, self.core.sync_reports
         if sync is None:
             return
-        rounds = [r for r in reports[self._synced_buffers_reports or 0:] if not r.extra.get("synchronous")]
+        new_reports = reports[self._synced_buffers_reports or 0:]  # empty but after a sync
         if sync.synchronous_now or sync.config.overlap_steps:
             self._synced_buffers = None
-        elif now or rounds:  # a round averaged the buffers (a synchronous phase's basis refresh did not)
+        elif now or any(not r.extra.get("synchronous") for r in new_reports):  # a round (not a refresh) averaged
             self._synced_buffers = [b.detach().clone() for b in sync.buffers if b.is_floating_point()]
         self._synced_buffers_reports = len(reports)
 
