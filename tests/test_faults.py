@@ -719,6 +719,19 @@ def test_a_run_that_is_non_finite_at_every_sync_stops_naming_the_rank(limit: int
     assert f"sync {limit} (optimizer step {2 * limit})" in message and "since optimizer step 0" in message
 
 
+def test_a_non_finite_gradient_in_the_synchronous_steps_stops_the_run_at_the_switch() -> None:
+    """A synchronous step averages gradients as DDP does: rank 1's NaN loss at step 3 reaches both replicas. The
+    switch to local rounds (step 6) stops with the cause, instead of taking a NaN anchor and then discarding every
+    round back to it, each blaming every rank."""
+    strategy = lordo(sync_every=4, warmup_steps=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(Exception) as info:
+            trainer(strategy, max_steps=24).fit(NaNRegressor("loss", at_step=2), loader())
+    message = str(info.value)
+    assert "not finite at the end of the synchronous steps (optimizer step 6, warmup_steps=6)" in message, message
+
+
 def test_a_discarded_round_keeps_the_parameters_each_worker_stepped_for_the_next_one() -> None:
     """The holders of a round that is discarded (a NaN) still hold their moments at the next sync, which averages
     them: the set of stepped parameters is cleared only by a sync that averaged the moments."""

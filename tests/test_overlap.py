@@ -14,6 +14,7 @@ from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, 
 from test_optim import _ef
 
 from lightning_lordo import LoRDOFabricStrategy, LoRDOStrategy
+from lightning_lordo.optim.functional import Hyper
 
 pytestmark = pytest.mark.slow  # multi-process or long runs; CI runs them, -m 'not slow' skips them
 
@@ -50,6 +51,8 @@ class CheckLandings(L.Callback):
             before = [p.detach().clone() for p in sync.params]
             at_launch = [t.clone() for t in launched.params]
             feedback = {p: _ef(sync.optimizer, p).clone() for p, _ in launched.live.get("error_feedback", [])}
+            groups = {p: g for g in sync.optimizer.param_groups for p in g["params"]}
+            decays = {p: Hyper.of(groups[p]).ef_decay ** TAU for p in feedback}  # the steps' own, before new bases
             report = original()
             result = launched.result
             self.landings.append(sync.optimizer_steps)
@@ -64,8 +67,11 @@ class CheckLandings(L.Callback):
                         assert torch.equal(*gather(m)), "the averaged moments differ between ranks"
             for (p, (snap,)), (_, _, (mean,)) in zip(launched.copies.get("error_feedback", []),
                                                       result.state.get("error_feedback", [])):
-                # the average plus the local progress of E itself, which the steps since the launch may unfold
-                torch.testing.assert_close(sync.optimizer.state[p]["error_feedback"], mean + feedback[p] - snap)
+                # the average as if in place at the launch, decayed by the steps since, plus the local progress of E
+                # itself (which the steps since the launch may unfold)
+                assert decays[p] < 1.0
+                torch.testing.assert_close(sync.optimizer.state[p]["error_feedback"],
+                                           decays[p] * mean + feedback[p] - decays[p] * snap)
             for p, a, b, t in zip(sync.params, sync.anchor.tensors, before, at_launch):
                 torch.testing.assert_close(p.detach(), a + (b - t), rtol=1e-6, atol=1e-7)
             assert not torch.equal(*gather(flat_params(module))), "local progress must be kept (it differs)"
@@ -99,6 +105,42 @@ def test_overlapped_rounds_land_identically_and_keep_local_progress(knobs: dict[
     torch.manual_seed(0)
     strategy = lordo(sync_every=K, overlap_steps=TAU, **knobs)
     trainer(strategy, callbacks=[CheckLandings()], max_steps=14).fit(TinyRegressor(), loader())
+
+
+class CheckMomentumLandings(L.Callback):
+    """DiLoCo with SGD's momentum averaged: at a landing each buffer is ``mu^s mean + (buf - mu^s buf_at_launch)``,
+    the buffer as if the average had been in place at the launch and the s local steps since applied to it."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        sync = trainer.strategy.synchronizer
+        original = sync._land_in_flight
+
+        def checked() -> Any:
+            launched = sync.in_flight
+            steps = sync.optimizer_steps - launched.step
+            live = {p: [t.clone() for t in ts] for p, ts in launched.live["moments"]}
+            report = original()
+            for (p, (snap,)), (_, _, (mean,)) in zip(launched.copies["moments"], launched.result.state["moments"]):
+                decay = sync.optimizer.param_groups[0]["momentum"] ** steps
+                torch.testing.assert_close(sync.optimizer.state[p]["momentum_buffer"],
+                                           decay * mean + live[p][0] - decay * snap)
+                self.checked += 1
+            return report
+
+        sync._land_in_flight = checked
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        assert self.checked > 0
+
+
+def test_an_overlapped_landing_decays_sgds_averaged_momentum() -> None:
+    torch.manual_seed(0)
+    strategy = LoRDOStrategy(preset="diloco", sync_every=K, overlap_steps=TAU, start_method="fork",
+                             experimental={"average_fullrank_moments": True})
+    trainer(strategy, callbacks=[CheckMomentumLandings()], max_steps=12).fit(TinyRegressor(optimizer="sgd"), loader())
 
 
 class PoisonRankOne(L.Callback):

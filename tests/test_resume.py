@@ -44,6 +44,9 @@ class ShuffledData(L.LightningDataModule):
         data = regression_data(n=80)
         return StatefulDataLoader(data, batch_size=8, sampler=StatefulDistributedSampler(data, shuffle=True, seed=0))
 
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(regression_data(n=16, seed=1), batch_size=8)
+
 
 STEPS_PER_EPOCH = 3  # RankBatch: 3 batches per epoch
 
@@ -124,18 +127,22 @@ class BranchyBatchNormRegressor(BatchNormRegressor):
 
 
 def _fit(tmp_path: Path, tag: str, ckpt: Any = None, checkpoints: bool = False,
-         module: type = BatchNormRegressor, **knobs: Any) -> None:
+         module: type = BatchNormRegressor, in_validation: bool = False, **knobs: Any) -> None:
     """MAX_STEPS steps (or the rest of them, from ``ckpt``); ``checkpoints`` every 3 steps, the full run's in
     ``ckpt/``, a resumed run's in ``ckpt_<tag>/`` (it writes those the full run wrote after its start, as an
-    interrupted run would)."""
+    interrupted run would). ``in_validation``: validation every 3 steps, and the checkpoints written from it (what
+    ``ModelCheckpoint(monitor=...)`` does with a step-based ``val_check_interval``)."""
     callbacks: list[L.Callback] = [Snapshot(tmp_path, tag)]
+    every = {"monitor": "val_loss"} if in_validation else {"every_n_train_steps": CHECKPOINT_EVERY}
+    validation = {"val_check_interval": CHECKPOINT_EVERY, "check_val_every_n_epoch": None, "num_sanity_val_steps": 0} \
+        if in_validation else {"limit_val_batches": 0}
     if checkpoints:
         directory = tmp_path / ("ckpt" if ckpt is None else f"ckpt_{tag}")
-        callbacks.append(ModelCheckpoint(dirpath=directory, filename="{step}", every_n_train_steps=CHECKPOINT_EVERY,
-                                         save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=directory, filename="{step}", save_top_k=-1, **every))
     torch.manual_seed(0)
     trainer(lordo(sync_every=K, **knobs), callbacks=callbacks, max_steps=MAX_STEPS, max_epochs=-1,
-            enable_checkpointing=checkpoints).fit(module(scheduler=True), datamodule=ShuffledData(), ckpt_path=ckpt)
+            enable_checkpointing=checkpoints, **validation).fit(module(scheduler=True), datamodule=ShuffledData(),
+                                                                 ckpt_path=ckpt)
 
 
 def _position(checkpoint: Path) -> tuple[int, int]:
@@ -182,6 +189,21 @@ def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: 
     for tag, ckpt, step in (("mid", mid_round, 6), ("sync", at_sync, 12)):
         _fit(tmp_path, tag, ckpt=str(ckpt), checkpoints=True, **knobs)
         _assert_resumed_exactly(tmp_path, tag, first_step=step + 1)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"overlap_steps": 2}], ids=["blocking", "overlapped"])
+def test_a_checkpoint_written_from_validation_mid_round_resumes_bit_identical(tmp_path: Path,
+                                                                            knobs: dict[str, Any]) -> None:
+    """Validation swaps the synchronized model in; a checkpoint written from it (``ModelCheckpoint(monitor=...)``)
+    must still hold the anchor as the synchronized model and each rank's own replica as its shard."""
+    _fit(tmp_path, "full", checkpoints=True, in_validation=True, **knobs)
+    saved = load_full(tmp_path / "ckpt" / "step=6.ckpt")
+    assert saved["lordo"]["sync"]["steps_since_sync"] == 2
+    names = saved["lordo"]["layout"]["sync_names"]
+    for name, a in zip(names, saved["lordo"]["sync"]["anchor"]):
+        assert torch.equal(a, saved["state_dict"][name]), f"the saved anchor's {name} is not the synchronized model"
+    _fit(tmp_path, "mid", ckpt=str(tmp_path / "ckpt" / "step=6.ckpt"), checkpoints=True, in_validation=True, **knobs)
+    _assert_resumed_exactly(tmp_path, "mid", first_step=7)
 
 
 def test_a_mid_round_resume_keeps_which_parameters_each_worker_stepped(tmp_path: Path) -> None:

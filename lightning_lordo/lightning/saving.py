@@ -119,20 +119,28 @@ class SynchronizedState:
             self.synchronizer.wait_in_flight()
         comm = self.communicator if healthy and self.world_size > 1 else None
         if not self.checkpoint_shards:
-            checkpoint["lordo"] = self._read_state(lambda: self._gathered_state(collective=healthy))
-            self._adamw_shaped(checkpoint)
+            def gathered() -> None:
+                checkpoint["lordo"] = self._gathered_state(collective=healthy)
+                self._adamw_shaped(checkpoint)
+
+            self._read_state(gathered)
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         shards.check_checkpoint_io(self.checkpoint_io)
         save_id = shards.new_save_id(comm, self.root_device, collective=comm is not None)
         error: Optional[BaseException] = None
         local: Any = None
-        try:  # an error here is agreed on below with the others, who would otherwise wait for this rank
-            local = self._read_state(lambda: lordo_checkpoint.rank_state(self.core, self.global_rank))
+
+        def read() -> Any:  # all of it with the replica in place: the anchor saved is the anchor, not the replica
+            state = lordo_checkpoint.rank_state(self.core, self.global_rank)
             if comm is not None:  # the two agreements below, counted ahead so the totals saved include them
-                shards.count_agreements(local["comm"], self.world_size)
-            checkpoint["lordo"] = lordo_checkpoint.trainer_entry(self.core, self.world_size, not healthy, local)
+                shards.count_agreements(state["comm"], self.world_size)
+            checkpoint["lordo"] = lordo_checkpoint.trainer_entry(self.core, self.world_size, not healthy, state)
             self._adamw_shaped(checkpoint)
+            return state
+
+        try:  # an error here is agreed on below with the others, who would otherwise wait for this rank
+            local = self._read_state(read)
             checkpoint["lordo"]["shards"] = {"id": save_id, "ranks": self.world_size if healthy else 1,
                                              "dir": shards.directory_name(filepath, save_id)}
         except Exception as err:  # noqa: BLE001 - re-raised by the agreement

@@ -157,6 +157,18 @@ class DiscardedRounds:
     _finish: Any
     synchronized_step: int
 
+    def _refuse_non_finite_start(self) -> None:
+        """At the end of the synchronous steps (``warmup_steps``), before the anchor is taken: a synchronous step
+        averages gradients as DDP does, with nothing discarded, so a NaN/Inf gradient on any rank reaches every
+        replica; the rounds after would each discard back to that anchor, blaming every rank. Stop here instead."""
+        if self.params and not all_finite(self.params):
+            raise NonFiniteTraining(
+                f"LoRDO: the parameters are not finite at the end of the synchronous steps (optimizer step "
+                f"{self.optimizer_steps}, warmup_steps={self.config.warmup_steps}). A synchronous step averages the "
+                "gradients as DDP does, so a NaN/Inf gradient on any rank reached every replica; no local round can "
+                "start from them. Resume from a checkpoint of the synchronous steps with a lower learning rate, "
+                "gradient clipping, or the bad batch removed.")
+
     def _discard(self, start: float, buffers: tuple[list[Tensor], list[Tensor]]) -> SyncReport:
         """Every worker is here (the decision came from identical averages): discard the round everywhere. One more
         collective tells every worker which parameters' optimizer state is non-finite on some worker and which

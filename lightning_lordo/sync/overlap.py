@@ -9,11 +9,12 @@ local progress since the launch:
 
 * parameters: ``params <- new_anchor + (params - params_at_launch)`` (a copy of the parameters is kept while the
   round is in flight: with no step since the launch the parameters become exactly the new anchor);
-* averaged optimizer state, an EMA with factor beta (Adam's moments: beta1 for ``exp_avg``, beta2 for
-  ``exp_avg_sq``; 1 for any other tensor): ``x <- beta^s mean + (x - beta^s x_at_launch)`` with ``s`` the steps
-  since the launch, i.e. the state as if the average had been in place at the launch and the local updates since
-  applied to it (linear: for an error-feedback buffer that the steps since keep unfolded, ``E = R - Q c``, adding
-  ``R``'s progress adds ``E``'s); then the new bases are installed and the moments rotated into them;
+* averaged optimizer state, each tensor decayed by a factor beta per step (Adam's moments: beta1 for ``exp_avg``,
+  beta2 for ``exp_avg_sq``; a momentum buffer: momentum; the error feedback: ``ef_decay``; :func:`_decays`):
+  ``x <- beta^s mean + (x - beta^s x_at_launch)`` with ``s`` the steps since the launch, i.e. the state as if the
+  average had been in place at the launch and the local updates since applied to it (linear: for an error-feedback
+  buffer that the steps since keep unfolded, ``E = R - Q c``, adding ``R``'s progress adds ``E``'s); then the new
+  bases are installed and the moments rotated into them;
 * buffers: ``b <- mean + (b - b_at_launch)``.
 
 So the averages, the new bases and the anchor are bitwise identical on every rank, and reach every rank at the
@@ -41,6 +42,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_lordo.comm.communicator import CollectiveTimeout, CommAccountant, Communicator
+from lightning_lordo.optim.functional import Hyper
 from lightning_lordo.sync import exchange as ex
 from lightning_lordo.sync.basis_window import BasisWindow
 from lightning_lordo.sync.report import SyncReport
@@ -159,12 +161,20 @@ def progress(round_: Launch, params: Sequence[Tensor]) -> list[Tensor]:
 
 
 def _decays(optimizer: Optimizer, p: Tensor, live: list[Tensor], steps: int) -> list[float]:
-    """beta^steps for each of ``p``'s averaged state tensors (Adam's exp_avg, exp_avg_sq and the factors of a
-    factored exp_avg_sq; 1 for any other)."""
+    """decay^steps for each of ``p``'s averaged state tensors: the factor by which one step scales what the tensor
+    held before it (Adam's exp_avg, exp_avg_sq and the factors of a factored exp_avg_sq: beta1, beta2; SGD's and
+    RMSprop's momentum buffer: momentum; RMSprop's square_avg and grad_avg: alpha; Adadelta's: rho; LoRDO's error
+    feedback: ef_decay, its buffer staying in the complement of the basis the round does not change); 1 for any
+    other (a sum, a running maximum)."""
     group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
     beta1, beta2 = group.get("betas", (1.0, 1.0))
     keys = {id(v): k for k, v in optimizer.state[p].items() if isinstance(v, Tensor)}
-    factor = {"exp_avg": beta1, "exp_avg_sq": beta2, "factored_row": beta2, "factored_col": beta2}
+    ema = group.get("alpha", group.get("rho", 1.0))
+    factor = {"exp_avg": beta1, "exp_avg_sq": beta2, "factored_row": beta2, "factored_col": beta2,
+              "momentum_buffer": group.get("momentum", 1.0), "square_avg": ema, "grad_avg": ema,
+              "acc_delta": group.get("rho", 1.0)}
+    if "error_feedback" in keys.values():
+        factor["error_feedback"] = Hyper.of(group).ef_decay
     return [float(factor.get(keys.get(id(t), ""), 1.0)) ** steps for t in live]
 
 

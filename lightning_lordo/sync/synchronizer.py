@@ -224,6 +224,7 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
 
     def switch_to_local(self) -> None:
         """The end of the warm-up (the replicas are identical): take the anchor, apply the switch knobs."""
+        self._refuse_non_finite_start()
         self.take_anchor()
         self.switched = True
         self.steps_since_sync = 0
