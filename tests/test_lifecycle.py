@@ -1,5 +1,6 @@
 """The strategy's lifecycle on Lightning's hooks: side process groups made once per strategy, a failed fit with a
-round in flight ending with the user's exception (``on_exception``), and ``teardown``."""
+round in flight ending with the user's exception (``on_exception``), ``teardown``, the final sync before the user's
+``on_train_end`` hooks, and a checkpoint restored after setup (the tuner's callbacks)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
-from strategy_helpers import TinyRegressor, free_port, loader, lordo, trainer
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from strategy_helpers import TinyRegressor, flat_params, free_port, loader, lordo, trainer
 
 pytestmark = pytest.mark.slow
 
@@ -41,3 +46,84 @@ def test_teardown_keeps_what_a_checkpoint_after_fit_needs(tmp_path: Path) -> Non
     resumed = trainer(lordo(sync_every=4, start_method="popen"), devices=1, max_steps=12)
     resumed.fit(TinyRegressor(), loader(), ckpt_path=tmp_path / "after.ckpt")
     assert resumed.global_step == 12
+
+
+class Finals(L.Callback):
+    """Each rank's model in ``on_train_end`` (a user's hook: it runs before the strategy's) and at ``on_fit_end``,
+    the optimizer steps the synchronizer counted and the steps of its sync reports, saved for the test process."""
+
+    def __init__(self, directory: Path, tag: str) -> None:
+        self.directory, self.tag, self.at_train_end = directory, tag, None
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.at_train_end = flat_params(module).clone()
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        sync = trainer.strategy.synchronizer
+        reports = [r.step for r in trainer.strategy.sync_reports]
+        torch.save({"train_end": self.at_train_end, "fit_end": flat_params(module).clone(),
+                    "optimizer_steps": sync.optimizer_steps, "reports": reports},
+                   self.directory / f"{self.tag}_rank{trainer.global_rank}.pt")
+
+
+def _finals(directory: Path, tag: str) -> list[dict]:
+    return [torch.load(directory / f"{tag}_rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+def test_the_learning_rate_finders_search_leaves_no_trace_in_the_rounds(tmp_path: Path) -> None:
+    """Lightning's LearningRateFinder trains a search and restores its checkpoint after the strategy's setup: the
+    strategy's state (anchor, step counts, rounds) must come back too, so the run is the run without the search."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    for tag, extra in (("plain", []), ("finder", [LearningRateFinder(min_lr=1e-4, max_lr=10.0, num_training_steps=8,
+                                                                      early_stop_threshold=None, update_attr=False)])):
+        torch.manual_seed(0)
+        csv = CSVLogger(tmp_path, name=tag, version=0)
+        trainer(lordo(sync_every=4), callbacks=[*extra, Finals(tmp_path, tag)], max_steps=6, logger=csv,
+                log_every_n_steps=1).fit(TinyRegressor(), loader())
+    plain, finder = _finals(tmp_path, "plain"), _finals(tmp_path, "finder")
+    for rank in (0, 1):
+        assert finder[rank]["optimizer_steps"] == 6 and finder[rank]["reports"] == plain[rank]["reports"] == [4, 6]
+        assert torch.equal(finder[rank]["fit_end"], plain[rank]["fit_end"]), "the search changed the training"
+    logged = {}
+    for tag in ("plain", "finder"):
+        header, *rows = (tmp_path / tag / "version_0" / "metrics.csv").read_text().splitlines()
+        column, step = header.split(",").index("lordo/bytes_sent_total"), header.split(",").index("step")
+        logged[tag] = {r.split(",")[step]: r.split(",")[column] for r in rows if r.split(",")[column]}
+    assert sorted(logged["finder"]) == sorted(logged["plain"]) == ["3", "5"], logged  # at Lightning's steps
+    # the same rounds' bytes; the finder's run also counts its save's two agreements on the shards (16 B)
+    assert {float(logged["finder"][k]) - float(logged["plain"][k]) for k in ("3", "5")} == {16.0}, logged
+
+
+class StopAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def test_a_fit_stopped_mid_round_is_one_model_in_the_users_on_train_end(tmp_path: Path) -> None:
+    """Stopped at step 6 of rounds of 4 (EarlyStopping, max_time, should_stop): the final sync runs before the
+    user's ``on_train_end`` hooks (and ModelCheckpoint's last save there), as with DDP they see one model."""
+    trainer(lordo(sync_every=4), callbacks=[StopAt(6), Finals(tmp_path, "stopped")], max_steps=20).fit(
+        TinyRegressor(), loader())
+    ranks = _finals(tmp_path, "stopped")
+    assert ranks[0]["reports"] == [4, 6]
+    for rank in ranks:
+        assert torch.equal(rank["train_end"], rank["fit_end"])
+    assert torch.equal(ranks[0]["train_end"], ranks[1]["train_end"])
+
+
+def test_weight_averaging_is_refused_with_local_rounds_and_runs_on_one_device() -> None:
+    """EMA/SWA average each rank's own replica: with local rounds on 2 processes the ranks would end apart."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    with pytest.raises(Exception, match=r"StochasticWeightAveraging is not supported with LoRDO's local rounds"):
+        trainer(lordo(sync_every=4), callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)], max_epochs=2,
+                max_steps=-1).fit(TinyRegressor(), loader(n=64))
+    one = trainer(lordo(sync_every=4, start_method="popen"), devices=1, max_epochs=2, max_steps=-1,
+                  callbacks=[StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)])
+    one.fit(TinyRegressor(), loader(n=64))
+    assert one.global_step == 16

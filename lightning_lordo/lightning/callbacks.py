@@ -34,8 +34,10 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import callbacks as lightning_callbacks
 from rich.console import Console
 from rich.table import Table
+from typing_extensions import override
 
 from lightning_lordo.lightning._compat import batches_that_stepped, logged_results, logs_this_batch
 from lightning_lordo.sync.report import SyncReport
@@ -122,6 +124,43 @@ def add_monitor(trainer: Trainer, progress_bar: Optional[bool]) -> None:
         monitor = CommunicationMonitor(progress_bar=progress_bar)
         monitor._added_by_strategy = True
         trainer.callbacks.append(monitor)
+
+
+class FinalSync(Callback):
+    """The strategy puts this first among the callbacks: a fit that ends before its last step (EarlyStopping,
+    ``max_time``, ``should_stop``) runs its final sync before the other ``on_train_end`` hooks (the user's,
+    ``ModelCheckpoint``'s last save), which Lightning calls before the strategy's own; as with DDP they see one
+    model."""
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.on_train_end_sync()
+
+
+def reports_undone(trainer: Trainer, kept: int) -> None:
+    """A restore after setup undid the reports after the first ``kept``: the monitors log from there on."""
+    for monitor in trainer.callbacks:
+        if isinstance(monitor, CommunicationMonitor):
+            monitor._logged = min(monitor._logged, kept)
+
+
+def refuse_weight_averaging(trainer: Trainer, local_rounds: bool) -> None:
+    """Lightning's weight averaging averages each rank's own replica, which local steps keep apart between syncs."""
+    kinds = tuple(k for k in (getattr(lightning_callbacks, "WeightAveraging", None),
+                                lightning_callbacks.StochasticWeightAveraging) if k)
+    found = [type(c).__name__ for c in trainer.callbacks if isinstance(c, kinds)]
+    if found and local_rounds:
+        raise ValueError(
+            f"{found[0]} is not supported with LoRDO's local rounds on several processes: it averages each rank's "
+            "own replica, which differ between syncs, so the ranks would end with different models and checkpoints "
+            "would hold rank 0's average. Use it with devices=1 or strategy='lowrank_ddp' (synchronous steps), or "
+            "average the synchronized model yourself (trainer.strategy.synchronizer.steps_since_sync == 0 after a "
+            "sync).")
+
+
+def add_final_sync(trainer: Trainer) -> None:
+    if not any(isinstance(c, FinalSync) for c in trainer.callbacks):
+        trainer.callbacks.insert(0, FinalSync())
 
 
 def _lightning_step(trainer: Trainer) -> int:

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_lordo import checkpoint as lordo_checkpoint
 from lightning_lordo.checkpoint import check
 from lightning_lordo.lightning import resume, shards
+from lightning_lordo.lightning.callbacks import reports_undone
 from lightning_lordo.lightning.checkpoint_io import gather_to_rank_zero
 from lightning_lordo.optim import loading
 from lightning_lordo.optim.lordo import LoRDO
@@ -247,6 +248,13 @@ class SynchronizedState:
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._restored is not None and self.synchronizer is not None:  # restored after setup: Lightning's tuner
+            self._apply_restored_state()  # callbacks put their search's starting point back; its rounds are undone
+            reports = self.core.sync_reports
+            del reports[sum(r.step <= self.synchronizer.optimizer_steps for r in reports):]
+            self._synced_buffers_reports = min(self._synced_buffers_reports or 0, len(reports))
+            if self._trainer is not None:
+                reports_undone(self._trainer, len(reports))
         optimizer = self.optimizers[0]
         saved = self._restored_optimizer if self._restored_optimizer is not None else checkpoint["optimizer_states"][0]
         notes = list(self._resume_notes)

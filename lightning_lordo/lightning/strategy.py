@@ -35,7 +35,7 @@ from lightning_lordo.convert import (
 )
 from lightning_lordo.core import HoldsCore, LoRDOCore
 from lightning_lordo.lightning._compat import install_sigterm_hooks, wrap_optimizers
-from lightning_lordo.lightning.callbacks import add_monitor
+from lightning_lordo.lightning.callbacks import add_final_sync, add_monitor, refuse_weight_averaging
 from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
 from lightning_lordo.lightning.saving import SynchronizedState
@@ -204,6 +204,8 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
 
         if self.monitor:
             add_monitor(trainer, self.monitor_progress_bar)
+        add_final_sync(trainer)
+        refuse_weight_averaging(trainer, self.world_size > 1 and not self.sync_config.synchronous)
         install_sigterm_hooks(trainer, self._sigterm_check, self._sigterm_notifier)  # the per-batch check
         super().setup(trainer)
 
@@ -331,11 +333,15 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         super().on_train_start()
         self._finished = False
 
-    @override
-    def on_train_end(self) -> None:
-        """The final synchronization, if the last step did not run it (a fit that ended otherwise)."""
+    def on_train_end_sync(self) -> None:
+        """The final synchronization, if the last step did not run it (a fit that ended otherwise): from the
+        first callback's ``on_train_end`` (``callbacks.FinalSync``), else from the strategy's."""
         with self._plugin_warnings:
             self._finish_training()
+
+    @override
+    def on_train_end(self) -> None:
+        self.on_train_end_sync()
         super().on_train_end()
 
     @override
