@@ -123,6 +123,8 @@ def test_weight_averaging_is_refused_with_local_rounds_and_runs_on_one_device() 
     with pytest.raises(Exception, match=r"StochasticWeightAveraging is not supported with LoRDO's local rounds"):
         trainer(lordo(sync_every=4), callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)], max_epochs=2,
                 max_steps=-1).fit(TinyRegressor(), loader(n=64))
+    validated = trainer(lordo(sync_every=4), callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)])
+    validated.validate(TinyRegressor(), loader(n=64))  # no rounds: nothing to refuse
     one = trainer(lordo(sync_every=4, start_method="popen"), devices=1, max_epochs=2, max_steps=-1,
                   callbacks=[StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)])
     one.fit(TinyRegressor(), loader(n=64))

@@ -205,7 +205,8 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         if self.monitor:
             add_monitor(trainer, self.monitor_progress_bar)
         add_final_sync(trainer)
-        refuse_weight_averaging(trainer, self.world_size > 1 and not self.sync_config.synchronous)
+        refuse_weight_averaging(trainer, trainer.state.fn == TrainerFn.FITTING and self.world_size > 1
+                                and not self.sync_config.synchronous)
         install_sigterm_hooks(trainer, self._sigterm_check, self._sigterm_notifier)  # the per-batch check
         super().setup(trainer)
 
