@@ -95,6 +95,42 @@ def test_the_learning_rate_finders_search_leaves_no_trace_in_the_rounds(tmp_path
     assert {float(logged["finder"][k]) - float(logged["plain"][k]) for k in ("3", "5")} == {16.0}, logged
 
 
+class FinderAtEpochStart:
+    """Lightning's documented pattern (LearningRateFinder's docstring): the search runs at an epoch's start, inside
+    the fit's loop, after the strategy's ``on_train_start``."""
+
+    def __new__(cls, milestone: int) -> L.Callback:
+        from lightning.pytorch.callbacks import LearningRateFinder
+
+        class FineTune(LearningRateFinder):
+            def on_fit_start(self, *args: Any, **kwargs: Any) -> None:
+                return
+
+            def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+                if trainer.current_epoch == milestone:
+                    self.lr_find(trainer, module)
+
+        return FineTune(min_lr=1e-4, max_lr=1e-1, num_training_steps=6, early_stop_threshold=None, update_attr=False)
+
+
+@pytest.mark.parametrize("milestone", [0, 1])
+def test_a_search_inside_the_fit_leaves_its_final_sync_to_the_fit(tmp_path: Path, milestone: int) -> None:
+    """The search ends with a final sync of its own; restored, the fit must still run its final sync (epochs of 4
+    steps, rounds of 5: the fit ends mid-round): one model. From the first epoch's start the fit is the fit without
+    the search, bit for bit; from a later one Lightning's restore does not continue a fit exactly (DDP's neither)."""
+    for tag, extra in (("plain", []), ("finder", [FinderAtEpochStart(milestone)])):
+        torch.manual_seed(0)
+        trainer(lordo(sync_every=5), callbacks=[*extra, Finals(tmp_path, tag)], max_steps=-1, max_epochs=3,
+                default_root_dir=tmp_path).fit(TinyRegressor(), loader(n=64))
+    plain, finder = _finals(tmp_path, "plain"), _finals(tmp_path, "finder")
+    assert plain[0]["reports"] == [5, 10, 12]
+    assert torch.equal(finder[0]["fit_end"], finder[1]["fit_end"]), "the ranks ended apart"
+    for rank in (0, 1):
+        assert finder[rank]["reports"] == plain[rank]["reports"]
+        if milestone == 0:
+            assert torch.equal(finder[rank]["fit_end"], plain[rank]["fit_end"]), "the search changed the training"
+
+
 class StopAt(L.Callback):
     def __init__(self, step: int) -> None:
         self.step = step

@@ -249,7 +249,8 @@ class SynchronizedState:
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if self._restored is not None and self.synchronizer is not None:  # restored after setup: Lightning's tuner
-            self._apply_restored_state()  # callbacks put their search's starting point back; its rounds are undone
+            self._apply_restored_state()  # callbacks put their search's starting point back; its rounds are undone,
+            self._finished = False  # its final sync too
             reports = self.core.sync_reports
             del reports[sum(r.step <= self.synchronizer.optimizer_steps for r in reports):]
             self._synced_buffers_reports = min(self._synced_buffers_reports or 0, len(reports))

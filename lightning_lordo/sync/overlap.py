@@ -162,17 +162,14 @@ def progress(round_: Launch, params: Sequence[Tensor]) -> list[Tensor]:
 
 def _decays(optimizer: Optimizer, p: Tensor, live: list[Tensor], steps: int) -> list[float]:
     """decay^steps for each of ``p``'s averaged state tensors: the factor by which one step scales what the tensor
-    held before it (Adam's exp_avg, exp_avg_sq and the factors of a factored exp_avg_sq: beta1, beta2; SGD's and
-    RMSprop's momentum buffer: momentum; RMSprop's square_avg and grad_avg: alpha; Adadelta's: rho; LoRDO's error
-    feedback: ef_decay, its buffer staying in the complement of the basis the round does not change); 1 for any
-    other (a sum, a running maximum)."""
+    held before it (Adam's exp_avg, exp_avg_sq and the factors of a factored exp_avg_sq: beta1, beta2; SGD's
+    momentum buffer: momentum; LoRDO's error feedback: ef_decay, its buffer staying in the complement of the basis
+    the round does not change); 1 for any other (a running maximum)."""
     group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
     beta1, beta2 = group.get("betas", (1.0, 1.0))
     keys = {id(v): k for k, v in optimizer.state[p].items() if isinstance(v, Tensor)}
-    ema = group.get("alpha", group.get("rho", 1.0))
     factor = {"exp_avg": beta1, "exp_avg_sq": beta2, "factored_row": beta2, "factored_col": beta2,
-              "momentum_buffer": group.get("momentum", 1.0), "square_avg": ema, "grad_avg": ema,
-              "acc_delta": group.get("rho", 1.0)}
+              "momentum_buffer": group.get("momentum", 1.0)}
     if "error_feedback" in keys.values():
         factor["error_feedback"] = Hyper.of(group).ef_decay
     return [float(factor.get(keys.get(id(t), ""), 1.0)) ** steps for t in live]
