@@ -87,7 +87,7 @@ def test_a_basis_that_does_not_fit_is_refused_before_any_is_installed(shape: tup
     w, v = nn.Parameter(torch.randn(8, 20)), nn.Parameter(torch.randn(8, 20))
     opt = LoRDO([v, w], rank=2)
     good = torch.linalg.qr(torch.randn(8, 2))[0]
-    shown = re.escape(f"Invalid basis of shape {tuple(shape)}") + r".*it must be \(8, 2\)"
+    shown = re.escape(f"Invalid basis ({tuple(shape)}, torch.float32, cpu)") + r".*it must be \(8, 2\)"
     with pytest.raises(ValueError, match=shown):
         opt.set_bases({v: good, w: torch.randn(*shape)})
     assert "basis" not in opt.state.get(v, {})
@@ -132,3 +132,87 @@ def test_frozen_parameters_take_no_step_in_the_plan_and_count_no_adamw_state() -
     assert plan_summary(list(rows.values()))[-1] == "LoRDO: 2 frozen tensors (requires_grad=False) take no step."
     _train(model, opt, torch.randn(16, 48), 2)
     assert opt.memory_report()["adamw_equivalent"] == 2 * 4 * (40 * 8 + 8)  # the trainable layer's only
+
+
+def test_loading_adamws_state_keeps_the_knobs_given_to_lordo() -> None:
+    """torch's load_state_dict replaces the groups with the saved ones: an AdamW state must not reset LoRDO's knobs
+    (a group's rank 0, update_scale) to defaults; lr and betas come from the checkpoint, as for any optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    adamw = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=3e-3,
+                              betas=(0.8, 0.95))
+    model(torch.randn(4, 64)).sum().backward()
+    adamw.step()
+    opt = LoRDO([{"params": model[0].parameters()}, {"params": model[1].parameters(), "rank": 0}], lr=1e-3, rank=8,
+                omega=0.9)
+    opt.load_state_dict(adamw.state_dict())
+    assert [g["rank"] for g in opt.param_groups] == [8, 0] and [g["omega"] for g in opt.param_groups] == [0.9, 0.9]
+    assert [g["update_scale"] for g in opt.param_groups] == ["auto", "auto"]
+    assert [g["lr"] for g in opt.param_groups] == [3e-3, 3e-3] and opt.param_groups[1]["betas"] == (0.8, 0.95)
+    assert torch.equal(opt.state[model[1].weight]["exp_avg"], adamw.state[model[1].weight]["exp_avg"])  # AdamW's
+
+
+def test_state_saved_for_other_parameters_is_refused_by_name() -> None:
+    w, b = nn.Parameter(torch.randn(8, 24)), nn.Parameter(torch.randn(24))
+    opt = LoRDO([w, b], rank=2)
+    w.grad, b.grad = torch.randn(8, 24), torch.randn(24)
+    opt.step()
+    swapped = LoRDO([b, w], rank=2)
+    with pytest.raises(ValueError, match=r"Invalid optimizer state for \(24,\) of shape \(24,\): it holds a basis"):
+        swapped.load_state_dict(opt.state_dict())
+
+
+def test_a_late_first_basis_is_not_a_refresh_for_ef_decay_auto() -> None:
+    """``ef_decay="auto"`` is 0.99 while no basis changes; a matrix getting its first basis later changes none."""
+    from lightning_lordo.optim.functional import Hyper
+
+    a, b = nn.Parameter(torch.randn(8, 24)), nn.Parameter(torch.randn(8, 24))
+    opt = LoRDO([a, b], rank=2)
+    for step in range(6):
+        a.grad, b.grad = torch.randn(8, 24), torch.randn(8, 24) if step else None
+        opt.step()
+    assert "basis" in opt.state[b] and Hyper.of(opt.param_groups[0]).ef_decay == 0.99
+
+
+def test_fused_adamw_takes_a_gradient_laid_out_unlike_its_parameter() -> None:
+    """torch's fused CPU AdamW (LoRDO's default for full-rank tensors on the CPU) reads a gradient whose strides
+    differ from its parameter's (a channels_last weight, a transposed view) in the parameter's order: wrong."""
+    torch.manual_seed(0)
+    conv = torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last)
+    ours, theirs = nn.Parameter(conv.clone()), nn.Parameter(conv.clone())
+    opt, ref = LoRDO([ours], full_rank=[ours], lr=1e-2), torch.optim.AdamW([theirs], lr=1e-2, foreach=False)
+    for _ in range(5):
+        g = torch.randn(4, 3, 3, 3)  # contiguous, as a hand-made gradient is
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(ours.detach(), theirs.detach())
+
+
+def test_a_tensor_learning_rate_steps_without_fused_adamw() -> None:
+    torch.manual_seed(0)
+    ours, theirs = nn.Parameter(torch.randn(16)), nn.Parameter(torch.randn(16))
+    theirs.data.copy_(ours.data)
+    opt = LoRDO([ours], lr=torch.tensor(1e-2), fused=False)
+    ref = torch.optim.AdamW([theirs], lr=torch.tensor(1e-2), foreach=False)
+    for _ in range(3):
+        g = torch.randn(16)
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(ours.detach(), theirs.detach())
+
+
+def test_install_bases_refuses_a_non_finite_or_misshapen_source_and_set_bases_a_float64_basis() -> None:
+    w = nn.Parameter(torch.randn(8, 24))
+    opt = LoRDO([w], rank=2)
+    bad = torch.randn(8, 24)
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"Invalid source of shape \(8, 24\) for the basis of a \(8, 24\) weight "
+                                         r"\(finite: False\)"):
+        opt.install_bases({w: bad})
+    with pytest.raises(ValueError, match=r"Invalid source of shape \(8, 20\)"):
+        opt.install_bases({w: torch.randn(8, 20)})
+    with pytest.raises(ValueError, match=r"Invalid basis \(\(8, 2\), torch.float64, cpu\)"):
+        opt.set_bases({w: torch.linalg.qr(torch.randn(8, 2, dtype=torch.float64))[0]})
+    assert "basis" not in opt.state.get(w, {})

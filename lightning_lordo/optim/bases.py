@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_lordo._tensors import is_tall
+from lightning_lordo._tensors import all_finite, is_tall
 from lightning_lordo.optim.functional import EF_PROJECTION, fold_error_feedback, stack_slices
 from lightning_lordo.optim.projection import power_basis, rotate_moments, subspace_movement, svd_basis
 
@@ -68,12 +68,26 @@ def _stacked_bases(params: Sequence[Tensor], sources: Mapping[Tensor, Tensor], w
 
 
 def check_shapes(entries: Sequence[Entry], bases: Mapping[Tensor, Tensor]) -> None:
-    """Refuse, before any is installed, a basis that does not fit its matrix (``a x r``: smaller side by rank)."""
+    """Refuse, before any is installed, a basis that does not fit its matrix (``a x r``: smaller side by rank;
+    float32, on the parameter's device)."""
     for p, _, r in entries:
-        if tuple(bases[p].shape) != (min(p.shape), r):
-            raise ValueError(f"Invalid basis of shape {tuple(bases[p].shape)} for a {tuple(p.shape)} weight at rank "
-                             f"{r}: it must be {(min(p.shape), r)}, the smaller side by the rank, as compute_bases "
-                             "gives it.")
+        q = bases[p]
+        if tuple(q.shape) != (min(p.shape), r) or q.dtype != torch.float32 or q.device != p.device:
+            raise ValueError(f"Invalid basis ({tuple(q.shape)}, {q.dtype}, {q.device}) for a {tuple(p.shape)} "
+                             f"weight on {p.device} at rank {r}: it must be {(min(p.shape), r)}, the smaller side by "
+                             f"the rank, float32 on {p.device}, as compute_bases gives it.")
+
+
+def check_sources(entries: Sequence[Entry], sources: Mapping[Tensor, Tensor]) -> Mapping[Tensor, Tensor]:
+    """Refuse a source of a basis (``install_bases``) shaped unlike its weight, or not finite (a NaN source gives a
+    NaN basis, which the next bases, warm-started from it, keep); returns ``sources``."""
+    given = [p for p, _, _ in entries if p in sources]
+    if all(sources[p].shape == p.shape for p in given) and all_finite(sources[p] for p in given):
+        return sources
+    bad = next(p for p in given if sources[p].shape != p.shape or not all_finite([sources[p]]))
+    raise ValueError(f"Invalid source of shape {tuple(sources[bad].shape)} for the basis of a {tuple(bad.shape)} "
+                     f"weight (finite: {all_finite([sources[bad]])}): it must be a finite matrix of the weight's shape "
+                     "(e.g. its gradient).")
 
 
 def install_stacked(entries: Sequence[Entry], states: Sequence[dict[str, Tensor]], bases: Mapping[Tensor, Tensor]

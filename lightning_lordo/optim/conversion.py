@@ -33,6 +33,7 @@ def conform_state(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = 
             if not state:
                 continue
             label = (names or {}).get(p) or str(tuple(p.shape))
+            _check_fits(p, state, label)
             r = optimizer.lowrank_rank(p, group)
             lowrank_state = "basis" in state or ("exp_avg" in state and state["exp_avg"].shape != p.shape)
             if r and lowrank_state and state.get("basis") is not None and state["basis"].shape[1] == r:
@@ -49,6 +50,21 @@ def conform_state(optimizer: Optimizer, names: Optional[Mapping[Tensor, str]] = 
             if change:
                 changes.append(f"{label}: {change}")
     return changes
+
+
+def _check_fits(p: Tensor, state: Mapping[str, Any], label: str) -> None:
+    """Refuse state saved for a parameter of another shape (a state dict of other parameters, or in another order)."""
+    basis, first = state.get("basis"), state.get("exp_avg")
+    if basis is not None:
+        fits = p.ndim == 2 and basis.shape[0] == min(p.shape) and (first is None or first.shape[-1] == max(p.shape))
+    else:
+        fits = first is None or first.shape == p.shape or (first.ndim == 2 and p.ndim == 2 and first.shape[-1] ==
+                                                           max(p.shape))  # low-rank moments awaiting their basis
+    if not fits:
+        saved = tuple((basis if basis is not None else first).shape)
+        raise ValueError(f"Invalid optimizer state for {label} of shape {tuple(p.shape)}: it holds a "
+                         f"{'basis' if basis is not None else 'moment'} of shape {saved}, saved for another parameter. "
+                         "Load a state dict saved for these parameters, in this order.")
 
 
 def _conform_lowrank(optimizer: Optimizer, p: Tensor, group: dict[str, Any], state: dict[str, Tensor],
@@ -115,6 +131,26 @@ def expand_lowrank_state(state: Mapping[str, Tensor], p: Tensor) -> dict[str, Te
     second = canonical(torch.maximum(q.square() @ v, v.mean()), p)
     return {"step": state["step"].detach().clone().float().cpu(), "exp_avg": first.to(dtype).contiguous(),
             "exp_avg_sq": second.to(dtype).contiguous()}
+
+
+#: Restored from a checkpoint's param groups whatever its optimizer; LoRDO's own knobs stay as they are now.
+HYPER = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+
+
+def is_lordo_state(state_dict: Mapping[str, Any]) -> bool:
+    return bool(state_dict.get("param_groups")) and all("omega" in g for g in state_dict["param_groups"])
+
+
+def with_knobs_kept(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` to load into ``optimizer``: a LoRDO state as it is; another optimizer's (torch's AdamW, say)
+    with the current groups' knobs and its own :data:`HYPER` (torch's ``load_state_dict`` would replace the groups
+    with the saved ones, and LoRDO's knobs would fall back to their defaults); torch checks the group sizes."""
+    saved = state_dict.get("param_groups", [])
+    if is_lordo_state(state_dict) or len(saved) != len(optimizer.param_groups):
+        return state_dict
+    groups = [{**{k: v for k, v in now.items() if k != "params"}, **{k: g[k] for k in HYPER if k in g},
+               "params": g["params"]} for now, g in zip(optimizer.param_groups, saved)]
+    return {**state_dict, "param_groups": groups}
 
 
 def restore_saved_state(optimizer: Any, state_dict: dict[str, Any]) -> None:

@@ -95,11 +95,8 @@ AUTO_EF_DECAY_MAX = 0.99
 
 
 def auto_ef_decay(beta1: float, refresh_interval: Optional[float]) -> float:
-    """``ef_decay="auto"``: ``1 - 1/n`` for bases refreshed every ``n`` steps, clamped to ``[beta1, 0.99]``: the
-    buffer remembers about one basis interval, what the next basis (from that interval's pseudo-gradient) can take
-    in. Remembered across several refreshes, stale directions fight each new basis (a regression with bases every 4
-    or 8 steps stalls at 10-20x the optimum with 0.95-0.99); with a fixed basis, or refreshes every 32, 0.99
-    converges."""
+    """``ef_decay="auto"``: ``1 - 1/n`` for bases every ``n`` steps, within ``[beta1, 0.99]``: the buffer remembers
+    about one basis interval, what the next basis can take in (longer, stale directions fight each new basis)."""
     if not refresh_interval:
         return AUTO_EF_DECAY_MAX
     return min(AUTO_EF_DECAY_MAX, max(beta1, 1.0 - 1.0 / refresh_interval))
@@ -158,9 +155,12 @@ def is_factored(p: Tensor, h: Hyper) -> bool:
 
 
 def adamw_torch(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, fused: bool) -> None:
-    """torch's own AdamW (foreach or ``fused``) for moments in the parameters' dtype; it counts the steps itself."""
-    torch_adamw(list(params), [p.grad for p in params], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=not fused, fused=fused,
+    """torch's own AdamW (foreach or ``fused``) for moments in the parameters' dtype; it counts the steps itself. The
+    fused kernel needs a gradient laid out as its parameter; the foreach one takes no tensor LR (torch's loop does)."""
+    grads = [g if not fused or g.stride() == p.stride() else torch.empty_like(p).copy_(g) for p, g in
+             zip(params, [p.grad for p in params])]
+    torch_adamw(list(params), grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+                [s["step"] for s in states], foreach=not fused and not isinstance(h.lr, Tensor), fused=fused,
                 amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,
                 maximize=False)
 

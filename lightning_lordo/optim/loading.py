@@ -15,13 +15,13 @@ from torch.optim import Optimizer
 
 from lightning_lordo.config import OPTIMIZER_DEFAULTS
 from lightning_lordo.optim.bases import REFRESH_COUNTERS
-from lightning_lordo.optim.conversion import adamw_entry
+from lightning_lordo.optim.conversion import HYPER as _HYPER
+from lightning_lordo.optim.conversion import adamw_entry, is_lordo_state
 from lightning_lordo.optim.lordo import LoRDO
 
 #: The knobs LoRDO keeps in its param groups (lr, betas, eps, weight_decay come from the user's optimizer and are
 #: restored with its state, as Lightning does for any optimizer).
 LORDO_KNOBS = tuple(k for k in OPTIMIZER_DEFAULTS if k not in ("lr", "betas", "eps", "weight_decay"))
-_HYPER = ("lr", "initial_lr", "betas", "eps", "weight_decay")  # restored from the checkpoint's groups
 
 
 def _plain(value: Any) -> Any:
@@ -111,7 +111,3 @@ def warn(notes: list[str], rank: int) -> None:
     if notes and rank == 0:
         warnings.warn("LoRDO resumed a checkpoint with changes (the knobs passed now win): " + "; ".join(notes) + ".",
                       UserWarning, stacklevel=3)
-
-
-def is_lordo_state(state_dict: dict[str, Any]) -> bool:
-    return bool(state_dict.get("param_groups")) and all("omega" in g for g in state_dict["param_groups"])

@@ -26,7 +26,7 @@ from lightning_lordo.config import (
 )
 from lightning_lordo.optim import bases as bases_module
 from lightning_lordo.optim import compiled, conversion, fullrank, functional, reference, report
-from lightning_lordo.optim.bases import record_refresh, start_counting
+from lightning_lordo.optim.bases import check_sources, record_refresh, start_counting
 from lightning_lordo.optim.functional import fold_error_feedback, is_factored, resolve_rank
 from lightning_lordo.optim.projection import compute_basis, random_basis
 
@@ -353,11 +353,11 @@ class LoRDO(Optimizer):
         the fraction of the old subspace the new basis lost (0-d tensors; only for parameters that had a basis)."""
         entries = [(p, g, r) for p, g, r in self._lowrank_entries() if p in bases]
         bases_module.check_shapes(entries, bases)
+        refreshed = [g for p, g, _ in entries if "basis" in self.state.get(p, {})]  # a first basis refreshes none
         states = [self._init_lowrank_state(p, g, r) for p, g, r in entries]
         stacked = bool(entries) and self.stacked_layout(entries[0][0])
-        install = bases_module.install_stacked if stacked else bases_module.install_reference
-        movement = install(entries, states, bases)
-        record_refresh([g for _, g, _ in entries])
+        movement = (bases_module.install_stacked if stacked else bases_module.install_reference)(entries, states, bases)
+        record_refresh(refreshed)
         return movement
 
     def fold_error_feedback(self, params: Iterable[Tensor]) -> None:
@@ -368,7 +368,7 @@ class LoRDO(Optimizer):
 
     def install_bases(self, sources: Mapping[Tensor, Tensor], generation: Optional[int] = None) -> dict[Tensor, Tensor]:
         """:meth:`compute_bases` then :meth:`set_bases`: new bases from ``sources``, moments moved into them."""
-        return self.set_bases(self.compute_bases(sources, generation))
+        return self.set_bases(self.compute_bases(check_sources(self._lowrank_entries(), sources), generation))
 
     def _lowrank_entries(self) -> list[tuple[Tensor, dict[str, Any], int]]:
         return [(p, g, r) for g in self.param_groups for p in g["params"] if (r := self.lowrank_rank(p, g))]
@@ -379,7 +379,7 @@ class LoRDO(Optimizer):
         floating state to the parameter's dtype; LoRDO keeps its math state in float32, the error-feedback buffer in
         its own dtype), and makes the state fit the knobs (:meth:`conform_state`: e.g. AdamW's moments of a low-rank
         matrix restart); :attr:`load_notes` says what changed, naming parameters by ``names``."""
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict := conversion.with_knobs_kept(self, state_dict))
         conversion.restore_saved_state(self, state_dict)
         self.load_notes = conversion.conform_state(self, names)
 
