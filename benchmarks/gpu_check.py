@@ -48,6 +48,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from gpu_fit import check_lightning
+from gpu_resume import check_resume
 from harness import ROOT, provenance
 from memory import check as check_memory
 from speed import LAYOUTS
@@ -384,7 +385,8 @@ def main(argv: list[str]) -> int:
         "optimizer": lambda: check_optimizer(device), "fit": lambda: check_fit(device),
         "synchronizer": lambda: check_synchronizer(device),
         "speed": lambda: check_speed(device, *((2, 3) if cpu else (12, 10))), "step": lambda: check_step(device, cpu),
-        "lightning": lambda: check_lightning(cpu), "memory": lambda: check_memory(device, small=cpu)}
+        "lightning": lambda: check_lightning(cpu), "memory": lambda: check_memory(device, small=cpu),
+        "resume": lambda: check_resume(device)}
     path = ROOT / "results" / ("gpu_check-cpu.json" if cpu else "gpu_check.json")
     for name, check in checks.items():
         start = time.perf_counter()

@@ -38,3 +38,22 @@ def test_the_hooks_are_installed_on_a_fit() -> None:
     assert wrapper._strategy.sync_config is strategy.sync_config  # Lightning's binding, as for its own wrapper
     assert wrapper.driver.sync_config is strategy.sync_config and isinstance(wrapper.driver, weakref.ProxyType)
     assert _compat.batches_that_stepped(fit) == 2
+
+
+def test_on_cuda_the_process_groups_timeout_is_a_backstop_behind_the_plugins() -> None:
+    """NCCL's watchdog tears the process down at the group's timeout (PyTorch's default error handling): the group
+    gets twice the plugin's plus a minute on CUDA, through the attribute Lightning passes to init_process_group."""
+    import types
+    from datetime import timedelta
+
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert '"timeout": self._timeout' in inspect.getsource(DDPStrategy.setup_distributed)
+    assert '"timeout": self._timeout' in inspect.getsource(FabricDDP._setup_distributed)
+    five = timedelta(minutes=5)
+    on_gpu = types.SimpleNamespace(root_device=torch.device("cuda", 0), _timeout=five)
+    on_cpu = types.SimpleNamespace(root_device=torch.device("cpu"), _timeout=five)
+    _compat.nccl_backstop(on_gpu, five)
+    _compat.nccl_backstop(on_cpu, five)
+    assert on_gpu._timeout == timedelta(minutes=11) and on_cpu._timeout == five

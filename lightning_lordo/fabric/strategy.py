@@ -47,7 +47,7 @@ from lightning_lordo.convert import (
 )
 from lightning_lordo.core import HoldsCore, InCore, LoRDOCore, guarded
 from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
-from lightning_lordo.lightning._compat import BackwardSyncControl
+from lightning_lordo.lightning._compat import BackwardSyncControl, nccl_backstop
 from lightning_lordo.strategy_knobs import (
     LAUNCH_SUFFIXES,
     NAMED_SYNC_KNOBS,
@@ -157,6 +157,7 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
+        nccl_backstop(self, self.sync_config.timeout)
         with joining(self.sync_config.timeout, "LoRDOFabricStrategy"):  # a late worker's error names the knob
             super().setup_environment()  # the process group, with the collectives' timeout
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)

@@ -8,6 +8,7 @@ these should need changes here only (``tests/test_compat.py`` checks each agains
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import lightning
@@ -62,3 +63,13 @@ def wrap_optimizers(strategy: Any, cls: type[LightningOptimizer]) -> list[Lightn
     wrappers = [cls._to_lightning_optimizer(o, strategy) for o in strategy.optimizers]
     strategy._lightning_optimizers = wrappers
     return wrappers
+
+
+def nccl_backstop(strategy: Any, timeout: timedelta) -> None:
+    """Before the process group is made: on CUDA (NCCL) its timeout becomes twice the plugin's plus a minute.
+    PyTorch's NCCL watchdog tears the process down at the group's timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s
+    default, 3), which would race the plugin's own ``CollectiveTimeout`` at ``timeout`` and the user's exception
+    and emergency checkpoint after it; the group's timeout stays the backstop. Lightning keeps it in ``_timeout``
+    (Trainer and Fabric ``DDPStrategy`` alike)."""
+    if strategy.root_device.type == "cuda":
+        strategy._timeout = 2 * timeout + timedelta(minutes=1)

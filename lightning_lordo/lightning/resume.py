@@ -231,7 +231,8 @@ def _edited(sync: Synchronizer, names: dict[Tensor, str]) -> list[str]:
     """The parameters whose loaded values differ from the checkpoint's synchronized model (its anchor), which the
     model Lightning loaded is a copy of unless it was edited between the save and the resume."""
     anchor = sync.anchor.tensors  # none: saved in the synchronous phase, where the loaded model is the model
-    return [names.get(p, "?") for p, a in zip(sync.params, anchor) if not torch.equal(p.detach(), a.to(p.dtype))]
+    return [names.get(p, "?") for p, a in zip(sync.params, anchor)  # a host-memory anchor is compared on p's device
+            if not torch.equal(p.detach(), a.to(device=p.device, dtype=p.dtype))]
 
 
 def reset_error_feedback(optimizer: Optimizer) -> int:

@@ -34,7 +34,7 @@ from lightning_lordo.convert import (
     several_optimizers_message,
 )
 from lightning_lordo.core import HoldsCore, LoRDOCore
-from lightning_lordo.lightning._compat import install_sigterm_hooks, wrap_optimizers
+from lightning_lordo.lightning._compat import install_sigterm_hooks, nccl_backstop, wrap_optimizers
 from lightning_lordo.lightning.callbacks import add_final_sync, add_monitor, refuse_weight_averaging
 from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
@@ -181,6 +181,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
 
     @override
     def setup_distributed(self) -> None:
+        nccl_backstop(self, self.sync_config.timeout)
         with joining(self.sync_config.timeout, "LoRDOStrategy"):  # a late worker's error names the knob
             super().setup_distributed()
 
