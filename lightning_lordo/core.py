@@ -123,6 +123,11 @@ class LoRDOCore:
                                           self.knobs.optimizer_knobs, self.sync_config.seed, self.parameter_names)
             if optimizer is not user_optimizer:
                 repoint_schedulers(list(schedulers), user_optimizer, optimizer)
+        if isinstance(optimizer, torch.optim.LBFGS) and self.communicator.world_size > 1 and \
+                not self.sync_config.synchronous:
+            raise TypeError(f"{self.owner}: {source} torch.optim.LBFGS, whose curvature history pairs its own last "
+                            "step with the gradient change since, which a sync's jump to the average corrupts. Use "
+                            "it on one device, or with strategy='ddp'.")
         self.check_sync_knobs(optimizer, converted=optimizer is not user_optimizer)
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.ddp_bytes_per_step = nbytes(trainable)

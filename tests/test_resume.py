@@ -206,6 +206,23 @@ def test_a_checkpoint_written_from_validation_mid_round_resumes_bit_identical(tm
     _assert_resumed_exactly(tmp_path, "mid", first_step=7)
 
 
+class OneCycleSGD(BatchNormRegressor):
+    """SGD with momentum under OneCycleLR, which sets each group's ``momentum`` at every step: the saved value must
+    come back on resume (another optimizer's group keys are its own, as torch restores them)."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=5e-2, total_steps=MAX_STEPS)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def test_a_diloco_resume_with_sgd_under_one_cycle_is_bit_identical(tmp_path: Path) -> None:
+    _fit(tmp_path, "full", checkpoints=True, module=OneCycleSGD, lowrank=False, preset="diloco")
+    _fit(tmp_path, "mid", ckpt=str(tmp_path / "ckpt" / "step=6.ckpt"), checkpoints=True, module=OneCycleSGD,
+         lowrank=False, preset="diloco")
+    _assert_resumed_exactly(tmp_path, "mid", first_step=7)
+
+
 def test_a_mid_round_resume_keeps_which_parameters_each_worker_stepped(tmp_path: Path) -> None:
     """A branch only rank 1 runs: each rank's checkpoint keeps the parameters it stepped in the round, so the next
     sync averages the branch's moments over rank 1 alone, as the uninterrupted run does (bit for bit)."""

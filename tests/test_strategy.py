@@ -413,3 +413,36 @@ def test_a_second_fit_counts_its_own_syncs_and_bytes() -> None:
     assert strategy.synchronizer.optimizer_steps == 6  # this fit's steps only
     assert strategy.ddp_bytes_per_step * 6 == 6 * sum(p.numel() * 4 for p in module.parameters())
     assert strategy.ddp_equivalent_bytes == 0  # one device: DDP sends nothing
+
+
+class HeadOnlySGD(TinyRegressor):
+    """The optimizer holds the head only; the body stays trainable (a fine-tune that forgot to freeze it)."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.net[5].parameters(), lr=1e-2, momentum=0.9)
+
+
+class SameMomentum(L.Callback):
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        buffer = trainer.strategy.optimizers[0].state[module.net[5].weight]["momentum_buffer"]
+        assert torch.equal(*gather(flat_params(module))) and torch.equal(*gather(buffer))
+
+
+@pytest.mark.slow
+def test_averaged_full_rank_moments_pass_over_parameters_the_optimizer_does_not_hold() -> None:
+    strategy = LoRDOStrategy(preset="diloco", sync_every=4, start_method="fork",
+                             experimental={"average_fullrank_moments": True})
+    trainer(strategy, callbacks=[SameMomentum()], max_steps=8).fit(HeadOnlySGD(), loader())
+
+
+class LBFGSRegressor(TinyRegressor):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+@pytest.mark.slow
+def test_lbfgs_is_refused_with_local_rounds() -> None:
+    with pytest.raises(Exception, match=r"LBFGS, whose curvature history .* Use it on one device, or with "
+                                        r"strategy='ddp'"):
+        trainer(LoRDOStrategy(preset="diloco", sync_every=4, start_method="fork"), max_steps=4).fit(
+            LBFGSRegressor(), loader())

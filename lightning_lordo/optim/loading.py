@@ -74,8 +74,10 @@ def load_optimizer(optimizer: Optimizer, saved: dict[str, Any], saved_names: Opt
     saved_groups = saved["param_groups"] if len(saved["param_groups"]) == len(optimizer.param_groups) else None
     for gi, group in enumerate(optimizer.param_groups):
         merged = {k: v for k, v in group.items() if k != "params"}
-        if saved_groups is not None:
-            merged.update({k: saved_groups[gi][k] for k in (*_HYPER, *REFRESH_COUNTERS) if k in saved_groups[gi]})
+        if saved_groups is not None:  # another optimizer's own state: every key it saved (a scheduler's momentum)
+            keys = [k for k in saved_groups[gi] if k != "params"] if not lordo_now and not from_lordo else \
+                (*_HYPER, *REFRESH_COUNTERS)
+            merged.update({k: saved_groups[gi][k] for k in keys if k in saved_groups[gi]})
         merged["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(merged)

@@ -142,8 +142,8 @@ def averaged_state(optimizer: Optimizer, params: Sequence[Tensor], config: SyncC
                 if fold:  # the average of E itself (each worker's R - Q c otherwise)
                     optimizer.fold_error_feedback([p])
                 feedback.append((p, [state["error_feedback"]]))
-        elif moments_due and config.average_fullrank_moments:
-            layout = fullrank_moments(optimizer, p, groups[p])
+        elif moments_due and config.average_fullrank_moments and p in groups:  # one the optimizer does not hold
+            layout = fullrank_moments(optimizer, p, groups[p])  # never steps: no moments
             has = bool(layout) and all(k in state for k, _, _ in layout)
             if layout:
                 moments.append((p, [state[k] if has else torch.zeros(shape, dtype=dtype, device=p.device)
