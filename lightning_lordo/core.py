@@ -156,6 +156,13 @@ class LoRDOCore:
         if lordo and not converted and "seed" in given and config.seed != optimizer.seed:
             raise ValueError(f"Invalid seed={config.seed!r}: the LoRDO you return has seed={optimizer.seed}, which "
                              "seeds its bases. Set the seed in one place: LoRDO(..., seed=...), no experimental seed.")
+        if "switch_betas" in given and not any("betas" in g for g in optimizer.param_groups):
+            raise ValueError(f"Invalid switch_betas={config.switch_betas!r}: {type(optimizer).__name__} has no betas, "
+                             "so it would be ignored. Drop it.")
+        if config.average_fullrank_moments and isinstance(optimizer, torch.optim.SGD) and not any(
+                g.get("momentum") for g in optimizer.param_groups):
+            raise ValueError("Invalid average_fullrank_moments=True: SGD without momentum keeps no state to average, "
+                             "so it would be ignored. Drop it.")
         rounds_only = ("max_skipped_syncs", "bucket_cap_mb") if config.alone().synchronous else ()
         alone = [k for k in ("payload", "payload_dtype", "fullrank_rank", "moments_every", "average_fullrank_moments",
                              "average_error_feedback", "broadcast_bases", "average_moments", *rounds_only)

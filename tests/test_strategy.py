@@ -446,3 +446,18 @@ def test_lbfgs_is_refused_with_local_rounds() -> None:
                                         r"strategy='ddp'"):
         trainer(LoRDOStrategy(preset="diloco", sync_every=4, start_method="fork"), max_steps=4).fit(
             LBFGSRegressor(), loader())
+
+
+class PlainSGD(TinyRegressor):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("knobs", "shown"), [
+    ({"warmup_steps": 2, "switch_betas": (0.8, 0.9)}, r"Invalid switch_betas=\(0.8, 0.9\): SGD has no betas"),
+    ({"average_fullrank_moments": True}, r"Invalid average_fullrank_moments=True: SGD without momentum")])
+def test_diloco_knobs_that_an_sgd_without_betas_or_momentum_ignores_are_refused(knobs: dict, shown: str) -> None:
+    strategy = LoRDOStrategy(preset="diloco", sync_every=4, start_method="fork", experimental=knobs)
+    with pytest.raises(Exception, match=shown):
+        trainer(strategy, max_steps=4).fit(PlainSGD(), loader())
