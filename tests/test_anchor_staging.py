@@ -90,8 +90,17 @@ def _stage(sync: Any) -> Streams:
     CPU: a stale staged copy would show in the values)."""
     streams = Streams()
     saved = sync.anchor.state_dict()
-    sync.anchor = Anchor(sync.params, "auto", side=_LoggedSide(torch.device("cpu"), streams))
-    sync.anchor.load_state_dict(saved)
+    anchor = sync.anchor = Anchor(sync.params, "auto", side=_LoggedSide(torch.device("cpu"), streams))
+    anchor.load_state_dict(saved)
+    on_device = anchor._on_device
+
+    def used(indices: Any) -> list[torch.Tensor]:  # the staged copies' events, logged as used once returned
+        events = sorted({anchor._staged[i][1].name for i in indices if i in anchor._staged})
+        copies = on_device(indices)
+        streams.log.extend(f"compute uses {event}" for event in events)
+        return copies
+
+    anchor._on_device = used
     streams.log.clear()
     return streams
 
@@ -118,7 +127,7 @@ def _run(world: int, rank: int, staged: bool, knobs: dict[str, Any]) -> tuple[li
 def _check(log: list[str]) -> None:
     """A device would need this order: each write to the host waits for the compute stream's work so far; a copy
     made on the compute stream comes after the compute stream (or the host) waited for every earlier write; every
-    staged copy is waited for before its use."""
+    staged copy is waited for before its use (the compute stream waits for its event before it is used)."""
     writes = [n for n, line in enumerate(log) if line.startswith("side waits compute#")]
     assert writes, log
     pending = None  # the event of the last write that nothing has waited for yet
@@ -131,6 +140,8 @@ def _check(log: list[str]) -> None:
             pending = None
         elif line == "compute copies":
             assert pending is None, (n, log[max(0, n - 8):n + 1])
+        if line.startswith("compute uses "):  # a staged copy is used only after the compute stream waited for it
+            assert f"compute waits {line.split()[-1]}" in log[:n], (n, log[max(0, n - 8):n + 1])
 
 
 @pytest.mark.parametrize("knobs", [{}, {"outer_optimizer": "nesterov"}], ids=["bucketed", "general"])
@@ -139,6 +150,7 @@ def test_alone_a_staged_anchor_gives_the_unstaged_values(knobs: dict[str, Any]) 
     staged, log = _run(1, 0, True, knobs)
     assert all(torch.equal(a, b) for a, b in zip(plain, staged, strict=True))
     _check(log)
+    assert any(line.startswith("compute uses ") for line in log) == (not knobs), log  # bucketed: staged copies
     if not knobs:  # averaging alone: the commit takes the parameters as the anchor, and the compute stream waits for
         # that copy on the device before the next update writes them; the host does not wait for it
         first_write = next(n for n, line in enumerate(log) if line.startswith("side waits compute#"))
@@ -163,7 +175,7 @@ def test_two_workers_with_a_staged_anchor_get_the_unstaged_values(tmp_path: Path
         staged = sum(line.startswith("side records") for line in run["log"]) - sum(
             line.startswith("side waits compute#") for line in run["log"])
         if not knobs:  # the bucketed path stages the next bucket ahead of its use, several a sync
-            assert staged > 2 * 3, run["log"]
+            assert staged > 2 * 3 and any(line.startswith("compute uses ") for line in run["log"]), run["log"]
         else:  # streamed and general: their pseudo-gradients are copied on the compute stream, nothing staged
             assert staged == 0 and "compute copies" in run["log"], run["log"]
 
