@@ -157,8 +157,8 @@ def is_factored(p: Tensor, h: Hyper) -> bool:
 def adamw_torch(params: Sequence[Tensor], states: Sequence[dict[str, Tensor]], h: Hyper, fused: bool) -> None:
     """torch's own AdamW (foreach or ``fused``) for moments in the parameters' dtype; it counts the steps itself. The
     fused kernel needs a gradient laid out as its parameter; the foreach one takes no tensor LR (torch's loop does)."""
-    grads = [g if not fused or g.stride() == p.stride() else torch.empty_like(p).copy_(g) for p, g in
-             zip(params, [p.grad for p in params])]
+    grads = [p.grad if not fused or p.grad.stride() == p.stride() else torch.empty_like(p).copy_(p.grad)
+             for p in params]
     torch_adamw(list(params), grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
                 [s["step"] for s in states], foreach=not fused and not isinstance(h.lr, Tensor), fused=fused,
                 amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,

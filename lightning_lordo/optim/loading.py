@@ -15,8 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo.config import OPTIMIZER_DEFAULTS
 from lightning_lordo.optim.bases import REFRESH_COUNTERS
-from lightning_lordo.optim.conversion import HYPER as _HYPER
-from lightning_lordo.optim.conversion import adamw_entry, is_lordo_state
+from lightning_lordo.optim.conversion import HYPER, adamw_entry, is_lordo_state
 from lightning_lordo.optim.lordo import LoRDO
 
 #: The knobs LoRDO keeps in its param groups (lr, betas, eps, weight_decay come from the user's optimizer and are
@@ -76,7 +75,7 @@ def load_optimizer(optimizer: Optimizer, saved: dict[str, Any], saved_names: Opt
         merged = {k: v for k, v in group.items() if k != "params"}
         if saved_groups is not None:  # another optimizer's own state: every key it saved (a scheduler's momentum)
             keys = [k for k in saved_groups[gi] if k != "params"] if not lordo_now and not from_lordo else \
-                (*_HYPER, *REFRESH_COUNTERS)
+                (*HYPER, *REFRESH_COUNTERS)
             merged.update({k: saved_groups[gi][k] for k in keys if k in saved_groups[gi]})
         merged["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
