@@ -10,7 +10,7 @@ import re
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -191,7 +191,16 @@ def repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> No
     for config in configs:
         repoint(config.scheduler)
     old.param_groups = new.param_groups
-    track_step_calls(new)
+    track_step_calls(new, old)
+    kind = type(old).__name__
+
+    def converted_step(*args: Any, **kwargs: Any) -> None:  # its groups lost Adam's own keys: torch would KeyError
+        raise RuntimeError(f"This {kind} was converted to lightning_lordo.LoRDO by the strategy, which steps the "
+                           "converted one (and synchronizes around it). Step the optimizer that fabric.setup / "
+                           "fabric.setup_optimizers returned (the Trainer steps its own), not the one passed in.")
+
+    converted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler left on it stays quiet
+    old.step = converted_step  # type: ignore[method-assign]
 
 
 def scale_base_lrs(scheduler: Any, scale: float) -> None:
@@ -205,18 +214,20 @@ def scale_base_lrs(scheduler: Any, scale: float) -> None:
         scale_base_lrs(inner, scale)
 
 
-def track_step_calls(optimizer: Optimizer) -> None:
+def track_step_calls(optimizer: Optimizer, source: Optional[Optimizer] = None) -> None:
     """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does (``_opt_called``,
     ``_wrapped_by_lr_sched``: torch's private flags, the one private API outside ``lightning/_compat.py``), so that
     re-pointed schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``. The step stays
     the optimizer's own (a ``functools.partial`` carries the mark; a hook notes the first step, then removes
-    itself): nothing of this module runs at later steps."""
+    itself): nothing of this module runs at later steps. ``source`` (the user's optimizer it was converted from) is
+    marked at the same first step, for a scheduler that was not handed over and still points at it."""
     step = functools.partial(type(optimizer).step, weakref.proxy(optimizer))  # no reference cycle, as torch's
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = step  # type: ignore[method-assign]
 
     def first_step(opt: Optimizer, args: Any, kwargs: Any) -> None:
-        opt._opt_called = True  # type: ignore[attr-defined]
+        for marked in (opt, source) if source is not None else (opt,):
+            marked._opt_called = True  # type: ignore[attr-defined]
         handle.remove()
 
     handle = optimizer.register_step_post_hook(first_step)

@@ -98,6 +98,12 @@ class LoRDOCore:
         """
         assert self.communicator is not None, "the communicator is made before the optimizer is attached"
         self.parameter_names = {p: n for n, p in module.named_parameters()}
+        strays = [tuple(p.shape) for g in user_optimizer.param_groups for p in g["params"]
+                  if p not in self.parameter_names]
+        if strays:  # they would train on every rank and never be averaged
+            raise ValueError(f"{self.owner}: {source} an optimizer holding {len(strays)} parameter(s) that the model "
+                             f"does not (shapes {strays[:3]}), so they would never be synchronized. Give the "
+                             "optimizer the model's parameters (model.parameters()), or make them part of the model.")
         optimizer = user_optimizer
         if self.knobs.lowrank:
             if not isinstance(optimizer, LoRDO) and type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):

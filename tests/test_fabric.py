@@ -735,3 +735,63 @@ def test_fabric_logs_the_parameter_plan_at_setup(caplog: pytest.LogCaptureFixtur
         fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     said = [r.getMessage() for r in caplog.records if "take the low-rank step" in r.getMessage()]
     assert len(said) == 1 and "largest" in said[0] and "parameter_plan()" in said[0], caplog.text
+
+
+def test_setup_optimizers_attaches_to_the_model_holding_its_parameters() -> None:
+    """A student and a teacher set up one after the other: the optimizer's parameters are the student's, so the
+    student is what the rounds synchronize (the last model set up was: never the student, or a bare torch error
+    when the teacher was frozen). An optimizer over parameters no model holds is refused, naming them."""
+    fabric = _launched(synchronous=False)
+    student, teacher = regression_model(0), regression_model(1)
+    teacher.requires_grad_(False)
+    net = fabric.setup_module(student)
+    fabric.setup_module(teacher)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(student.parameters(), lr=1e-2))
+    assert fabric.strategy.core.module is student
+    run_steps(fabric, net, optimizer, (b for _, b in zip(range(K), loader())))
+    assert fabric.strategy.synchronizer.syncs_done == 1
+    fabric = _launched()
+    with pytest.raises(ValueError, match=r"holding 1 parameter\(s\) that the model does not \(shapes \[\(3,\)\]\).*"
+                                         r"never be synchronized"):
+        fabric.setup(regression_model(), torch.optim.AdamW([*regression_model().parameters()][-1:]))
+
+
+def test_the_save_refusal_names_the_next_sync_after_a_finish_mid_run(tmp_path: Path) -> None:
+    """finish() is a sync: the rounds count from it, so the refusal names the step the next sync comes after (it
+    said "a multiple of sync_every", which is no longer one), and a save there works."""
+    fabric, model = _launched(synchronous=False), regression_model()
+    net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    batches = iter(loader())
+    run_steps(fabric, net, optimizer, (next(batches) for _ in range(K + 2)))
+    fabric.strategy.finish()
+    run_steps(fabric, net, optimizer, (next(batches) for _ in range(2)))
+    with pytest.raises(RuntimeError, match=rf"optimizer step {K + 4}, 2 local step\(s\) after the last "
+                                           rf"synchronization.*the next is after optimizer step {2 * K + 2};"):
+        fabric.save(tmp_path / "mid.ckpt", {"model": net, "optimizer": optimizer})
+    run_steps(fabric, net, optimizer, (next(batches) for _ in range(K - 2)))
+    fabric.save(tmp_path / "at_sync.ckpt", {"model": net, "optimizer": optimizer})
+
+
+def test_the_optimizer_passed_in_refuses_to_step_and_its_scheduler_stays_quiet(recwarn: Any) -> None:
+    """The user's AdamW, converted, shares LoRDO's param groups: stepping it raised torch's bare KeyError('fused').
+    A scheduler not handed over (setup_optimizers takes none) keeps driving the LR and does not warn that it
+    stepped before the optimizer."""
+    fabric, model = _launched(), regression_model()
+    net = fabric.setup_module(model)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 0.5**step)
+    optimizer = fabric.setup_optimizers(adamw)
+    run_steps(fabric, net, optimizer, (b for _, b in zip(range(2), loader())), after=lambda step: schedule.step())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+    with pytest.raises(RuntimeError, match=r"This AdamW was converted to lightning_lordo.LoRDO.*Step the optimizer "
+                                           r"that fabric.setup / fabric.setup_optimizers returned"):
+        adamw.step()
+
+
+def test_switch_lr_scale_without_a_scheduler_handed_over_warns() -> None:
+    """switch_lr_scale scales the param groups' LR; a scheduler Fabric was not given would set it back at its next
+    step, so the setup says where to pass it."""
+    fabric, model = _launched(warmup_steps=2, switch_lr_scale=0.5), regression_model()
+    with pytest.warns(UserWarning, match=r"switch_lr_scale=0.5 .*fabric.setup\(model, optimizer, scheduler="):
+        fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))

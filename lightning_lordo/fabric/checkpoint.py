@@ -2,10 +2,11 @@
 
 Between two synchronizations every rank holds its own model, and Fabric writes rank 0's objects only. So a save
 that includes the synchronized model or its optimizer must come at a synchronization boundary (right after a
-synchronization, i.e. a step count that is a multiple of ``sync_every``, or after ``fabric.strategy.finish()``;
-any step in the synchronous phase); elsewhere it raises, saying so. With ``overlap_steps`` a round is in flight at
-every multiple of ``sync_every``, so save after ``finish()``: it lands the round, and the save *waits* for it. At a
-boundary the model and buffers are identical on every rank. The file then holds, besides your own keys:
+synchronization, every ``sync_every`` steps counted from the last one, or after ``fabric.strategy.finish()``,
+which starts the count again; any step in the synchronous phase); elsewhere it raises, naming the next one. With
+``overlap_steps`` a round is in flight at each of them, so save after ``finish()``: it lands the round, and the
+save *waits* for it. At a boundary the model and buffers are identical on every rank. The file then holds, besides
+your own keys:
 
 * your ``"model"`` entry as Fabric writes it, and your optimizer's entry in torch AdamW's shape (rank 0's state,
   the low-rank moments expanded through their bases), so that ``Fabric(strategy="ddp")`` loads the file into your
@@ -88,12 +89,15 @@ class SynchronizedCheckpoints:
                     "still in flight (overlap_steps) and every rank holds its own model. Call "
                     "fabric.strategy.finish() on every rank first: it lands the round (training may go on after).")
             if synchronizer.steps_since_sync > 0:
+                steps, since = synchronizer.optimizer_steps, synchronizer.steps_since_sync
+                next_sync = steps + synchronizer.config.sync_every - since
                 raise RuntimeError(
                     f"fabric.save with strategy='lordo' saves the synchronized model, but this is optimizer step "
-                    f"{synchronizer.optimizer_steps}, {synchronizer.steps_since_sync} local step(s) after the last "
-                    "synchronization, and every rank holds its own model. Save right after a synchronization (when "
-                    f"the step count is a multiple of sync_every={synchronizer.config.sync_every}), or call "
-                    "fabric.strategy.finish() on every rank first.")
+                    f"{steps}, {since} local step(s) after the last "
+                    "synchronization, and every rank holds its own model. Save right after a synchronization (the "
+                    f"next is after optimizer step {next_sync}; "
+                    "rounds count from the last one, finish() included), or call fabric.strategy.finish() on every "
+                    "rank first.")
             own = None
             writes = self.global_rank == 0  # Fabric writes rank 0's objects only
             if optimizer_key is not None and isinstance(self.optimizer, LoRDO) and writes:  # AdamW's shape: any

@@ -33,7 +33,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -120,7 +120,7 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
                          timeout=self.sync_config.timeout, start_method=start_method)
         self._backward_sync_control = _NothingToSkip()
         self.scheduler: Optional[Any] = None
-        self._last_module: Optional[nn.Module] = None
+        self._modules: list[nn.Module] = []  # set up by setup_module, in order
         self._prepared = False  # the synchronizer's preparation ran for the coming step (e.g. before clipping)
 
     @classmethod
@@ -180,7 +180,7 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
         check_initialized(module)
         state = list(module.parameters()) + list(module.buffers())
         self.communicator.broadcast_unless_identical([t.data for t in state], "setup_broadcast")
-        self._last_module = module
+        self._modules.append(module)
         return module
 
     @override
@@ -197,12 +197,15 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """``fabric.setup_optimizers`` after ``fabric.setup_module``: the optimizer of the model set up last."""
-        if self._last_module is None:
+        """``fabric.setup_optimizers`` after ``fabric.setup_module``: the optimizer of the model that holds its
+        parameters (a frozen teacher set up beside it is left alone)."""
+        if not self._modules:
             raise RuntimeError("Fabric(strategy='lordo') synchronizes the optimizer with its model: set the model up "
                                "first (model = fabric.setup_module(model), then fabric.setup_optimizers(optimizer)), "
                                "or both at once with fabric.setup(model, optimizer).")
-        return self._attach(self._last_module, optimizer, None)
+        held = {p for g in optimizer.param_groups for p in g["params"]}
+        owner = next((m for m in reversed(self._modules) if held <= set(m.parameters())), self._modules[-1])
+        return self._attach(owner, optimizer, None)  # no owner: the core's check names the strays
 
     def _attach(self, module: nn.Module, user_optimizer: Optimizer, scheduler: Optional[Any]) -> Optimizer:
         """The optimizer LoRDO steps (converted) and the synchronizer over the module's trainable parameters."""
@@ -215,6 +218,11 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
                                "skips optimizer steps on the ranks whose own gradients overflow, so the workers' step "
                                "counts would diverge. Use precision='bf16-mixed' (no scaler) or '32-true'.")
         configs = [SimpleNamespace(scheduler=scheduler)] if scheduler is not None else []
+        if scheduler is None and self.sync_config.switch_lr_scale != 1.0:  # the scale would last one step
+            rank_zero_warn(f"switch_lr_scale={self.sync_config.switch_lr_scale} scales the learning rate at the end "
+                           "of the warm-up; an LR scheduler of yours would set it back at its next step. Pass it: "
+                           "fabric.setup(model, optimizer, scheduler=scheduler) (setup_optimizers takes none), and "
+                           "its base LRs are scaled too.")
         optimizer = self.core.attach(module, user_optimizer, configs, "fabric.setup got", self._scale_scheduler)
         self.scheduler = scheduler
         message = self.core.plan_message()
