@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 KNOBS = ROOT / "KNOBS.md"
 #: The knobs the README's table shows (the rest are in KNOBS.md).
-README_KNOBS = ("sync_every", "preset", "payload", "payload_dtype", "outer_optimizer", "overlap_steps",
+README_KNOBS = ("sync_every", "preset", "payload", "outer_optimizer", "overlap_steps",
                 "anchor_device", "timeout", "rank", "error_feedback", "full_rank_params", "warmup_steps",
                 "checkpoint_shards")
 

@@ -203,6 +203,10 @@ def resolve_knobs(owner: str, *, preset: str, named: Mapping[str, Any], optimize
         optimizer_source: where lr, betas, eps and weight_decay come from, for the error that refuses them.
         trainer_only: whether the Trainer-only knobs (``checkpoint_shards``, ``monitor_progress_bar``) apply.
     """
+    launched = [(preset[:-len(sfx)], how) for sfx, how in LAUNCH_SUFFIXES if sfx and str(preset).endswith(sfx)]
+    if launched and launched[0][0] in PRESETS:
+        raise fail("preset", preset, "a preset is a set of knobs, and the suffix names a launcher",
+                   f"Pass preset={launched[0][0]!r}, start_method={launched[0][1]!r}.")
     check_choice("preset", preset, tuple(PRESETS))
     for key, value in misplaced.items():
         home = home_of(key, value)
@@ -272,6 +276,12 @@ def _validated(preset_knobs: Mapping[str, Any], passed: Mapping[str, Any], expli
     if not isinstance(full_rank, (list, tuple)) or not all(isinstance(p, str) for p in full_rank):
         raise fail("full_rank_params", full_rank, "it must be a list of regular expressions on parameter names",
                    "Pass e.g. optimizer={'full_rank_params': ['decoder']}.")
+    literal = [p for p in full_rank if "\\\\" in p]  # a pattern that needs a backslash in the name
+    if literal:
+        raise fail("full_rank_params", literal, "an escaped backslash matches a literal backslash, which no parameter "
+                   "name holds (a dotted command-line flag doubles the backslashes of a list)",
+                   "Write the pattern with single backslashes; on the command line pass the whole mapping, "
+                   "--trainer.strategy.optimizer='{full_rank_params: [...]}', or use YAML.")
     chosen = {k: flat.pop(k) for k in STRATEGY_OPTIMIZER_KNOBS if k in flat}
     if given and lowrank is False:
         raise KnobError(given[0], f"Invalid optimizer {given[0]}={chosen.get(given[0], full_rank)!r} with "

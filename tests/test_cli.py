@@ -4,6 +4,7 @@ flags, a config file, a preset overridden, ``--print_config`` round-tripping the
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,23 @@ def test_help_lists_every_named_and_experimental_knob(capsys: pytest.CaptureFixt
     missing += [n for n in EXPERIMENTAL_KNOBS if f"--trainer.strategy.experimental.{n} " not in text]
     assert not missing, missing
     assert "PowerSGD-style" in text and "consecutive discarded rounds" in text  # the docstrings' words
+    undescribed = [n for n in names  # each with its own description (jsonargparse skips "a, b: ..." entries)
+                   if not re.search(rf"^  --trainer\.strategy\.{n}(?: \S+)?\n\s+(?!\(type:)\S", text, re.M)]
+    assert not undescribed, undescribed
+
+
+def test_a_backslash_a_dotted_flag_doubled_is_refused_not_silently_matched() -> None:
+    """jsonargparse re-parses a dotted flag's list from its repr, which doubles each backslash: ``mid\\d`` became
+    ``mid\\\\d``, which matches nothing, so ``inp|mid\\d`` silently kept ``mid2.weight`` low-rank."""
+    with pytest.raises(ValueError, match=r"Invalid full_rank_params=.*matches a literal backslash.*"
+                                         r"--trainer.strategy.optimizer='\{full_rank_params: \[...\]\}'"):
+        _cli(BASE + ["--trainer.strategy=lightning_lordo.LoRDOStrategy",
+                     "--trainer.strategy.optimizer.full_rank_params=[inp|mid\\d]"])
+    cli = _cli(BASE + ["--trainer.strategy=lightning_lordo.LoRDOStrategy",
+                       "--trainer.strategy.optimizer={full_rank_params: [net\\.0]}"])
+    assert cli.trainer.strategy.core.knobs.full_rank_params == ["net\\.0"]
+    with pytest.raises(ValueError, match=r"Invalid preset='lordo_fork'.*Pass preset='lordo', start_method='fork'"):
+        _cli(BASE + ["--trainer.strategy=lightning_lordo.LoRDOStrategy", "--trainer.strategy.preset=lordo_fork"])
 
 
 def test_the_strategy_has_at_most_15_named_arguments() -> None:

@@ -144,7 +144,24 @@ def test_an_asynchronous_checkpoint_io_is_refused_with_the_fix(tmp_path: Path) -
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
     strategy = lordo(sync_every=4, start_method="popen", checkpoint_io=AsyncCheckpointIO(TorchCheckpointIO()))
-    with pytest.raises(ValueError, match="AsyncCheckpointIO.*checkpoint_shards=False"):
+    with pytest.raises(ValueError, match=r"AsyncCheckpointIO.*LoRDOStrategy\(experimental=\{'checkpoint_shards': "
+                                         r"False\}\)"):
         L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
                   enable_progress_bar=False, enable_model_summary=False,
                   callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)]).fit(TinyRegressor(), loader())
+
+
+def test_a_checkpoint_io_plugin_is_taken_as_with_ddp_and_the_default_writes_atomically() -> None:
+    """A CheckpointIO given as a Trainer plugin beside a LoRDOStrategy instance was refused by Lightning as "set
+    through both strategy class and plugins" (the strategy passed its default to DDPStrategy): it is taken, as
+    DDPStrategy takes it; without one, the strategy's is the atomic one."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO
+
+    plugin = TorchCheckpointIO()
+    given = L.Trainer(accelerator="cpu", devices=1, strategy=lordo(sync_every=4), plugins=[plugin], logger=False)
+    assert given.strategy.checkpoint_io is plugin
+    for strategy in (lordo(sync_every=4), "lordo"):
+        default = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
+        assert type(default.strategy.checkpoint_io) is AtomicCheckpointIO

@@ -35,16 +35,24 @@ class Seen(TinyRegressor):
 
 
 class Around(L.Callback):
-    """Before the strategy's validation hooks (callbacks run first): the replica and the anchor; at the next training
-    batch: the weights, which must be the replica again; at the end, the checks."""
+    """The replica and the anchor at the training batch before each validation; at the validation's start (this
+    callback's hook runs before the strategy's, after the strategy's first callback's), the weights, which must already
+    be the anchor there; at the next training batch, the weights, which must be the replica again; then the checks."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
+        self.replica: Any = None
+        self.anchor: Any = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Seen, *args: Any) -> None:
+        self.replica = flat(module.parameters())
+        self.anchor = flat(trainer.strategy.synchronizer.anchor.tensors)  # (validation swaps the two)
 
     def on_validation_start(self, trainer: L.Trainer, module: Seen) -> None:
         sync = trainer.strategy.synchronizer
-        self.records.append({"steps_since_sync": sync.steps_since_sync, "replica": flat(module.parameters()),
-                             "anchor": flat(sync.anchor.tensors), "first": len(module.validated)})
+        self.records.append({"steps_since_sync": sync.steps_since_sync, "replica": self.replica,
+                             "at_start": flat(module.parameters()), "anchor": self.anchor,
+                             "first": len(module.validated)})
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Seen, *args: Any) -> None:
         for record in self.records:
@@ -56,6 +64,7 @@ class Around(L.Callback):
         for record in mid_round:
             assert "after" in record, "no training batch after the validation"
             assert not torch.equal(record["replica"], record["anchor"]), "mid-round, the replica should differ"
+            assert torch.equal(record["at_start"], record["anchor"]), "on_validation_start saw the replica"
             seen = module.validated[record["first"]]
             assert torch.equal(seen, record["anchor"]), "validation did not run on the synchronized model"
             copies = gather(seen)
@@ -86,11 +95,12 @@ class BatchNormSeen(Seen):
 
 
 class Buffers(L.Callback):
-    """The floating buffers at the start and after each sync (identical on every rank), before each validation (the
-    rank's own) and at the next training batch; a checkpoint written mid-round (step K + 2)."""
+    """The floating buffers at the start and after each sync (identical on every rank), at the training batch before
+    each validation (the rank's own), at the validation's start (the synchronized ones already) and at the next
+    training batch; a checkpoint written mid-round (step K + 2)."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.synced, self.records = path, None, []
+        self.path, self.synced, self.records, self.last_own = path, None, [], None
 
     @staticmethod
     def own(module: L.LightningModule) -> torch.Tensor:
@@ -101,6 +111,7 @@ class Buffers(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         sync = trainer.strategy.synchronizer
+        self.last_own = self.own(module)
         if sync.steps_since_sync == 0:
             self.synced = self.own(module)
             assert all(torch.equal(self.synced, c) for c in gather(self.synced)), "buffers differ after a sync"
@@ -114,7 +125,7 @@ class Buffers(L.Callback):
 
     def on_validation_start(self, trainer: L.Trainer, module: BatchNormSeen) -> None:
         if trainer.strategy.synchronizer.steps_since_sync > 0:
-            self.records.append({"own": self.own(module), "synced": self.synced,
+            self.records.append({"own": self.last_own, "at_start": self.own(module), "synced": self.synced,
                                  "first": len(module.validated_buffers)})
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
@@ -127,6 +138,7 @@ class Buffers(L.Callback):
             seen = module.validated_buffers[record["first"]]
             assert not torch.equal(record["own"], record["synced"]), "mid-round, a rank's own buffers should differ"
             assert torch.equal(seen, record["synced"]), "validation did not run with the synchronized buffers"
+            assert torch.equal(record["at_start"], record["synced"]), "on_validation_start saw a rank's own buffers"
             assert torch.equal(record["after"], record["own"]), "the rank's own buffers did not come back"
 
 

@@ -127,14 +127,19 @@ def add_monitor(trainer: Trainer, progress_bar: Optional[bool]) -> None:
 
 
 class FinalSync(Callback):
-    """The strategy puts this first among the callbacks: a fit that ends before its last step (EarlyStopping,
-    ``max_time``, ``should_stop``) runs its final sync before the other ``on_train_end`` hooks (the user's,
-    ``ModelCheckpoint``'s last save), which Lightning calls before the strategy's own; as with DDP they see one
-    model."""
+    """The strategy puts this first among the callbacks, because Lightning calls the strategy's hooks after the
+    callbacks' and the module's: a fit that ends before its last step (EarlyStopping, ``max_time``,
+    ``should_stop``) runs its final sync before the other ``on_train_end`` hooks (the user's, ``ModelCheckpoint``'s
+    last save), and validation mid-round has the synchronized model in before the other ``on_validation_start``
+    hooks; as with DDP they see one model."""
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.on_train_end_sync()
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.strategy.swap_in_for_validation()
 
 
 def reports_undone(trainer: Trainer, kept: int) -> None:

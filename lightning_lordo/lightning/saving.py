@@ -72,13 +72,20 @@ class SynchronizedState:
         if self._synced_buffers is not None:
             self._exchange_buffers()
 
+    def swap_in_for_validation(self) -> None:
+        """Validation during fit sees the synchronized model, identical on all ranks. The strategy's
+        ``FinalSync`` callback, first among the callbacks, calls this before the other ``on_validation_start``
+        hooks (Lightning calls the strategy's last); the strategy's own hook is the fallback."""
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._mid_round() and \
+                not self._swapped_for_eval:
+            self._swap_model(synchronized=True)
+            self._swapped_for_eval = True
+
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        trainer = self._trainer
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self._mid_round():
-            self._swap_model(synchronized=True)  # validate the synchronized model: identical on all ranks
-            self._swapped_for_eval = True
+        self.swap_in_for_validation()
 
     @override
     def on_validation_end(self) -> None:

@@ -77,7 +77,7 @@ def check_checkpoint_io(checkpoint_io: Any) -> None:
     if isinstance(checkpoint_io, AsyncCheckpointIO):
         raise ValueError("checkpoint_shards=True with an AsyncCheckpointIO: the shards' writes could not be "
                          "agreed on before the stale ones are removed. Use the strategy's default CheckpointIO, or "
-                         "LoRDOStrategy(checkpoint_shards=False).")
+                         "LoRDOStrategy(experimental={'checkpoint_shards': False}).")
 
 
 def count_agreements(comm_state: dict[str, Any], world_size: int) -> None:

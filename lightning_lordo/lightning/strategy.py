@@ -95,10 +95,12 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
             (:data:`~lightning_lordo.strategy_knobs.PRESETS`).
         optimizer: LoRDO's knobs for the conversion of your Adam/AdamW (``rank``, ``omega``, ``full_rank_params``,
             ...; see :class:`~lightning_lordo.LoRDO`). Refused when ``configure_optimizers`` returns a LoRDO.
-        payload, payload_dtype: ``full`` or ``lowrank`` (PowerSGD-style); ``float32``, ``bfloat16`` or ``int8``
-            (``None``: the preset's, else ``full`` in ``float32``).
+        payload: what a sync sends: ``full`` or ``lowrank`` (PowerSGD-style), in ``payload_dtype`` (``None``: the
+            preset's, else ``full``).
+        payload_dtype: ``float32``, ``bfloat16`` or ``int8`` (``None``: the preset's, else ``float32``).
         outer_optimizer: ``average`` or ``nesterov`` (DiLoCo's outer SGD).
-        outer_lr, outer_momentum: the Nesterov outer step's learning rate and momentum (DiLoCo's 0.7 and 0.9).
+        outer_lr: the Nesterov outer step's learning rate (DiLoCo's 0.7).
+        outer_momentum: the Nesterov outer step's momentum (DiLoCo's 0.9).
         overlap_steps: 0 (blocking syncs), or tau < sync_every: a round's collectives overlap tau local steps.
         anchor_device: where the anchor lives: ``auto`` (host memory on an accelerator), ``param`` or ``cpu``.
         bucket_cap_mb: the most pseudo-gradient (float32 MB) a blocking sync holds at once.
@@ -150,11 +152,10 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         self.monitor = monitor
         self.monitor_progress_bar = knobs.monitor_progress_bar
         self.checkpoint_shards = knobs.checkpoint_shards
-        checkpoint_io = ddp.get("checkpoint_io")
         super().__init__(timeout=self.sync_config.timeout, start_method=start_method,
                          accelerator=ddp.get("accelerator"), parallel_devices=ddp.get("parallel_devices"),
                          cluster_environment=ddp.get("cluster_environment"),
-                         checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+                         checkpoint_io=ddp.get("checkpoint_io"),  # None: AtomicCheckpointIO (the property)
                          precision_plugin=ddp.get("precision_plugin"),
                          process_group_backend=ddp.get("process_group_backend"))
         self._swapped_for_eval = False
@@ -168,6 +169,19 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         self._lordo_checkpoint = False
         self._reset_on_load = False
         self._plugin_warnings = PluginWarnings(lambda: self.global_rank)  # once, on rank 0, at the user's line
+
+    @property  # type: ignore[override]
+    @override
+    def checkpoint_io(self) -> Any:
+        """The CheckpointIO given (the strategy's argument, or a Trainer plugin), else one whose writes are atomic.
+        Made here, not passed to DDPStrategy, so that a plugin is not taken for a second one."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
 
     # ------------------------------------------------------------------ registry
     @classmethod
