@@ -103,7 +103,8 @@ class LoRDOCore:
         if strays:  # they would train on every rank and never be averaged
             raise ValueError(f"{self.owner}: {source} an optimizer holding {len(strays)} parameter(s) that the model "
                              f"does not (shapes {strays[:3]}), so they would never be synchronized. Give the "
-                             "optimizer the model's parameters (model.parameters()), or make them part of the model.")
+                             "optimizer one model's parameters, or make them one model (e.g. an nn.ModuleDict of "
+                             "both, set up once).")
         optimizer = user_optimizer
         if self.knobs.lowrank:
             if not isinstance(optimizer, LoRDO) and type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):

@@ -795,3 +795,17 @@ def test_switch_lr_scale_without_a_scheduler_handed_over_warns() -> None:
     fabric, model = _launched(warmup_steps=2, switch_lr_scale=0.5), regression_model()
     with pytest.warns(UserWarning, match=r"switch_lr_scale=0.5 .*fabric.setup\(model, optimizer, scheduler="):
         fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def test_with_overlap_the_save_refusal_asks_for_finish(tmp_path: Path) -> None:
+    """With overlap_steps a round is in flight after each sync, so the next sync is no place to save either: the
+    refusal asks for finish(), and a save after it works."""
+    fabric, model = _launched(synchronous=False, overlap_steps=1), regression_model()
+    net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    run_steps(fabric, net, optimizer, (b for _, b in zip(range(K + 2), loader())))
+    with pytest.raises(RuntimeError, match=r"With overlap_steps a round is in flight after each sync, so call "
+                                           r"fabric.strategy.finish\(\)") as refused:
+        fabric.save(tmp_path / "mid.ckpt", {"model": net, "optimizer": optimizer})
+    assert "the next is after" not in str(refused.value)
+    fabric.strategy.finish()
+    fabric.save(tmp_path / "finished.ckpt", {"model": net, "optimizer": optimizer})

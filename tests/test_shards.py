@@ -10,7 +10,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LambdaCallback, ModelCheckpoint
 from strategy_helpers import TinyRegressor, loader, lordo, trainer
 
 from lightning_lordo.lightning.shards import load_full
@@ -155,13 +155,21 @@ def test_a_checkpoint_io_plugin_is_taken_as_with_ddp_and_the_default_writes_atom
     """A CheckpointIO given as a Trainer plugin beside a LoRDOStrategy instance was refused by Lightning as "set
     through both strategy class and plugins" (the strategy passed its default to DDPStrategy): it is taken, as
     DDPStrategy takes it; without one, the strategy's is the atomic one."""
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
     from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO
 
     plugin = TorchCheckpointIO()
     given = L.Trainer(accelerator="cpu", devices=1, strategy=lordo(sync_every=4), plugins=[plugin], logger=False)
     assert given.strategy.checkpoint_io is plugin
+    steps = []  # an asynchronous plugin is refused at setup, before any step (not at the first save)
+    asynchronous = L.Trainer(accelerator="cpu", devices=1, strategy=lordo(sync_every=4, start_method="popen"),
+                             logger=False,
+                             plugins=[AsyncCheckpointIO()], enable_progress_bar=False, max_steps=4,
+                             callbacks=[LambdaCallback(on_train_batch_end=lambda *a: steps.append(1))])
+    with pytest.raises(ValueError, match=r"checkpoint_shards=True with an AsyncCheckpointIO"):
+        asynchronous.fit(TinyRegressor(), loader())
+    assert steps == []
     for strategy in (lordo(sync_every=4), "lordo"):
         default = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
         assert type(default.strategy.checkpoint_io) is AtomicCheckpointIO

@@ -232,4 +232,4 @@ def test_float16_with_a_gradient_scaler_is_refused_with_the_fix() -> None:
     fabric.precision = FabricMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     model = torch.nn.Linear(4, 4)
     with pytest.raises(RuntimeError, match=r"precision='16-mixed'.*Use precision='bf16-mixed'"):
-        fabric._attach(model, torch.optim.AdamW(model.parameters()), None)
+        fabric._attach(model, torch.optim.AdamW(model.parameters()), None, "fabric.setup got")

@@ -192,3 +192,34 @@ def test_where_no_copy_is_one_models_each_rank_keeps_its_own_buffers(knobs: dict
 
     torch.manual_seed(0)
     trainer(lordo(sync_every=K, **knobs), callbacks=[Snapshots()], max_steps=3 * K).fit(BatchNormSeen(), loader())
+
+
+class FailingOnce(Seen):
+    """Its first mid-round validation raises (the first fit fails there); later ones run."""
+
+    failed = False
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if not FailingOnce.failed and self.trainer.strategy.synchronizer.steps_since_sync > 0:
+            FailingOnce.failed = True
+            raise RuntimeError("validation failed")
+        super().validation_step(batch, batch_idx)
+
+
+def test_a_fit_that_fails_in_validation_gives_the_replicas_back_and_the_next_fit_validates_the_anchor() -> None:
+    """The swap for validation was left in place by a failure (and its flag set): the next fit on the same Trainer
+    validated the replica, then its swap back put the anchor in as the training weights."""
+    torch.manual_seed(0)
+    strategy = lordo(sync_every=K, start_method="popen", synchronous=False)
+    around, model = Around(), FailingOnce()
+    fit = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2 * K, val_check_interval=K // 2 + 1,
+                    check_val_every_n_epoch=None, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    callbacks=[around])
+    with pytest.raises(RuntimeError, match="validation failed"):
+        fit.fit(model, loader(), loader(n=32))
+    sync = strategy.synchronizer
+    assert not strategy._swapped_for_eval and torch.equal(flat(sync.params), around.replica)  # the replica is back
+    around.records.clear()
+    fit.fit_loop.epoch_loop.max_steps = 4 * K
+    fit.fit(model, loader(), loader(n=32))  # Around's on_train_end checks every mid-round validation of this fit

@@ -94,10 +94,13 @@ class SynchronizedCheckpoints:
                 raise RuntimeError(
                     f"fabric.save with strategy='lordo' saves the synchronized model, but this is optimizer step "
                     f"{steps}, {since} local step(s) after the last "
-                    "synchronization, and every rank holds its own model. Save right after a synchronization (the "
-                    f"next is after optimizer step {next_sync}; "
-                    "rounds count from the last one, finish() included), or call fabric.strategy.finish() on every "
-                    "rank first.")
+                    "synchronization, and every rank holds its own model. "
+                    + ("With overlap_steps a round is in flight after each sync, so call fabric.strategy.finish() on "
+                       "every rank first (it lands the round; training may go on after)."
+                       if synchronizer.config.overlap_steps else
+                       f"Save right after a synchronization (the next is after optimizer step {next_sync}; rounds "
+                       "count from the last one, finish() included), or call fabric.strategy.finish() on every rank "
+                       "first."))
             own = None
             writes = self.global_rank == 0  # Fabric writes rank 0's objects only
             if optimizer_key is not None and isinstance(self.optimizer, LoRDO) and writes:  # AdamW's shape: any

@@ -193,7 +193,7 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
                 f"({names}). Put every parameter into one optimizer (param groups may each set their own lr, "
                 "weight_decay and rank), or use strategy='ddp'.")
         module = self.setup_module(module)
-        return module, [self._attach(module, optimizers[0], scheduler)], scheduler
+        return module, [self._attach(module, optimizers[0], scheduler, "fabric.setup got")], scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -205,9 +205,11 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
                                "or both at once with fabric.setup(model, optimizer).")
         held = {p for g in optimizer.param_groups for p in g["params"]}
         owner = next((m for m in reversed(self._modules) if held <= set(m.parameters())), self._modules[-1])
-        return self._attach(owner, optimizer, None)  # no owner: the core's check names the strays
+        return self._attach(owner, optimizer, None,  # no owner: the core's check names the strays
+                            f"fabric.setup_optimizers got (for the last of the {len(self._modules)} model(s) set up)")
 
-    def _attach(self, module: nn.Module, user_optimizer: Optimizer, scheduler: Optional[Any]) -> Optimizer:
+    def _attach(self, module: nn.Module, user_optimizer: Optimizer, scheduler: Optional[Any],
+                source: str) -> Optimizer:
         """The optimizer LoRDO steps (converted) and the synchronizer over the module's trainable parameters."""
         if self.synchronizer is not None:
             raise ValueError("Fabric(strategy='lordo') synchronizes one model with one optimizer, and one is set up "
@@ -223,7 +225,7 @@ class LoRDOFabricStrategy(HoldsCore, SynchronizedCheckpoints, DDPStrategy):
                            "of the warm-up; an LR scheduler of yours would set it back at its next step. Pass it: "
                            "fabric.setup(model, optimizer, scheduler=scheduler) (setup_optimizers takes none), and "
                            "its base LRs are scaled too.")
-        optimizer = self.core.attach(module, user_optimizer, configs, "fabric.setup got", self._scale_scheduler)
+        optimizer = self.core.attach(module, user_optimizer, configs, source, self._scale_scheduler)
         self.scheduler = scheduler
         message = self.core.plan_message()
         if message:

@@ -39,6 +39,7 @@ from lightning_lordo.lightning.callbacks import add_final_sync, add_monitor, ref
 from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_lordo.lightning.collectives import GuardedCollectives
 from lightning_lordo.lightning.saving import SynchronizedState
+from lightning_lordo.lightning.shards import check_checkpoint_io
 from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.strategy_knobs import (
     LAUNCH_SUFFIXES,
@@ -223,6 +224,8 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         refuse_weight_averaging(trainer, trainer.state.fn == TrainerFn.FITTING and self.world_size > 1
                                 and not self.sync_config.synchronous)
         install_sigterm_hooks(trainer, self._sigterm_check, self._sigterm_notifier)  # the per-batch check
+        if self.checkpoint_shards:  # refused here, not at the first save (a plugin may have set it)
+            check_checkpoint_io(self.checkpoint_io)
         super().setup(trainer)
 
     @override
@@ -363,9 +366,12 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A fit that fails with a round in flight: its thread ends before the process tears the groups down (which
-        would abort the process and hide the user's exception)."""
+        would abort the process and hide the user's exception). One that fails in validation gets its replicas back."""
         if self.synchronizer is not None:
             self.synchronizer.let_in_flight_end()
+        if self._swapped_for_eval:  # a validation that failed: the replicas back, so that a next fit swaps anew
+            self._swap_model(synchronized=False)
+            self._swapped_for_eval = False
         super().on_exception(exception)
 
     def groups_to_release(self) -> Optional[list[Any]]:
