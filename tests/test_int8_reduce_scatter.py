@@ -59,8 +59,8 @@ def _flat(tensors: list[Tensor]) -> Tensor:
 def _layout(n: int, world: int) -> tuple[int, int]:
     """(block, blocks per chunk), from the module docstring's definition, independently of the module."""
     c = -(-n // world)
-    b = min(256, c)
-    return b, -(-c // b)
+    k = -(-c // 256)
+    return -(-c // k), k
 
 
 def _blocks_round_trip(x: Tensor, world: int) -> Tensor:
@@ -81,7 +81,7 @@ def test_chunk_layout_covers_the_message_in_whole_blocks_with_little_padding(wor
     layout = chunk_layout(n, world)
     assert (layout.block, layout.blocks) == _layout(max(n, 1), world)
     assert layout.padded_numel >= n and layout.padded_numel == world * layout.blocks * layout.block
-    assert layout.padded_numel - n < world * (layout.block + 1)
+    assert layout.padded_numel - n < world * (layout.blocks + 1)  # chunks split evenly (was up to a whole block)
     assert layout.chunk_bytes == 4 * layout.blocks + layout.blocks * layout.block
 
 

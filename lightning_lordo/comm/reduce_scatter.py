@@ -6,7 +6,7 @@ module for ``payload_dtype="int8"`` with ``reduction="reduce_scatter"`` (the ``"
 
 One round on a flat float32 message of ``n`` numbers, M workers, ``rank`` the worker's index::
 
-    layout   c = ceil(n / M); block b = min(256, c); k = ceil(c / b) blocks a chunk; chunk L = k b numbers
+    layout   c = ceil(n / M); k = ceil(c / 256) blocks a chunk; block b = ceil(c / k); chunk L = k b numbers
              the message, zero-padded to M L numbers, is M chunks (chunk j belongs to rank j), each k blocks
     1  quantize x to int8, one float32 scale per block of b numbers:  s_m = dequantize(quantize(x_m))
     2  all-to-all: worker m sends chunk j of its int8 message (k scales, L values) to rank j, for j != m
@@ -19,8 +19,10 @@ One round on a flat float32 message of ``n`` numbers, M workers, ``rank`` the wo
 Why per-block scales, not per-row: the chunk boundaries fall anywhere in a row, so with per-row scales the owner of
 a chunk would need the scales of every row it overlaps (an all-gather of every scale: ``4 (M-1) rows`` wire bytes,
 growing with M, or splits of varying size). Blocks aligned to the chunks keep each chunk self-contained at a
-constant ``4 / b`` bytes per number (1.6 % at b = 256), and are at least as fine as per-row scales wherever rows
-hold 256 numbers or more; a block may span the end of one tensor and the start of the next (one scale for both).
+constant ``4 / b`` bytes per number (1.6 % at b = 256; b is between 129 and 256 once a chunk exceeds 256 numbers,
+sized so that the chunk is split evenly: under k numbers of padding), and are at least as fine as per-row scales
+wherever rows hold 256 numbers or more; a block may span the end of one tensor and the start of the next (one
+scale for both).
 
 Error feedback. ``sent_m`` (what worker m effectively contributed, returned to the caller, which keeps
 ``e_m <- x_m - sent_m``) is its first quantization with M times the requantization residual of the chunk it owns
@@ -59,7 +61,7 @@ Bytes (counted = what the worker passes; C = 4 k + L bytes, one chunk with its s
     all-gather     C          (its own chunk)      (M - 1) C
     total          M C  ~ n (1 + 4 / b)            2 (M - 1) C  ~ 2 (M-1)/M * n (1 + 4 / b)
 
-flat in M (the zero padding, under M (b + 1) numbers, aside), against ``(M - 1) (n + 4 rows)`` wire bytes for the
+flat in M (the zero padding, under M (k + 1) numbers, aside), against ``(M - 1) (n + 4 rows)`` wire bytes for the
 int8 all-gather and ``2 (M-1)/M * 4 n`` for a float32 all-reduce. At M = 2 the wire bytes equal the all-gather's,
 with a second rounding, so ``"auto"`` keeps the all-gather there.
 """
@@ -112,8 +114,8 @@ def chunk_layout(numel: int, world: int, block: int = BLOCK) -> ChunkLayout:
         raise ValueError(f"Invalid numel={numel!r}, world={world!r} or block={block!r}: numel must be >= 0, world and "
                          "block >= 1.")
     per_chunk = max(1, math.ceil(numel / world))
-    size = min(block, per_chunk)
-    return ChunkLayout(numel, world, size, math.ceil(per_chunk / size))
+    blocks = math.ceil(per_chunk / block)
+    return ChunkLayout(numel, world, math.ceil(per_chunk / blocks), blocks)  # even blocks: little padding
 
 
 def reduce_scatter_bytes(numel: int, world: int) -> dict[str, int]:

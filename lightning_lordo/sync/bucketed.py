@@ -30,11 +30,12 @@ So the transient memory of a sync is at most two buckets (the bucket and the com
 low-rank messages and, streamed, the parameters sent whole with their averages. The result is an
 :class:`~lightning_lordo.sync.exchange.Exchange` like the general path's (its ``averaged`` holds only the averages
 made whole), committed by the same :meth:`Synchronizer.land`. On the CPU it is bit for bit the general path's
-trajectory (tested, with 1 and 2 processes); on an accelerator a shape split over several buckets is stacked in
-smaller batches, whose kernels may round differently in the last bits. Used when the outer step is averaging, bases
-are refreshed at every sync (``basis_every=1``) and the sync blocks; with several processes also only when the bases
-are computed everywhere (not ``broadcast_bases``) and the payload is the float32 average (staged) or low-rank
-(streamed, whatever ``payload_dtype`` and ``fullrank_rank``).
+trajectory (tested, with 1 and 2 processes; with 3 or more, a ring all-reduce's order of summation follows an
+element's place in the message, so other bucket boundaries change the last bits); on an accelerator a shape split
+over several buckets is stacked in smaller batches, whose kernels may round differently in the last bits. Used
+when the outer step is averaging, bases are refreshed at every sync (``basis_every=1``) and the sync blocks; with
+several processes also only when the bases are computed everywhere (not ``broadcast_bases``) and the payload is the
+float32 average (staged) or low-rank (streamed, whatever ``payload_dtype`` and ``fullrank_rank``).
 """
 
 from __future__ import annotations
