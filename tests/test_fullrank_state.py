@@ -105,6 +105,21 @@ def test_the_state_takes_a_quarter_of_adamws_bytes_and_the_report_counts_it() ->
     assert "factored state" in opt.describe()[0]["reason"]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_adamws_bytes_are_counted_in_the_parameters_dtype(dtype: torch.dtype) -> None:
+    """torch's AdamW keeps its moments in the parameter's dtype: the comparison counted float32 for every dtype (2x
+    AdamW's bytes at bfloat16, half at float64), so LoRDO's float32 state looked half its real ratio."""
+    emb, w = nn.Parameter(torch.randn(100, 64, dtype=dtype)), nn.Parameter(torch.randn(64, 48, dtype=dtype))
+    opt = LoRDO([emb, w], full_rank=[emb], rank=4)
+    adamw = torch.optim.AdamW([emb, w])
+    for p in (emb, w):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    adamw.step()
+    held = sum(t.numel() * t.element_size() for s in adamw.state.values() for k, t in s.items() if k != "step")
+    assert opt.memory_report()["adamw_equivalent"] == held
+
+
 def test_a_resume_that_changes_the_knob_converts_the_moments_both_ways() -> None:
     params, grads = _params(), _grads(4)
     opt = _run(params, grads, fullrank_state="adamw")

@@ -127,7 +127,8 @@ class BranchyBatchNormRegressor(BatchNormRegressor):
 
 
 def _fit(tmp_path: Path, tag: str, ckpt: Any = None, checkpoints: bool = False,
-         module: type = BatchNormRegressor, in_validation: bool = False, **knobs: Any) -> None:
+         module: type = BatchNormRegressor, in_validation: bool = False, precision: str = "32-true",
+         **knobs: Any) -> None:
     """MAX_STEPS steps (or the rest of them, from ``ckpt``); ``checkpoints`` every 3 steps, the full run's in
     ``ckpt/``, a resumed run's in ``ckpt_<tag>/`` (it writes those the full run wrote after its start, as an
     interrupted run would). ``in_validation``: validation every 3 steps, and the checkpoints written from it (what
@@ -141,8 +142,8 @@ def _fit(tmp_path: Path, tag: str, ckpt: Any = None, checkpoints: bool = False,
         callbacks.append(ModelCheckpoint(dirpath=directory, filename="{step}", save_top_k=-1, **every))
     torch.manual_seed(0)
     trainer(lordo(sync_every=K, **knobs), callbacks=callbacks, max_steps=MAX_STEPS, max_epochs=-1,
-            enable_checkpointing=checkpoints, **validation).fit(module(scheduler=True), datamodule=ShuffledData(),
-                                                                 ckpt_path=ckpt)
+            enable_checkpointing=checkpoints, precision=precision, **validation).fit(
+                module(scheduler=True), datamodule=ShuffledData(), ckpt_path=ckpt)
 
 
 def _position(checkpoint: Path) -> tuple[int, int]:
@@ -189,6 +190,15 @@ def test_resume_mid_round_and_at_a_sync_is_bit_identical(tmp_path: Path, knobs: 
     for tag, ckpt, step in (("mid", mid_round, 6), ("sync", at_sync, 12)):
         _fit(tmp_path, tag, ckpt=str(ckpt), checkpoints=True, **knobs)
         _assert_resumed_exactly(tmp_path, tag, first_step=step + 1)
+
+
+def test_a_float64_resume_mid_round_is_bit_identical(tmp_path: Path) -> None:
+    """Lightning loads a checkpoint's weights before "64-true" converts the module, so they arrive rounded through
+    float32: that was taken for a model edited after the save (each rank's progress dropped, the synchronized model
+    rounded to float32, a warning)."""
+    _fit(tmp_path, "full", checkpoints=True, precision="64-true")
+    _fit(tmp_path, "mid", ckpt=str(tmp_path / "ckpt" / "step=6.ckpt"), checkpoints=True, precision="64-true")
+    _assert_resumed_exactly(tmp_path, "mid", first_step=7)
 
 
 @pytest.mark.parametrize("knobs", [{}, {"overlap_steps": 2}], ids=["blocking", "overlapped"])

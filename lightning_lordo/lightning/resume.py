@@ -229,10 +229,17 @@ def _refuse_round_changes(saved: Optional[dict[str, Any]], strategy: Saved) -> N
 
 def _edited(sync: Synchronizer, names: dict[Tensor, str]) -> list[str]:
     """The parameters whose loaded values differ from the checkpoint's synchronized model (its anchor), which the
-    model Lightning loaded is a copy of unless it was edited between the save and the resume."""
+    model Lightning loaded is a copy of unless it was edited between the save and the resume. Lightning loads the
+    weights before the precision plugin converts the module, so under "64-true" they arrive rounded through the
+    float32 module: a copy still."""
+
+    def copied(p: Tensor, a: Tensor) -> bool:
+        a = a.to(device=p.device)  # a host-memory anchor is compared on p's device
+        return torch.equal(p.detach(), a.to(p.dtype)) or (
+            a.dtype == torch.float64 and torch.equal(p.detach(), a.float().to(p.dtype)))
+
     anchor = sync.anchor.tensors  # none: saved in the synchronous phase, where the loaded model is the model
-    return [names.get(p, "?") for p, a in zip(sync.params, anchor)  # a host-memory anchor is compared on p's device
-            if not torch.equal(p.detach(), a.to(device=p.device, dtype=p.dtype))]
+    return [names.get(p, "?") for p, a in zip(sync.params, anchor) if not copied(p, a)]
 
 
 def reset_error_feedback(optimizer: Optimizer) -> int:

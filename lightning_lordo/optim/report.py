@@ -6,7 +6,6 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch
 from torch import Tensor
 
 from lightning_lordo.optim.functional import EF_PROJECTION, Hyper, can_unfold, resolve_rank
@@ -67,9 +66,10 @@ def memory_report(optimizer: Optimizer) -> dict[str, int]:
 
     Keys: ``lowrank_moments``, ``bases``, ``fullrank_moments``, ``error_feedback`` (the buffers and, where the
     grouped step may keep them unfolded, the ``r x b`` projection that holds between folds, whether or not it does
-    at this moment), ``other`` (step counters, factored normalizer), ``adamw_equivalent`` (2 float32 moments per
-    parameter element, the parameters that train or hold state) and ``adamw_equivalent_lowrank`` (the same for the
-    low-rank matrices alone).
+    at this moment), ``other`` (step counters, factored normalizer), ``adamw_equivalent`` (2 moments per parameter
+    element in the parameter's dtype, as torch's AdamW keeps them, for the parameters that train or hold state; the
+    math here is float32, so with bfloat16 parameters a full-rank tensor's moments are twice AdamW's) and
+    ``adamw_equivalent_lowrank`` (the same for the low-rank matrices alone).
     """
     out = dict.fromkeys(("lowrank_moments", "bases", "fullrank_moments", "error_feedback", "other",
                          "adamw_equivalent", "adamw_equivalent_lowrank"), 0)
@@ -78,7 +78,7 @@ def memory_report(optimizer: Optimizer) -> dict[str, int]:
             lowrank = bool(optimizer.lowrank_rank(p, group))
             state = optimizer.state.get(p, {})
             held = p.requires_grad or bool(state)  # AdamW keeps no state for a frozen parameter either
-            adamw = 2 * p.numel() * torch.float32.itemsize * held
+            adamw = 2 * p.numel() * p.element_size() * held  # torch's AdamW keeps its moments in p's dtype
             out["adamw_equivalent"] += adamw
             out["adamw_equivalent_lowrank"] += adamw if lowrank else 0
             for key, value in state.items():
