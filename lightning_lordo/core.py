@@ -289,8 +289,10 @@ class LoRDOCore:
             if report.subspace_movement is not None:
                 out["subspace_movement"] = report.subspace_movement
             out.update(report.extra)  # e.g. sync_error_feedback_norm (compressed payloads), reset counts
-        if hasattr(self.synchronizer.optimizer, "diagnostics"):
-            out.update(self.synchronizer.optimizer.diagnostics())
+        if hasattr(self.synchronizer.optimizer, "diagnostics"):  # those of the round's last step, if it took them
+            taken = None if report is None else report.step if report.taken_at is None else report.taken_at
+            age = self.synchronizer.optimizer_steps - taken if taken is not None else None
+            out.update(self.synchronizer.optimizer.diagnostics(age))
         out.update(self.memory_figures())
         return {k: v for k, v in out.items() if v is not None}  # a figure this round does not have is left out
 

@@ -299,6 +299,10 @@ def test_monitor_logs_to_csv_and_tensorboard(tmp_path: Path, overlap: int) -> No
     assert all(s > 0 for s in syncs) and all(t >= c for t, c in zip(totals, itertools.accumulate(syncs)))
     assert all(b - a >= s for a, b, s in zip(totals, totals[1:], syncs[1:]))
     assert [int(r[columns.index("step")]) for r in logged] == ([3, 7, 9] if not overlap else [5, 9, 9])
+    # the optimizer's figures are those of a round's last step; the final sync's (step 10, not one of the steps that
+    # take them) has none: it logged the previous round's again
+    ratios = [r[columns.index("lordo/term_ratio")] for r in logged]
+    assert all(ratios[:2]) and ratios[2] == "", ratios
     events = b"".join(p.read_bytes() for p in Path(tb.log_dir).glob("events.out.tfevents.*"))
     assert b"lordo/bytes_sent_total" in events
 

@@ -75,6 +75,7 @@ class AtStart(L.Callback):
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._recorder.__exit__(None, None, None)
         self.out.update(steps=trainer.global_step, warnings=[str(w.message) for w in self.caught],
+                        warned_at=[w.filename for w in self.caught],
                         final=torch.cat([p.detach().reshape(-1) for p in module.parameters()]))
         if trainer.global_rank == 0:
             torch.save(self.out, self.path)
@@ -97,6 +98,8 @@ def test_plain_ddp_resumes_a_lordo_checkpoint_and_the_callback_says_what_was_lef
         assert torch.equal(out["model"][key], value), key
     messages = [m for m in out["warnings"] if "Converted a LoRDO checkpoint" in m]
     assert len(messages) == int(callback), out["warnings"]
+    at = [f for m, f in zip(out["warnings"], out["warned_at"]) if "Converted a LoRDO checkpoint" in m]
+    assert all(Path(f).name == Path(__file__).name for f in at), at  # the user's line (was Lightning's call.py)
     for text in ("for DDPStrategy", "moments of 2 low-rank matrices were expanded", "2 error-feedback buffers",
                  "outer Nesterov momentum", "2 local steps since the last sync", "ranks 1..1")[:6 * callback]:
         assert text in messages[0], (text, messages[0])

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,6 +30,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_lordo.lightning.shards import load_full
+from lightning_lordo.lightning.user_warnings import warn_at_user_line
 from lightning_lordo.optim.conversion import adamw_state_dict
 from lightning_lordo.optim.loading import LORDO_KNOBS, is_lordo_state
 
@@ -115,9 +115,9 @@ class ConvertLoRDOCheckpoint(Callback):
         if isinstance(trainer.strategy, LoRDOStrategy):
             return
         notes = to_torch_checkpoint(checkpoint)
-        if notes and trainer.is_global_zero:
-            warnings.warn(f"Converted a LoRDO checkpoint for {type(trainer.strategy).__name__}: " + "; ".join(notes)
-                          + ".", UserWarning, stacklevel=2)
+        if notes and trainer.is_global_zero:  # at the user's line (trainer.fit), as the strategy's own warnings
+            warn_at_user_line(f"Converted a LoRDO checkpoint for {type(trainer.strategy).__name__}: "
+                              + "; ".join(notes) + ".")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -120,7 +120,7 @@ class LoRDO(Optimizer):
         self._random_bases = False  # set by init_random_bases: later bases are seeded random ones too
         self._warned: set[tuple[tuple[int, ...], int]] = set()
         self._stats: dict[str, Tensor] = {}
-        self._record = False  # request_diagnostics: collect the diagnostics' sums during the next step
+        self._record, self._stats_age = False, 0  # request_diagnostics: collect them in the next step; steps since
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -182,8 +182,8 @@ class LoRDO(Optimizer):
             self._adamw_step(adamw, h)
             self._lowrank_step(lowrank, h, stats)
             group["since_refresh"] += bool(lowrank)
-        if stats is not None:
-            self._stats, self._record = stats, False
+        self._stats, self._record, self._stats_age = (stats, False, 0) if stats is not None else \
+            (self._stats, self._record, self._stats_age + 1)
         return loss
 
     def _step_counts(self, params: list[Tensor]) -> list[float]:
@@ -258,11 +258,11 @@ class LoRDO(Optimizer):
         before each sync); no step computes them otherwise."""
         self._record = True
 
-    def diagnostics(self) -> dict[str, float]:
+    def diagnostics(self, age: Optional[int] = None) -> dict[str, float]:
         """What the last step that :meth:`request_diagnostics` asked for did: ``term_ratio``, RMS((1-omega) D_full) /
         RMS(omega D_low) over all low-rank matrices (which term drives the run); ``error_feedback_norm``, the
-        Frobenius norm of all error-feedback buffers."""
-        return report.diagnostics(self._stats)
+        Frobenius norm of all error-feedback buffers. ``age``: only if that step was ``age`` steps ago (else none)."""
+        return report.diagnostics(self._stats) if age is None or age == self._stats_age else {}
 
     # ------------------------------------------------------------------ bases
     def _init_lowrank_state(self, p: Tensor, group: dict[str, Any], r: int) -> dict[str, Tensor]:

@@ -232,6 +232,7 @@ class OverlappedRounds:
         # the report's seconds: the exchange's and the landing's, not the local steps taken beside the exchange
         report = self.land(fixed, time.perf_counter() - launched.exchange_seconds, progress(launched, self.params),
                            launched.step)
+        report.taken_at = launched.step
         self.steps_since_sync = steps  # the schedule counts from the launch
         if not fixed.finite:  # a discarded round's moments are averaged at the next one, with its holders
             self.stepped |= launched.stepped

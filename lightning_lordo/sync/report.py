@@ -50,6 +50,7 @@ class SyncReport:
     # one batch (an overlapped landing and the final sync) each show their own; None: read the current totals
     total_bytes: Optional[int] = None
     total_wire_bytes: Optional[int] = None
+    taken_at: Optional[int] = None  # the optimizer step the round took the replicas at (overlapped); None: ``step``
 
     @property
     def bytes_sent(self) -> int:
