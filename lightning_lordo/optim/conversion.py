@@ -192,4 +192,4 @@ def unpickled(optimizer: Any) -> None:
     if "_full_rank_at" in optimizer.__dict__:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         optimizer._full_rank = {id(params[i]): why for i, why in optimizer.__dict__.pop("_full_rank_at").items()}
-        optimizer._stats = {}
+        optimizer._stats, optimizer._stats_age = {}, 0
