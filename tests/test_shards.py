@@ -170,6 +170,9 @@ def test_a_checkpoint_io_plugin_is_taken_as_with_ddp_and_the_default_writes_atom
     with pytest.raises(ValueError, match=r"checkpoint_shards=True with an AsyncCheckpointIO"):
         asynchronous.fit(TinyRegressor(), loader())
     assert steps == []
+    evaluate = L.Trainer(accelerator="cpu", devices=1, strategy=lordo(sync_every=4, start_method="popen"),
+                         logger=False, plugins=[AsyncCheckpointIO()], enable_progress_bar=False)
+    assert evaluate.validate(TinyRegressor(), loader(n=16))  # saves nothing: not refused
     for strategy in (lordo(sync_every=4), "lordo"):
         default = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
         assert type(default.strategy.checkpoint_io) is AtomicCheckpointIO

@@ -44,7 +44,7 @@ Traffic model (bytes counted = bytes of the tensors this worker passes to the co
     bfloat16 all-reduce       2 n                         2 (M-1)/M * 2 n                     1
     bfloat16 all-gather       2 n                         (M-1) * 2 n   (sent and received)   1
     int8 all-gather           n + 4 rows                  (M-1) * (n + 4 rows)                1
-    int8 reduce-scatter       ~ n (1 + 4/256)             ~ 2 (M-1)/M * n (1 + 4/256)         2
+    int8 reduce-scatter       ~ n (1 + 4/b)               ~ 2 (M-1)/M * n (1 + 4/b)           2   (b: 129-256)
     lowrank                   r (a + b) per matrix x the above                                2
 
 An all-gather's volume grows with M: summing int8 across workers would overflow, so every worker receives every

@@ -224,7 +224,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         refuse_weight_averaging(trainer, trainer.state.fn == TrainerFn.FITTING and self.world_size > 1
                                 and not self.sync_config.synchronous)
         install_sigterm_hooks(trainer, self._sigterm_check, self._sigterm_notifier)  # the per-batch check
-        if self.checkpoint_shards:  # refused here, not at the first save (a plugin may have set it)
+        if self.checkpoint_shards and trainer.state.fn == TrainerFn.FITTING:  # here, not at the first save
             check_checkpoint_io(self.checkpoint_io)
         super().setup(trainer)
 
