@@ -111,6 +111,33 @@ def test_ctrl_c_inside_a_sync_writes_the_emergency_checkpoint_without_waiting_fo
     assert saved["state_dict"] and saved["optimizer_states"]
 
 
+class RaisesOnRankOne(TinyRegressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if dist.get_rank() == 1 and self.trainer.global_step == 5:
+            raise ValueError("the user's error on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_on_one_rank_with_on_exception_checkpoint_ends_within_seconds(tmp_path: Path) -> None:
+    """OnExceptionCheckpoint's save on the failing rank is not a collective, but Lightning's barrier after it was:
+    the failing rank waited the whole timeout for a peer that never came, and its last error was the barrier's
+    CollectiveTimeout, not the user's."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    start = time.monotonic()
+    with pytest.raises(Exception, match="the user's error on rank 1") as failed:
+        trainer(_strategy(8, 30), callbacks=[OnExceptionCheckpoint(tmp_path)], max_steps=20,
+                enable_checkpointing=True).fit(RaisesOnRankOne(), loader())
+    assert time.monotonic() - start < 15, f"ended after {time.monotonic() - start:.1f} s: {failed.value}"
+    assert "Lightning's barrier (Trainer.save_checkpoint)" not in str(failed.value)
+    # the fork launcher's main process writes the callback's file last, without optimizer state; a fit with the
+    # callback resumes it ("last"): the optimizer starts afresh, as under DDP (it failed with an IndexError)
+    assert torch.load(tmp_path / "on_exception.ckpt", weights_only=True)["optimizer_states"] == []
+    trainer(_strategy(8, 30), callbacks=[OnExceptionCheckpoint(tmp_path)], max_steps=3,
+            enable_checkpointing=True).fit(TinyRegressor(), loader())
+
+
 def _strategy(k: int, timeout: float) -> LoRDOStrategy:
     return LoRDOStrategy(sync_every=k, start_method="fork", timeout=timeout, optimizer={"rank": 4})
 

@@ -36,14 +36,15 @@ _CALLBACK_COLLECTIVES = {("ModelCheckpoint", "check_monitor_top_k"): "whether to
 
 
 class GuardedCollectives:
-    """Needs ``communicator``, ``synchronizer``, ``sync_config``, ``lightning_module``, ``launcher`` and
-    ``root_device`` from the strategy it is mixed into."""
+    """Needs ``communicator``, ``synchronizer``, ``sync_config``, ``lightning_module``, ``launcher``,
+    ``root_device`` and ``_every_rank_saves`` from the strategy it is mixed into."""
 
     _sigterm_pending = False  # a SIGTERM arrived; the next per-batch check tells every rank
     _posted_check: Optional[tuple[Any, torch.Tensor, int]] = None  # the check in flight: wait, flags, steps
     _control_comm: Optional[Communicator]  # the per-batch checks' communicator, on a gloo group of their own
     accountant: CommAccountant
     _is_last_step: Callable[[], bool]
+    _every_rank_saves: Callable[[], bool]
     communicator: Optional[Communicator]
     synchronizer: Optional[Synchronizer]
     sync_config: SyncConfig
@@ -87,8 +88,8 @@ class GuardedCollectives:
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if self.communicator is not None and self.communicator.failure is not None:
-            return  # nobody can be waited for (e.g. the emergency checkpoint after an interrupted sync)
+        if not self._every_rank_saves():  # after a failed collective, or in an exception that may be this rank's
+            return  # alone: nobody can be waited for (the emergency checkpoint of OnExceptionCheckpoint, say)
         what = (lambda: self._caller("barrier", "Lightning's barrier")) if name is None else \
             f"Lightning's barrier ({name})"
         self._lightning_collective(what, lambda: super(GuardedCollectives, self).barrier(name))

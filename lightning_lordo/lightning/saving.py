@@ -9,6 +9,7 @@ the training lifecycle and this one what is saved and restored.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.pytorch import Trainer
@@ -264,6 +265,11 @@ class SynchronizedState:
             if self._trainer is not None:
                 reports_undone(self._trainer, len(reports))
         optimizer = self.optimizers[0]
+        if self._restored_optimizer is None and not checkpoint.get("optimizer_states"):  # as DDP: nothing to load
+            warnings.warn("LoRDO: the checkpoint holds no optimizer state (a launcher's main process writes such an "
+                          "OnExceptionCheckpoint file after its workers fail): the optimizer starts afresh.",
+                          stacklevel=2)
+            return
         saved = self._restored_optimizer if self._restored_optimizer is not None else checkpoint["optimizer_states"][0]
         notes = list(self._resume_notes)
         if not self._lordo_checkpoint and isinstance(optimizer, LoRDO) and not loading.is_lordo_state(saved):

@@ -316,8 +316,12 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
 
     @property
     def _trainer(self) -> Optional[Trainer]:
-        """The Trainer of the module being run (``None`` before one is attached)."""
-        return self.lightning_module.trainer if self.lightning_module is not None else None
+        """The Trainer of the module being run (``None`` before one is attached, or in a launcher's main process
+        after its workers, where Lightning detached it)."""
+        try:
+            return self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # "not attached to a Trainer"
+            return None
 
     @property
     def final_sync_done(self) -> bool:
