@@ -130,3 +130,37 @@ def test_the_resolution_alone_keeps_what_the_user_set() -> None:
     assert SyncConfig(warmup_steps=4).alone().synchronous is False
     assert SyncConfig(basis_scope="local", average_moments=False).alone().basis_scope == "global"
     assert SyncConfig().synchronous is None  # several processes: local rounds
+
+
+def test_one_device_dispatches_nothing_between_basis_refreshes() -> None:
+    """Alone, the synchronous step's gradient "average" wrote one flag per parameter and read them back at every
+    step (a host read per step on an accelerator): between refreshes the step's preparation now dispatches nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: list[int] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            counts[-1] += 1
+            return func(*args, **(kwargs or {}))
+
+    class Counted(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            sync = trainer.strategy.synchronizer
+            prepare = sync.before_optimizer_step
+
+            def counted() -> None:
+                counts.append(0)
+                with Count():
+                    prepare()
+
+            sync.before_optimizer_step = counted
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 2000, (64, 33))
+    L.Trainer(strategy=LoRDOStrategy(sync_every=4, monitor=False), accelerator="cpu", devices=1, max_steps=6,
+              logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              callbacks=[Counted()]).fit(DemoLM(), DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]),
+                                                              batch_size=8))
+    assert counts[0] > 0 and counts[4] > 0, counts  # the first bases (step 1), the refresh before step 5
+    assert counts[1:4] == [0, 0, 0], counts

@@ -286,6 +286,11 @@ def test_resume_with_another_world_size_warns_once_and_continues(tmp_path: Path)
     assert len(messages) == 1 and "error-feedback" in messages[0]
     assert fit.strategy.synchronizer.optimizer_steps == 14
     assert all(torch.isfinite(p).all() for p in fit.lightning_module.parameters())
+    # one device keeps no anchor: the 2-process checkpoint's stale one was kept, saved again and, resumed on 2
+    # processes, taken for the synchronized model of a later step
+    assert not fit.strategy.synchronizer.anchor.tensors
+    fit.save_checkpoint(tmp_path / "alone.ckpt")
+    assert load_full(tmp_path / "alone.ckpt")["lordo"]["sync"]["anchor"] == []
 
 
 class SaveAt(L.Callback):

@@ -258,7 +258,9 @@ def commit_state(entries: dict[str, StateEntries]) -> None:
 def average_gradients(comm: Communicator, params: Sequence[Tensor]) -> None:
     """DDP's gradient all-reduce (purpose ``gradients``): the mean over workers in place, a missing gradient
     counting as zeros. A parameter without a gradient on every worker keeps none (one flag per parameter travels
-    with the gradients)."""
+    with the gradients). Alone there is nothing to average: no op, no host read."""
+    if comm.world_size == 1:
+        return
     flags = torch.zeros(len(params), device=params[0].device if params else None)
     grads = []
     for i, p in enumerate(params):
