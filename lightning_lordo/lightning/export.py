@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,7 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_lordo.lightning.shards import load_full
-from lightning_lordo.lightning.user_warnings import warn_at_user_line
+from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.optim.conversion import adamw_state_dict
 from lightning_lordo.optim.loading import LORDO_KNOBS, is_lordo_state
 
@@ -115,9 +116,10 @@ class ConvertLoRDOCheckpoint(Callback):
         if isinstance(trainer.strategy, LoRDOStrategy):
             return
         notes = to_torch_checkpoint(checkpoint)
-        if notes and trainer.is_global_zero:  # at the user's line (trainer.fit), as the strategy's own warnings
-            warn_at_user_line(f"Converted a LoRDO checkpoint for {type(trainer.strategy).__name__}: "
-                              + "; ".join(notes) + ".")
+        if notes:  # through the strategy's own gate: once, on rank 0, at the user's line (trainer.fit)
+            with PluginWarnings(lambda: trainer.global_rank):
+                warnings.warn(f"Converted a LoRDO checkpoint for {type(trainer.strategy).__name__}: "
+                              + "; ".join(notes) + ".", UserWarning, stacklevel=2)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -133,9 +133,7 @@ def apply_restored(self: Saved, restored: dict[str, Any]) -> list[str]:
         refuse_unconvertible(saved, restored["sync"], self, replicas_saved=replicas)
     names_now = [self.parameter_names.get(p, "") for p in self.synchronizer.params]
     same_params = saved is None or saved["sync_names"] == names_now
-    if same_params and self.synchronizer.config.synchronous and self.world_size == 1:  # alone: no anchor, no outer
-        self.synchronizer.load_state_dict({**restored["sync"], "anchor": [], "outer": {"momentum": []}})  # step
-    elif same_params:
+    if same_params:
         self.synchronizer.load_state_dict(restored["sync"])
     else:  # at a sync (refused otherwise): the model Lightning loaded is the synchronized one
         sync_state = {**restored["sync"], "anchor": [], "outer": {"momentum": []}, "basis_window": []}

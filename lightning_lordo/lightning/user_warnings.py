@@ -107,15 +107,3 @@ class PluginWarnings:
             self._held.append(_Held(message, category, target.f_code.co_filename, target.f_lineno,
                                     str(target.f_globals.get("__name__", "")), target.f_globals))
 
-
-def warn_at_user_line(message: str) -> None:
-    """A UserWarning attributed to the innermost frame of the user's code, for a warning raised outside the
-    strategy's hooks (a callback of the plugin under another strategy)."""
-    target = user_frame(sys._getframe(1))
-    if target is None:
-        warnings.warn(message, UserWarning, stacklevel=2)
-        return
-    scope = target.f_globals
-    warnings.warn_explicit(message, UserWarning, target.f_code.co_filename, target.f_lineno,
-                           module=str(scope.get("__name__", "")), registry=scope.setdefault("__warningregistry__", {}),
-                           module_globals=scope)

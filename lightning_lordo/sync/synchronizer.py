@@ -16,9 +16,8 @@ gradients every step (:meth:`before_optimizer_step`) and refreshes the bases eve
 averaged gradient; at the end of the warm-up the replicas are identical, the anchor is taken and the switch knobs
 apply. Non-finite values discard the round on every worker (:mod:`lightning_lordo.sync.faults`). Every collective
 is bounded by the communicator's timeout: a worker that dies or hangs makes the others raise ``CollectiveTimeout``
-naming the sync, and is then as it was before the sync (every collective comes before the commit).
-
-References: LoRDO (Jovanović et al., ICML 2026, arXiv 2602.04396); DiLoCo (arXiv 2311.08105) for the outer step.
+naming the sync, and is then as it was before the sync (every collective comes before the commit). References:
+LoRDO (Jovanović et al., ICML 2026, arXiv 2602.04396); DiLoCo (arXiv 2311.08105) for the outer step.
 """
 
 from __future__ import annotations
@@ -380,10 +379,11 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
                 "anchor_step": self.synchronized_step, "synchronous": self.synchronous_now}
 
     def load_state_dict(self, state: dict[str, Any], anchor: bool = True) -> None:
-        """``anchor=False``: the anchor is left to the caller (a boundary's model, :meth:`take_anchor`)."""
-        if anchor:
+        """``anchor=False``: the anchor is left to the caller (a boundary's model). Synchronous throughout (one device,
+        ``lowrank_ddp``) there is neither an anchor nor an outer step, whatever ``state`` holds."""
+        if anchor and not self.config.synchronous:
             self.anchor.load_state_dict(state["anchor"])
-        self.outer.load_state_dict(state["outer"])
+        self.outer.load_state_dict(state["outer"] if not self.config.synchronous else {"momentum": []})
         self.steps_since_sync, self.optimizer_steps = state["steps_since_sync"], state["optimizer_steps"]
         self.syncs_done = state["syncs_done"]
         self.skipped_syncs, self.consecutive_skips = state["skipped_syncs"], state["consecutive_skips"]
