@@ -438,7 +438,7 @@ def test_diloco_preset_trains_with_sgd() -> None:
         strategy = trainer.strategy
         assert type(strategy.optimizers[0]) is torch.optim.SGD and strategy.lowrank is False
         assert set(strategy.accountant.totals) <= {"pseudo_gradients", "setup_broadcast", "lightning_sigterm_check",
-                                                   "buffers"}
+                                                   "lightning_collectives", "buffers"}
 
     fit2(Tiny(optimizer="sgd", lr=0.05), "diloco_fork", FitChecker(16, [16, 20], sgd), max_steps=20)
 

@@ -105,6 +105,7 @@ class ByteChecker(L.Callback):
             "moments": syncs * moments,
             "holders": syncs * len(lowrank) * 4,  # one float32 flag per averaged moment: does this worker hold it
             "lightning_sigterm_check": (self.batches + 1) * 8,  # two float32 flags before every batch and at the end
+            "lightning_collectives": 2 * 8,  # Lightning's has_len_all_ranks: the loaders' lengths, two int64 sums
         }
         model_bytes = sum(t.numel() * t.element_size() for t in [*params, *module.buffers()])
         broadcast = isinstance(module, RankPerturbed)
@@ -124,6 +125,40 @@ def test_bytes_counted_are_what_travels(module: type) -> None:
     """Forked replicas start identical (the digest shows it: no broadcast); a perturbed one gets rank 0's model."""
     checker = ByteChecker(steps=10, k=4, batches=10)
     trainer(lordo(sync_every=4), callbacks=[checker], max_steps=10).fit(module(), loader())
+
+
+class SyncedLogging(TinyRegressor):
+    """Logs one float32 scalar with ``sync_dist=True`` at every step: Lightning all-reduces it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("synced", loss.detach(), sync_dist=True, on_step=True, on_epoch=False)
+        return loss
+
+
+class SaveTotals(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        accountant = trainer.strategy.accountant
+        if trainer.global_rank == 1:  # a receiver of rank 0's broadcasts
+            torch.save((dict(accountant.totals), dict(accountant.wire_totals)), self.path)
+
+
+def test_lightnings_own_collectives_are_counted(tmp_path: Path) -> None:
+    """A metric logged with sync_dist=True is an all-reduce of Lightning's per step: its bytes are counted (they were
+    not), under ``lightning_collectives``, and nothing else changes."""
+    found = []
+    for module in (TinyRegressor, SyncedLogging):
+        path = tmp_path / f"{module.__name__}.pt"
+        trainer(lordo(sync_every=4), callbacks=[SaveTotals(path)], max_steps=6).fit(module(), loader())
+        found.append(torch.load(path))
+    (plain, plain_wire), (logged, logged_wire) = found
+    key = "lightning_collectives"
+    assert logged[key] - plain.get(key, 0) == 6 * 4  # one float32 scalar, six steps
+    assert logged_wire[key] - plain_wire.get(key, 0) == 6 * 4  # ring all-reduce, 2 workers: 2 (M-1)/M N = N
+    assert {k: v for k, v in logged.items() if k != key} == {k: v for k, v in plain.items() if k != key}
 
 
 class SaveParams(L.Callback):

@@ -5,6 +5,7 @@ and its SIGTERM handler are replaced by versions without a collective inside a s
 
 from __future__ import annotations
 
+import pickle
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
@@ -14,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_lordo.comm.accounting import wire_bytes
 from lightning_lordo.comm.communicator import CollectiveTimeout, Communicator, side_communicator
 from lightning_lordo.core import guarded
 from lightning_lordo.lightning._compat import note_sigterm
@@ -51,6 +53,8 @@ class GuardedCollectives:
     lightning_module: Optional[L.LightningModule]
     launcher: Optional[_Launcher]
     root_device: torch.device
+    world_size: int
+    global_rank: int
 
     def _lightning_collective(self, what: Any, run: Any) -> Any:
         """One of Lightning's collectives, its failure named (``core.guarded``)."""
@@ -96,18 +100,38 @@ class GuardedCollectives:
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self._lightning_collective(lambda: self._caller("broadcast", "Lightning's broadcast"),
-                                          lambda: super(GuardedCollectives, self).broadcast(obj, src))
+        out = self._lightning_collective(lambda: self._caller("broadcast", "Lightning's broadcast"),
+                                         lambda: super(GuardedCollectives, self).broadcast(obj, src))
+        if self.world_size > 1:  # torch's broadcast_object_list: the pickled object and its int64 size
+            self._count("broadcast", 8 + len(pickle.dumps(out)), sender=self.global_rank == src)
+        return out
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        return self._lightning_collective(lambda: self._caller("reduce", "Lightning's reduce"),
-                                          lambda: super(GuardedCollectives, self).reduce(tensor, group, reduce_op))
+        out = self._lightning_collective(lambda: self._caller("reduce", "Lightning's reduce"),
+                                         lambda: super(GuardedCollectives, self).reduce(tensor, group, reduce_op))
+        if isinstance(tensor, torch.Tensor):  # DDP's reduce passes anything else through
+            self._count("all_reduce", tensor.numel() * tensor.element_size())
+        return out
 
     @override
     def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
-        return self._lightning_collective(lambda: self._caller("all_gather", "Lightning's all_gather"),
-                                          lambda: super(GuardedCollectives, self).all_gather(tensor, group, sync_grads))
+        out = self._lightning_collective(lambda: self._caller("all_gather", "Lightning's all_gather"),
+                                         lambda: super(GuardedCollectives, self).all_gather(tensor, group, sync_grads))
+        self._count("all_gather", tensor.numel() * tensor.element_size())
+        return out
+
+    def _count(self, kind: str, nbytes: int, sender: bool = True) -> None:
+        """Lightning's own collectives (a metric logged with ``sync_dist=True``, a callback's decision, a broadcast)
+        are on the wire too: counted under ``lightning_collectives``, between rounds (a broadcast's payload on its
+        sender, its wire bytes on every worker, as the strategy's own)."""
+        if self.world_size <= 1 or not nbytes:
+            return
+        wire = wire_bytes(kind, nbytes, self.world_size)
+        if sender:
+            self.accountant.add("lightning_collectives", nbytes, in_round=False, wire=wire)
+        else:
+            self.accountant.add_wire("lightning_collectives", wire, in_round=False)
 
     def _sigterm_check(self, finished: bool = False) -> None:
         """Lightning's check for SIGTERM before every training batch, replaced: an all-reduce of each rank's flags on

@@ -13,6 +13,7 @@ CATEGORIES = {
     "error_feedback": "moments",
     "fault_flags": "control",
     "lightning_sigterm_check": "control",
+    "lightning_collectives": "control",
     "step_count_check": "control",
     "checkpoint": "control",
 }
