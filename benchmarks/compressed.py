@@ -55,7 +55,7 @@ from harness import RunSpec, append, done, load, provenance, run
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "compressed.jsonl"
 STAGES = ("lr", "choose", "main", "candidate", "frequent", "frequent_seeds", "window", "k3", "embedding_moments",
-          "compressed_k8")
+          "compressed_k8", "today")
 FREQUENT_K, FREQUENT_PAYLOADS, MORE_SEEDS = 8, ("lowrank_int8", "lordo_compressed", "full"), (2, 3, 4)
 MODELS: dict[str, dict[str, Any]] = {
     "bytes": {"corpus": "bytes"},
@@ -167,6 +167,18 @@ def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec
         for seed in (0, 1):
             out.append(frequent_spec("bytes", paths["bytes"], "lowrank_int8", seed, **MOMENTS_2))
             out += [frequent_spec(m, paths[m], "lordo_compressed", seed, k=32, **MOMENTS_4) for m in ("words", "bytes")]
+        return out
+    if stage == "today":  # the preset and the full payload as they are now (update_scale="auto", which the
+        # harness pins to 1.0 unless named), at the user's LR: DDP's best, where PowerSGD's and DDP's runs are
+        today = {"update_scale": "auto", "average_fullrank_moments": True}
+        out = []
+        for seed in (0, 1):
+            for m in ("words", "bytes"):
+                lr = best_lr(m, "ddp")
+                for name in ("lordo_compressed", "full"):
+                    run_spec = spec(m, paths[m], name, lr, seed)
+                    run_spec.knobs = {**run_spec.knobs, **(today if name != "full" else {"update_scale": "auto"})}
+                    out.append((m, f"{name}:today", run_spec))
         return out
     if stage == "compressed_k8":
         return [frequent_spec(m, paths[m], "lordo_compressed", seed, **MOMENTS_4) for m in ("words", "bytes")
