@@ -209,6 +209,10 @@ def test_the_command_line_writes_a_checkpoint_without_the_lordo_state(mid_round:
     assert again.returncode == 2 and "holds no LoRDO state" in again.stderr, again.stderr
     same = subprocess.run([*command[:-1], str(mid_round)], capture_output=True, text=True, timeout=120)
     assert same.returncode == 2 and "is the source" in same.stderr, same.stderr
+    kept = subprocess.run(command, capture_output=True, text=True, timeout=120)  # the target exists now
+    assert kept.returncode == 2 and "exists: pass --force" in kept.stderr, kept.stderr
+    forced = subprocess.run([*command, "--force"], capture_output=True, text=True, timeout=120)
+    assert forced.returncode == 0 and "lordo" not in torch.load(target, weights_only=True)
 
 
 def test_a_checkpoint_with_factored_full_rank_state_resumes_under_adamw(tmp_path: Path) -> None:

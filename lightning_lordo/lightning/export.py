@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO
+from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO, describe
 from lightning_lordo.lightning.shards import load_full
 from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.optim.conversion import adamw_state_dict
@@ -127,16 +127,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      description="Convert a LoRDO checkpoint for a run without the LoRDO strategy.")
     parser.add_argument("source", help="a checkpoint written under strategy='lordo' (or 'diloco', 'lowrank_ddp')")
     parser.add_argument("target", help="where to write the converted checkpoint (written atomically)")
+    parser.add_argument("--force", action="store_true", help="replace target if it exists")
     args = parser.parse_args(argv)
-    if Path(args.source).resolve() == Path(args.target).resolve():
-        parser.error(f"target {args.target!r} is the source: write the converted checkpoint to another path")
+    _check_paths(parser, Path(args.source), Path(args.target), args.force)
     try:
         checkpoint = load_full(args.source)  # with every rank's shard, if it has them
     except FileNotFoundError as err:  # a copy without its shards: the conversion keeps none of their state
-        if not Path(args.source).is_file():
-            parser.error(f"{args.source!r}: no such file")
         print(f"note: {err}", file=sys.stderr)
         checkpoint = torch.load(args.source, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch's unpickler fails on bytes that are no checkpoint in many ways
+        parser.error(f"source {args.source!r} cannot be read as a checkpoint ({describe(err.__cause__ or err)}): "
+                     "pass a checkpoint file that Lightning wrote")
     notes = to_torch_checkpoint(checkpoint)
     if not notes:
         parser.error(f"{args.source!r} holds no LoRDO state: any strategy resumes it as it is")
@@ -144,6 +145,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"wrote {args.target}: " + "; ".join(notes))
     return 0
 
+
+def _check_paths(parser: argparse.ArgumentParser, source: Path, target: Path, force: bool) -> None:
+    """Refuse, naming the argument and the fix, before anything is read or written: a source that is not a file
+    (or is one rank's shard), a target that is the source, a directory, or an existing file without ``--force``."""
+    if not source.exists():
+        parser.error(f"source {str(source)!r}: no such file")
+    if source.is_dir():
+        parser.error(f"source {str(source)!r} is a directory: pass the checkpoint file (a sharded checkpoint's "
+                     "folder, <file>.lordo-<id>, sits beside it and is read with it)")
+    if ".lordo-" in source.parent.name and source.name.startswith("rank-"):
+        parser.error(f"source {str(source)!r} is one rank's shard: pass the checkpoint file it belongs to, "
+                     f"{str(source.parent.parent / source.parent.name.rsplit('.lordo-', 1)[0])!r}")
+    if source.resolve() == target.resolve():
+        parser.error(f"target {str(target)!r} is the source: write the converted checkpoint to another path")
+    if target.is_dir():
+        parser.error(f"target {str(target)!r} is a directory: name the file to write, e.g. "
+                     f"{str(target / 'ddp.ckpt')!r}")
+    if target.exists() and not force:
+        parser.error(f"target {str(target)!r} exists: pass --force to replace it, or name another file")
 
 if __name__ == "__main__":
     sys.exit(main())
