@@ -158,6 +158,18 @@ def test_synchronous_steps_from_a_mid_round_checkpoint_are_refused_naming_the_kn
         _resume(tmp_path, ckpt, TinyRegressor(), lordo(sync_every=K, synchronous=True), "refused")
 
 
+def test_an_overlapped_runs_checkpoints_name_the_one_synchronous_steps_can_resume(tmp_path: Path) -> None:
+    """With ``overlap_steps`` a round is in flight or landing at every step, so no checkpoint mid-fit is at a sync:
+    the refusal names the end of fit's (after the final sync), which resumes with synchronous steps."""
+    ckpt = _first_fit(tmp_path, TinyRegressor(), lordo(sync_every=K, overlap_steps=1))
+    with pytest.raises(Exception, match=r"mid-round \(2 local steps since the last sync\), when the replicas "
+                                        r"differ\. Resume from the checkpoint of the end of fit \(after its final "
+                                        r"sync; with overlap_steps=1"):
+        _resume(tmp_path, ckpt / "step=6.ckpt", TinyRegressor(), lordo(sync_every=K, synchronous=True), "refused")
+    out, _ = _resume(tmp_path, ckpt / "step=12.ckpt", TinyRegressor(), lordo(sync_every=K, synchronous=True), "end")
+    assert torch.isfinite(out["params"]).all()
+
+
 class MomentumAtStart(L.Callback):
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -102,11 +102,13 @@ def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], stra
                          "cannot be undone. Keep the checkpoint's warm-up, or start a new run.")
     if synchronous_now and mid_round:
         knob = "synchronous=True" if now.synchronous else f"warmup_steps={now.warmup_steps}"
+        since = sync_state["steps_since_sync"]
+        why = f"{since} local steps since the last sync" if since else "an overlapped round in flight"
+        where = (f"the checkpoint of the end of fit (after its final sync; with overlap_steps={old['overlap_steps']} "
+                 "no other is at a sync), or resume with local rounds" if old.get("overlap_steps") else
+                 "a checkpoint written at a sync")
         raise ValueError(f"Cannot resume with synchronous steps ({knob}) at optimizer step {steps + 1}: the "
-                         "checkpoint was "
-                         f"written mid-round ({sync_state['steps_since_sync']} local steps since the last sync, or "
-                         "an overlapped round in flight), when the replicas differ. Resume from a checkpoint written "
-                         "at a sync.")
+                         f"checkpoint was written mid-round ({why}), when the replicas differ. Resume from {where}.")
     for name in ("switch_betas", "switch_reset_moments", "switch_lr_scale"):
         if switched and old.get("warmup_steps", 0) and _plain(getattr(now, name)) != _plain(old.get(name)):
             raise ValueError(f"Cannot change {name} from {old.get(name)!r} to {getattr(now, name)!r}: the switch "
