@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness import ROOT, RunSpec, append, done, load, provenance, run
+from harness import ROOT, RunSpec, append, done, load, provenance, ranked, run
 
 RESULTS = ROOT / "results" / "authors.jsonl"
 CACHE = ROOT / "cache"
@@ -151,7 +151,7 @@ def warmup_lr() -> float:
     runs = _records("warmup-lr")
     if len(runs) < len(WARMUP_LRS):
         raise SystemExit("run the warmup-lr stage first")
-    return min(runs, key=lambda r: r["final_val_loss"])["spec"]["lr"]
+    return min(runs, key=lambda r: ranked(r["final_val_loss"]))["spec"]["lr"]
 
 
 def scale_losses(name: str, seed: int = 0) -> dict[float, float]:
@@ -168,13 +168,13 @@ def best_scale(name: str) -> float:
     losses = scale_losses(LR_OF.get(name, name))
     if not losses:
         raise SystemExit(f"run the sweep stage first: no result for {LR_OF.get(name, name)}")
-    return min(losses, key=losses.get)
+    return min(losses, key=lambda k: ranked(losses[k]))
 
 
 def best_lordo() -> str:
     """The better of the two LoRDO configurations at their best LR (seed 0): the base of the ablations."""
     losses = {name: scale_losses(name)[best_scale(name)] for name in ("lordo_authors", "lordo_defaults")}
-    return min(losses, key=losses.get)
+    return min(losses, key=lambda k: ranked(losses[k]))
 
 
 # ------------------------------------------------------------------------------------------ stages
@@ -186,7 +186,7 @@ def sweep_specs(data: str) -> list[tuple[str, RunSpec]]:
         scales = set(LR_SCALES)
         losses = scale_losses(name)
         if scales <= set(losses):  # all 3 ran: extend past a winning edge, up to 8x either way
-            best = min(losses, key=losses.get)
+            best = min(losses, key=lambda k: ranked(losses[k]))
             if best == min(losses) and best > 1 / 8:
                 scales.add(best / 2)
             if best == max(losses) and best < 8:
@@ -267,7 +267,7 @@ def budget_specs(data: str) -> list[tuple[str, RunSpec]]:
     losses = {round(r["spec"]["lr"] / base, 6): r["final_val_loss"] for r in _records("budget")
               if r["name"] == label and r["spec"]["seed"] == 0}
     if set(BUDGET_SCALES) <= set(losses):
-        best = min(losses, key=losses.get)
+        best = min(losses, key=lambda k: ranked(losses[k]))
         specs += [(label, spec(best, seed)) for seed in BUDGET_SEEDS]
         specs.append(("powersgd16", continuation("powersgd16", data, base * best_scale("powersgd16"), seed=2)))
     return specs
@@ -288,7 +288,7 @@ def window_specs(data: str) -> list[tuple[str, RunSpec]]:
     specs = [(label, spec(name, k, scale)) for label, name, k, scale in WINDOW]
     losses = {r["name"]: r["final_val_loss"] for r in _records("window") if r["spec"]["seed"] == 0}
     if all(label in losses for label, *_ in WINDOW):
-        label, name, k, scale = min(WINDOW, key=lambda w: losses[w[0]])
+        label, name, k, scale = min(WINDOW, key=lambda w: ranked(losses[w[0]]))
         specs += [(label, spec(name, k, scale, seed)) for seed in (1, 2)]
     return specs
 

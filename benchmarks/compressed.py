@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from authors import CANDIDATE
-from harness import RunSpec, append, done, load, provenance, run
+from harness import RunSpec, append, done, load, provenance, ranked, run
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "compressed.jsonl"
@@ -105,7 +105,7 @@ def lr_grid(model: str, family: str) -> list[float]:
     grid = sorted(GRIDS[family])
     losses = _lr_losses(model, family)
     while set(grid) <= set(losses):
-        best = min(grid, key=lambda lr: losses[lr])
+        best = min(grid, key=lambda lr: ranked(losses[lr]))
         at = LADDER.index(best)
         if best == grid[0] and at > 0 and LADDER.index(grid[-1]) - at < 4:
             grid.insert(0, LADDER[at - 1])
@@ -122,7 +122,7 @@ def best_lr(model: str, family: str) -> float:
     losses, grid = _lr_losses(model, family), lr_grid(model, family)
     if not set(grid) <= set(losses):
         raise SystemExit(f"run the lr stage first ({model}, {family}: {len(losses)} of {len(grid)} runs)")
-    return min(grid, key=lambda lr: losses[lr])
+    return min(grid, key=lambda lr: ranked(losses[lr]))
 
 
 def frequent_spec(model: str, data: str, name: str, seed: int, k: int = FREQUENT_K, tag: str = "",

@@ -36,7 +36,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from harness import ROOT, append, provenance
+from harness import ROOT, append, provenance, ranked
 from lightning.pytorch.demos import Transformer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -260,7 +260,7 @@ def report(records: list[dict[str, Any]], as_lordo: str = "") -> bool:
             for method in ("ddp", "lordo", "lowrank_ddp"):
                 print(f"  {method:12s} " + "  ".join(f"{means[method, lr]:8.4f}" if (method, lr) in means
                                                      else f"{'-':>8s}" for lr in LRS))
-            best = {m: min((lr for lr in LRS if (m, lr) in means), key=lambda lr: means[m, lr], default=None)
+            best = {m: min((lr for lr in LRS if (m, lr) in means), key=lambda lr: ranked(means[m, lr]), default=None)
                     for m in ("ddp", "lordo")}
             if best["ddp"] is None or best["lordo"] is None or ("lordo", best["ddp"]) not in means:
                 continue

@@ -377,6 +377,12 @@ def append(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def ranked(loss: Optional[float]) -> float:
+    """A loss as a sort key: a NaN (a diverged run) or a missing one ranks last, where ``min`` would otherwise keep a
+    NaN that comes first (every comparison with NaN is false)."""
+    return loss if loss is not None and math.isfinite(loss) else math.inf
+
+
 def load(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

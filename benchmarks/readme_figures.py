@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import load
+from harness import load, ranked
 
 from lightning_lordo import LoRDO, LoRDOStrategy
 from lightning_lordo.config import OPTIMIZER_DEFAULTS, SyncConfig
@@ -143,7 +143,7 @@ def dropin_row() -> str:
     parts = []
     for family, label in (("mlp", "MLP"), ("cnn_noisy", "BatchNorm CNN"), ("transformer", "Lightning's Transformer")):
         lrs = {r["lr"] for r in records if r["family"] == family and r["method"] == "ddp" and "variant" not in r}
-        lr = min(lrs, key=lambda x: mean(family, x, "ddp"))
+        lr = min(lrs, key=lambda x: ranked(mean(family, x, "ddp")))
         # today's defaults: a variant's rerun where the first sweep ran earlier defaults, else the sweep's own
         today = TODAYS_LORDO if any(r.get("variant") == TODAYS_LORDO and r["family"] == family for r in records) \
             else None
@@ -167,7 +167,7 @@ def authors_row() -> str:
     ddp, low, before = (runs("issue30", n)[0] for n in ("ddp", "lowrank_ddp", "lordo_candidate_before"))
     today = runs("interval", "lordo_current")
     user = next(r for r in today if r["spec"]["lr"] == ddp["spec"]["lr"])
-    best = min(today, key=lambda r: r["final_val_loss"])
+    best = min(today, key=lambda r: ranked(r["final_val_loss"]))
 
     def ppl(r: dict[str, Any]) -> str:
         return f"{math.exp(r['final_val_loss'] - low['final_val_loss']) - 1:+.1%}"

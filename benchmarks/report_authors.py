@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import authors
-from harness import ROOT, load
+from harness import ROOT, load, ranked
 
 NAMES = {"ddp": "DDP (AdamW)", "ddp_qh": "DDP, authors' QH + beta switch", "lowrank_ddp": "low-rank DDP (authors')",
          "lordo_local": "LoRDO-Local (authors')", "lordo_noqhm": "LoRDO-Global w/o QHM",
@@ -84,7 +84,7 @@ def report(path: Path) -> str:
               "| method | " + " | ".join(f"x{s:g}" for s in (0.25, 0.5, 1, 2, 4)) + " |", "|---" * 6 + "|"]
     for name in authors.SWEPT:
         losses = authors.scale_losses(name)
-        best = min(losses, key=losses.get) if losses else None
+        best = min(losses, key=lambda k: ranked(losses[k])) if losses else None
         cells = [("**" if s == best else "") + f"{losses[s]:.4f}" + ("**" if s == best else "") if s in losses
                  else "" for s in (0.25, 0.5, 1, 2, 4)]
         lines.append(f"| {NAMES[name]} | " + " | ".join(cells) + " |")
