@@ -70,7 +70,10 @@ class _ResultWriter(L.Callback):
                           if isinstance(t, torch.Tensor))
         out: dict[str, Any] = {"optimizer_state_bytes": state_bytes}
         strategy = trainer.strategy
-        if isinstance(strategy, LoRDOStrategy):
+        if isinstance(strategy, LoRDOStrategy):  # the strategy's convention: the error feedback at its peak (with
+            memory = optimizer.memory_report()  # the projection it holds between folds), counted once
+            out["optimizer_state_bytes"] = sum(memory[k] for k in ("lowrank_moments", "bases", "fullrank_moments",
+                                                                   "error_feedback", "other"))
             out["bytes_sent"] = strategy.accountant.total_bytes
             out["bytes_by_purpose"] = dict(strategy.accountant.totals)
             out["syncs"] = strategy.synchronizer.syncs_done
@@ -134,14 +137,14 @@ COLUMNS = ("method", "val loss", "val ppl", "sent per worker", "DDP / this", "op
 
 
 def result_rows(results: list[dict[str, Any]]) -> list[list[str]]:
-    """The table's cells: the optimizer state counts the error-feedback buffers (LoRDO's full-size state)."""
+    """The table's cells: the optimizer state includes the error-feedback buffers (LoRDO's full-size state)."""
     ddp = next(r for r in results if r["method"] == "ddp")
     rows = []
     for r in results:
         saving = ddp["bytes_sent"] / r["bytes_sent"] if r["bytes_sent"] else math.inf
         feedback = r.get("error_feedback_bytes", 0)
         rows.append([r["method"], f"{r['val_loss']:.3f}", f"{r['val_ppl']:.2f}", _human(r["bytes_sent"]),
-                     f"{saving:.1f}x", _human(r["optimizer_state_bytes"] + feedback),
+                     f"{saving:.1f}x", _human(r["optimizer_state_bytes"]),
                      _human(feedback) if feedback else "-", f"{r['wall_seconds']:.1f} s"])
     return rows
 
@@ -163,6 +166,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}: must be at least 1")
     if args.data is not None and not Path(args.data).is_file():
         raise SystemExit(f"--data={args.data}: no such file; pass a text file, or leave --data out")
+    try:  # a text too short for the model's windows
+        _datamodule(args, _model_config(args)["seq_len"]).setup("fit")
+    except ValueError as err:
+        raise SystemExit(f"--data={args.data}: {err}; pass a longer text, or leave --data out") from None
     torch.set_num_threads(1)  # one thread per worker process: the workers share the machine's cores
     console = Console()
     L.seed_everything(args.seed, verbose=False)
