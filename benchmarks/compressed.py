@@ -55,7 +55,7 @@ from harness import RunSpec, append, done, load, provenance, ranked, run
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "compressed.jsonl"
 STAGES = ("lr", "choose", "main", "candidate", "frequent", "frequent_seeds", "window", "k3", "embedding_moments",
-          "compressed_k8", "today")
+          "compressed_k8", "today", "today_lr")
 FREQUENT_K, FREQUENT_PAYLOADS, MORE_SEEDS = 8, ("lowrank_int8", "lordo_compressed", "full"), (2, 3, 4)
 MODELS: dict[str, dict[str, Any]] = {
     "bytes": {"corpus": "bytes"},
@@ -139,6 +139,15 @@ MOMENTS_2 = {"tag": "fullrank_moments_every=2", "average_fullrank_moments": True
 MOMENTS_4 = {"tag": "fullrank_moments_every=4", "average_fullrank_moments": True}
 
 
+def _today(model: str, data: str, name: str, lr: float, seed: int = 0) -> RunSpec:
+    """Payload ``name`` as the presets run it now: ``update_scale="auto"`` (the harness pins 1.0 unless named) and,
+    for the ``"lordo_compressed"`` preset, the full-rank moments averaged too."""
+    run_spec = spec(model, data, name, lr, seed)
+    extra = {"average_fullrank_moments": True} if name == "lordo_compressed" else {}
+    run_spec.knobs = {**run_spec.knobs, "update_scale": "auto", **extra}
+    return run_spec
+
+
 def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec]]:
     if stage == "candidate":  # the word model (where PowerSGD won) first, its LR grid, then seed 0 of each model
         models = [m for m in ("words", "bytes") if m in paths]
@@ -170,16 +179,11 @@ def specs_for(stage: str, paths: dict[str, str]) -> list[tuple[str, str, RunSpec
         return out
     if stage == "today":  # the preset and the full payload as they are now (update_scale="auto", which the
         # harness pins to 1.0 unless named), at the user's LR: DDP's best, where PowerSGD's and DDP's runs are
-        today = {"update_scale": "auto", "average_fullrank_moments": True}
-        out = []
-        for seed in (0, 1):
-            for m in ("words", "bytes"):
-                lr = best_lr(m, "ddp")
-                for name in ("lordo_compressed", "full"):
-                    run_spec = spec(m, paths[m], name, lr, seed)
-                    run_spec.knobs = {**run_spec.knobs, **(today if name != "full" else {"update_scale": "auto"})}
-                    out.append((m, f"{name}:today", run_spec))
-        return out
+        return [(m, f"{name}:today", _today(m, paths[m], name, best_lr(m, "ddp"), seed))
+                for seed in (0, 1) for m in ("words", "bytes") for name in ("lordo_compressed", "full")]
+    if stage == "today_lr":  # is the user's LR the preset's best? seed 0 at the ladder's LRs either side of it
+        return [(m, "lordo_compressed:today", _today(m, paths[m], "lordo_compressed", LADDER[at]))
+                for m in ("words", "bytes") for i in (-1, 1) if 0 <= (at := LADDER.index(best_lr(m, "ddp")) + i)]
     if stage == "compressed_k8":
         return [frequent_spec(m, paths[m], "lordo_compressed", seed, **MOMENTS_4) for m in ("words", "bytes")
                 for seed in ((0, 1, *MORE_SEEDS) if m == "words" else (0, 1))]
