@@ -3,6 +3,7 @@ sync may average (full-rank moments, error feedback). 2 processes launched by fo
 
 from __future__ import annotations
 
+import csv
 import math
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from strategy_helpers import TinyRegressor, flat_params, gather, loader, lordo, trainer
 
 from lightning_lordo import LoRDO, LoRDOStrategy
@@ -153,19 +155,30 @@ def test_lowrank_ddp_is_ddp_with_the_lowrank_optimizer(tmp_path: Path) -> None:
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
 
 
-def test_lowrank_ddp_name_keeps_no_anchor_and_counts_gradients() -> None:
+def test_lowrank_ddp_name_keeps_no_anchor_and_counts_gradients(tmp_path: Path) -> None:
     class Check(L.Callback):
         def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
             strategy: LoRDOStrategy = trainer.strategy
             assert not strategy.synchronizer.anchor and strategy.synchronizer.memory_report()["anchor"] == 0
-            assert set(strategy.accountant.totals) - {"setup_broadcast", "lightning_sigterm_check"} == {"gradients"}
+            assert set(strategy.accountant.totals) - {"setup_broadcast", "lightning_sigterm_check",
+                                                      "lightning_collectives"} == {"gradients"}
             assert strategy.accountant.totals["gradients"] == 34 * _flags_and_grads(module)
-            assert [r.step for r in strategy.sync_reports] == [16, 32]  # a report at every basis refresh (K = 16)
+            # a report at every basis refresh (K = 16) and, at fit's end, one of the steps since (it was not made: the
+            # last 2 steps' bytes were never logged)
+            reports = strategy.sync_reports
+            assert [r.step for r in reports] == [16, 32, 34] and strategy.synchronizer.syncs_done == 2
+            assert reports[-1].bytes_by_purpose["gradients"] == 2 * _flags_and_grads(module)
+            if trainer.global_rank == 0:
+                (tmp_path / "total.txt").write_text(str(reports[-1].total_bytes))
 
-    fit = trainer("lowrank_ddp_fork", callbacks=[Check()], max_steps=34)
+    fit = trainer("lowrank_ddp_fork", callbacks=[Check()], max_steps=34, logger=CSVLogger(tmp_path, name="csv"),
+                  log_every_n_steps=1)
     assert isinstance(fit.strategy, LoRDOStrategy) and fit.strategy.sync_config.synchronous
     fit.strategy.optimizer_knobs["rank"] = 4
     fit.fit(TinyRegressor(), loader(n=34 * 16))
+    with open(next(tmp_path.glob("csv/*/metrics.csv"))) as f:  # the monitor logged the totals as they ended
+        logged = [float(r["lordo/bytes_sent_total"]) for r in csv.DictReader(f) if r.get("lordo/bytes_sent_total")]
+    assert logged[-1] == int((tmp_path / "total.txt").read_text()) and len(logged) == 3
 
 
 class AveragedState(L.Callback):

@@ -215,9 +215,9 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         comm.broadcast(list(bases.values()), "bases")
         return bases
 
-    def _finish_synchronous_round(self) -> SyncReport:
+    def _finish_synchronous_round(self, counted: bool = True) -> SyncReport:  # counted=False: fit's end, mid-interval
         data, self._round = self._round, {"seconds": 0.0, "basis_seconds": 0.0, "movement": None}
-        self.syncs_done += 1
+        self.syncs_done += counted
         return self._report(seconds=data["seconds"], basis_seconds=data["basis_seconds"],
                             subspace_movement=data["movement"], pseudo_gradient_norm=None, extra={"synchronous": 1.0})
 
