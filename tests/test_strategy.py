@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -105,7 +106,10 @@ class ByteChecker(L.Callback):
             "moments": syncs * moments,
             "holders": syncs * len(lowrank) * 4,  # one float32 flag per averaged moment: does this worker hold it
             "lightning_sigterm_check": (self.batches + 1) * 8,  # two float32 flags before every batch and at the end
-            "lightning_collectives": 2 * 8,  # Lightning's has_len_all_ranks: the loaders' lengths, two int64 sums
+            # Lightning's has_len_all_ranks (the loaders' lengths, two int64 sums) and, on the sender, its log_dir
+            # broadcast (an int64 size and the pickled root directory)
+            "lightning_collectives": 2 * 8 + (8 + len(pickle.dumps(trainer.default_root_dir))
+                                              if trainer.global_rank == 0 else 0),
         }
         model_bytes = sum(t.numel() * t.element_size() for t in [*params, *module.buffers()])
         broadcast = isinstance(module, RankPerturbed)
@@ -128,11 +132,14 @@ def test_bytes_counted_are_what_travels(module: type) -> None:
 
 
 class SyncedLogging(TinyRegressor):
-    """Logs one float32 scalar with ``sync_dist=True`` at every step: Lightning all-reduces it."""
+    """Logs one float32 scalar with ``sync_dist=True`` at every step (Lightning all-reduces it) and broadcasts a
+    100-byte object from rank 0 once."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
         self.log("synced", loss.detach(), sync_dist=True, on_step=True, on_epoch=False)
+        if batch_idx == 2:
+            self.trainer.strategy.broadcast(b"x" * 100)
         return loss
 
 
@@ -142,23 +149,28 @@ class SaveTotals(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         accountant = trainer.strategy.accountant
-        if trainer.global_rank == 1:  # a receiver of rank 0's broadcasts
-            torch.save((dict(accountant.totals), dict(accountant.wire_totals)), self.path)
+        torch.save((dict(accountant.totals), dict(accountant.wire_totals), str(trainer.default_root_dir)),
+                   f"{self.path}.{trainer.global_rank}")
 
 
 def test_lightnings_own_collectives_are_counted(tmp_path: Path) -> None:
-    """A metric logged with sync_dist=True is an all-reduce of Lightning's per step: its bytes are counted (they were
-    not), under ``lightning_collectives``, and nothing else changes."""
-    found = []
+    """Lightning's collectives through the strategy are counted (they were not) under ``lightning_collectives``: a
+    metric logged with sync_dist=True (an all-reduce per step), its two loader-length sums and its broadcasts, the
+    payload on the sender (torch's broadcast_object_list: an int64 size and the pickled object), the wire bytes on
+    both, including the broadcast of the log directory in Lightning's setup, before the fit's accountant exists."""
+    found = {}
     for module in (TinyRegressor, SyncedLogging):
-        path = tmp_path / f"{module.__name__}.pt"
+        path = tmp_path / module.__name__
         trainer(lordo(sync_every=4), callbacks=[SaveTotals(path)], max_steps=6).fit(module(), loader())
-        found.append(torch.load(path))
-    (plain, plain_wire), (logged, logged_wire) = found
-    key = "lightning_collectives"
-    assert logged[key] - plain.get(key, 0) == 6 * 4  # one float32 scalar, six steps
-    assert logged_wire[key] - plain_wire.get(key, 0) == 6 * 4  # ring all-reduce, 2 workers: 2 (M-1)/M N = N
-    assert {k: v for k, v in logged.items() if k != key} == {k: v for k, v in plain.items() if k != key}
+        found[module] = [torch.load(f"{path}.{rank}") for rank in (0, 1)]
+    key, object_bytes = "lightning_collectives", 8 + len(pickle.dumps(b"x" * 100))
+    for rank, ((plain, plain_wire, root), (logged, logged_wire, _)) in enumerate(zip(*found.values())):
+        setup = 8 + len(pickle.dumps(root))  # Trainer.log_dir's broadcast (logger=False: the root directory)
+        assert plain[key] == 2 * 8 + (setup if rank == 0 else 0)  # the two loader-length int64 sums
+        assert plain_wire[key] == 2 * 8 + setup // 2  # all-reduce 2 (M-1)/M N = N; broadcast (M-1)/M N, M = 2
+        assert logged[key] - plain[key] == 6 * 4 + (object_bytes if rank == 0 else 0)  # six float32 scalars
+        assert logged_wire[key] - plain_wire[key] == 6 * 4 + object_bytes // 2
+        assert {k: v for k, v in logged.items() if k != key} == {k: v for k, v in plain.items() if k != key}
 
 
 class SaveParams(L.Callback):
@@ -295,6 +307,20 @@ def test_strategy_names_are_registered() -> None:
     fit = L.Trainer(strategy="lordo_local", accelerator="cpu", devices=1, logger=False)
     assert isinstance(fit.strategy, LoRDOStrategy) and fit.strategy.sync_config.basis_scope == "local"
     assert L.Trainer(strategy="diloco", accelerator="cpu", devices=1, logger=False).strategy.lowrank is False
+
+
+@pytest.mark.slow
+def test_the_spawn_launcher_trains_as_fork_does() -> None:
+    """``lordo_spawn`` pickles the strategy into new processes (its accountant's lock and its warnings' rank lookup
+    could not be pickled: every ``_spawn`` name failed before training); the model it returns is fork's, bit for
+    bit."""
+    found = []
+    for start_method in ("fork", "spawn"):
+        torch.manual_seed(0)
+        module = TinyRegressor()
+        trainer(lordo(sync_every=4, start_method=start_method, monitor=False), max_steps=6).fit(module, loader())
+        found.append(flat_params(module).clone())
+    assert torch.equal(*found)
 
 
 def test_single_device_trains_locally_and_sends_nothing() -> None:

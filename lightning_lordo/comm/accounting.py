@@ -58,6 +58,12 @@ class CommAccountant:
         self.last_wire_parts: dict[str, int] = {}
         self._lock = threading.Lock()  # an overlapped round counts from its own thread
 
+    def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the strategy: not its lock
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
     def add(self, purpose: str, nbytes: int, in_round: bool = True, wire: Optional[int] = None) -> None:
         """Count ``nbytes`` payload bytes and ``wire`` wire bytes (``None``: as many as ``nbytes``, a point-to-point
         send) under ``purpose``; ``in_round=False`` for traffic that belongs to no round (Lightning's own per-batch

@@ -43,6 +43,7 @@ class GuardedCollectives:
 
     _sigterm_pending = False  # a SIGTERM arrived; the next per-batch check tells every rank
     _posted_check: Optional[tuple[Any, torch.Tensor, int]] = None  # the check in flight: wait, flags, steps
+    _counting = False  # Lightning's collectives go into this fit's accountant (from configure_ddp to teardown)
     _control_comm: Optional[Communicator]  # the per-batch checks' communicator, on a gloo group of their own
     accountant: CommAccountant
     _is_last_step: Callable[[], bool]
@@ -124,14 +125,32 @@ class GuardedCollectives:
     def _count(self, kind: str, nbytes: int, sender: bool = True) -> None:
         """Lightning's own collectives (a metric logged with ``sync_dist=True``, a callback's decision, a broadcast)
         are on the wire too: counted under ``lightning_collectives``, between rounds (a broadcast's payload on its
-        sender, its wire bytes on every worker, as the strategy's own)."""
+        sender, its wire bytes on every worker, as the strategy's own). Those of Lightning's setup (``log_dir``,
+        ``ModelCheckpoint``'s directory) come before this fit's accountant exists: held until it does."""
         if self.world_size <= 1 or not nbytes:
             return
-        wire = wire_bytes(kind, nbytes, self.world_size)
-        if sender:
+        entry = (nbytes if sender else 0, wire_bytes(kind, nbytes, self.world_size))
+        if self._counting:
+            self._add_lightning(*entry)
+        else:
+            self.__dict__.setdefault("_pending_counts", []).append(entry)
+
+    def _add_lightning(self, nbytes: int, wire: int) -> None:
+        if nbytes:
             self.accountant.add("lightning_collectives", nbytes, in_round=False, wire=wire)
         else:
             self.accountant.add_wire("lightning_collectives", wire, in_round=False)
+
+    def _start_counting(self) -> None:
+        """This fit's accountant exists (``configure_ddp``): what Lightning sent in this entry's setup goes in it."""
+        self._counting = True
+        for entry in self.__dict__.pop("_pending_counts", []):
+            self._add_lightning(*entry)
+
+    def _stop_counting(self) -> None:
+        """The entry point ended (``teardown``): a later one's setup belongs to it, not to this fit."""
+        self._counting = False
+        self.__dict__.pop("_pending_counts", None)
 
     def _sigterm_check(self, finished: bool = False) -> None:
         """Lightning's check for SIGTERM before every training batch, replaced: an all-reduce of each rank's flags on

@@ -15,6 +15,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Any, Literal, Optional, Union
 
 from lightning.pytorch import LightningModule, Trainer
@@ -169,7 +170,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         self._finished = False  # the final synchronization of this fit ran
         self._lordo_checkpoint = False
         self._reset_on_load = False
-        self._plugin_warnings = PluginWarnings(lambda: self.global_rank)  # once, on rank 0, at the user's line
+        self._plugin_warnings = PluginWarnings(partial(getattr, self, "global_rank"))  # rank 0, at the user's line
 
     @property  # type: ignore[override]
     @override
@@ -240,6 +241,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
                 "strategy='ddp' for manual optimization."
             )
         self.core.new_fit()  # each fit counts its own traffic
+        self._start_counting()
         self.communicator = Communicator(self.accountant, self.sync_config.timeout)
         self.core.overlap_comm = None
         if self.sync_config.overlap_steps and self.world_size > 1:  # its gloo group made once per strategy
@@ -392,4 +394,5 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         (``anchor_device="param"``) moves to host memory: a checkpoint saved after ``fit`` still has it."""
         if self.synchronizer is not None:
             self.synchronizer.anchor.tensors = [t.cpu() for t in self.synchronizer.anchor.tensors]
+        self._stop_counting()
         super().teardown()
