@@ -6,6 +6,7 @@ command line writes a file without the LoRDO state."""
 from __future__ import annotations
 
 import copy
+import shutil
 import subprocess
 import sys
 import warnings
@@ -213,6 +214,17 @@ def test_the_command_line_writes_a_checkpoint_without_the_lordo_state(mid_round:
     assert kept.returncode == 2 and "exists: pass --force" in kept.stderr, kept.stderr
     forced = subprocess.run([*command, "--force"], capture_output=True, text=True, timeout=120)
     assert forced.returncode == 0 and "lordo" not in torch.load(target, weights_only=True)
+    copy = tmp_path / "copy" / mid_round.name  # a copy whose rank-1 shard was cut short: named, not the file
+    copy.parent.mkdir()
+    shutil.copy(mid_round, copy)
+    folder = next(mid_round.parent.glob(f"{mid_round.name}.lordo-*"))
+    shutil.copytree(folder, copy.parent / folder.name)
+    shard = copy.parent / folder.name / "rank-1.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+    cut = subprocess.run([*command[:-2], str(copy), str(tmp_path / "cut.ckpt")], capture_output=True, text=True,
+                         timeout=120)
+    assert cut.returncode == 2 and "rank-1.pt" in cut.stderr and "cannot be read as a checkpoint" not in cut.stderr, \
+        cut.stderr
 
 
 def test_a_checkpoint_with_factored_full_rank_state_resumes_under_adamw(tmp_path: Path) -> None:

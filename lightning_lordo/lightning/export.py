@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_lordo.lightning.checkpoint_io import AtomicCheckpointIO, describe
-from lightning_lordo.lightning.shards import load_full
+from lightning_lordo.lightning.shards import with_shards
 from lightning_lordo.lightning.user_warnings import PluginWarnings
 from lightning_lordo.optim.conversion import adamw_state_dict
 from lightning_lordo.optim.loading import LORDO_KNOBS, is_lordo_state
@@ -131,13 +131,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     _check_paths(parser, Path(args.source), Path(args.target), args.force)
     try:
-        checkpoint = load_full(args.source)  # with every rank's shard, if it has them
-    except FileNotFoundError as err:  # a copy without its shards: the conversion keeps none of their state
-        print(f"note: {err}", file=sys.stderr)
-        checkpoint = torch.load(args.source, map_location="cpu", weights_only=True)
+        checkpoint = AtomicCheckpointIO().load_checkpoint(args.source)
     except Exception as err:  # torch's unpickler fails on bytes that are no checkpoint in many ways
         parser.error(f"source {args.source!r} cannot be read as a checkpoint ({describe(err.__cause__ or err)}): "
                      "pass a checkpoint file that Lightning wrote")
+    try:
+        checkpoint = with_shards(args.source, checkpoint)  # every rank's shard, if it has them
+    except FileNotFoundError as err:  # a copy without its shards: the conversion keeps none of their state
+        print(f"note: {err}", file=sys.stderr)
+    except (OSError, ValueError) as err:  # a corrupt or swapped shard: its error names it and the fix
+        parser.error(str(err))
     notes = to_torch_checkpoint(checkpoint)
     if not notes:
         parser.error(f"{args.source!r} holds no LoRDO state: any strategy resumes it as it is")

@@ -231,8 +231,13 @@ def glob_escape(path: str) -> str:
 def load_full(filepath: Any) -> dict[str, Any]:
     """A checkpoint as one dict: a sharded one with every rank's state read into ``checkpoint["lordo"]["ranks"]``
     (as a single-file checkpoint has it)."""
-    io = AtomicCheckpointIO()  # a truncated or corrupt file: an error that names it
-    checkpoint = io.load_checkpoint(filepath)
+    return with_shards(filepath, AtomicCheckpointIO().load_checkpoint(filepath))  # a corrupt file: named
+
+
+def with_shards(filepath: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` (read from ``filepath``) with every rank's shard read in, if it has shards; unchanged when a
+    shard cannot be read (the error names it)."""
+    io = AtomicCheckpointIO()
     lordo = checkpoint.get("lordo")
     if lordo is not None and "shards" in lordo:
         meta = lordo["shards"]
