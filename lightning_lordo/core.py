@@ -203,8 +203,10 @@ class LoRDOCore:
         """After each optimizer step: the step count and, every ``sync_every`` steps (or at ``last``), the sync."""
         synchronizer = self.synchronizer
         assert synchronizer is not None
-        if (not synchronizer.synchronous_now and synchronizer.steps_since_sync + 1 >= self.sync_config.sync_every) \
-                or last:
+        k = self.sync_config.sync_every  # at a sync, or every K synchronous steps (their gradients' average)
+        due = (synchronizer.optimizer_steps + 1) % k == 0 if synchronizer.synchronous_now \
+            else synchronizer.steps_since_sync + 1 >= k
+        if due or last:
             self.check_synchronized_set()
         report = synchronizer.on_optimizer_step()
         if report is not None:
@@ -245,7 +247,9 @@ class LoRDOCore:
             raise RuntimeError(f"LoRDO synchronizes the parameters that were trainable when training started, but "
                                f"{new[:5]} became trainable later; they would drift apart on every rank. Unfreeze "
                                "them before trainer.fit / fabric.setup, or save a checkpoint and resume to include "
-                               "them.")
+                               "them. A callback that unfreezes during fit (Lightning's BaseFinetuning, "
+                               "BackboneFinetuning) freezes them again on resume: train in two fits instead, the "
+                               "second from the first's checkpoint with them trainable and without the callback.")
 
     # ------------------------------------------------------------------ figures
     def ddp_equivalent_bytes(self, world_size: int, report: Optional[SyncReport] = None) -> int:

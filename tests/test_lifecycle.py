@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from strategy_helpers import TinyRegressor, flat_params, free_port, loader, lordo, trainer
+from strategy_helpers import TinyRegressor, flat_params, free_port, gather, loader, lordo, trainer
 
 pytestmark = pytest.mark.slow
 
@@ -165,3 +165,24 @@ def test_weight_averaging_is_refused_with_local_rounds_and_runs_on_one_device() 
                   callbacks=[StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)])
     one.fit(TinyRegressor(), loader(n=64))
     assert one.global_step == 16
+
+
+class MasksAtEnd(L.Callback):
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        masks = torch.cat([b.reshape(-1) for n, b in module.named_buffers() if n.endswith("weight_mask")])
+        assert masks.numel() and torch.equal(*gather(masks)), "the ranks pruned different weights"
+
+
+def test_pruning_is_refused_with_local_rounds_and_prunes_alike_with_synchronous_steps() -> None:
+    """ModelPruning prunes each rank's replica: between syncs they differ, so the masks (buffers made after setup,
+    which no sync sees) ended different on each rank, silently."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    def pruning() -> ModelPruning:
+        return ModelPruning("l1_unstructured", amount=0.3, make_pruning_permanent=False)
+
+    with pytest.raises(Exception, match=r"ModelPruning is not supported with LoRDO's local rounds"):
+        trainer(lordo(sync_every=4), callbacks=[pruning()], max_epochs=2, max_steps=-1).fit(TinyRegressor(),
+                                                                                          loader(n=64))
+    trainer(lordo(sync_every=4, synchronous=True), callbacks=[pruning(), MasksAtEnd()], max_epochs=2,
+            max_steps=-1).fit(TinyRegressor(), loader(n=64))

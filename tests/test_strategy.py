@@ -466,6 +466,27 @@ def test_parameters_unfrozen_during_fit_are_refused_at_the_next_sync() -> None:
     assert not torch.equal(alone.net[0].weight, before)  # trained after step 2, and the fit ended normally
 
 
+class LastStep(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.path.write_text(str(trainer.global_step))
+
+
+def test_parameters_unfrozen_under_synchronous_steps_are_refused_within_sync_every_steps(tmp_path: Path) -> None:
+    """``lowrank_ddp`` averages the gradients of what was trainable at setup: a parameter unfrozen later drifted apart
+    on each rank until the last step, which refused it (all the compute lost); now within ``sync_every`` steps, with
+    the fix for a finetuning callback."""
+    module = TinyRegressor()
+    module.net[0].weight.requires_grad_(False)
+    last = tmp_path / "last.txt"
+    with pytest.raises(Exception, match=r"became trainable later(.|\n)*BaseFinetuning"):
+        trainer(lordo(sync_every=4, synchronous=True), callbacks=[Unfreeze(), LastStep(last)],
+                max_steps=40).fit(module, loader())
+    assert int(last.read_text()) <= 4  # refused at the first K-step boundary after the unfreeze at step 2
+
+
 def test_a_second_fit_counts_its_own_syncs_and_bytes() -> None:
     fit = trainer(lordo(sync_every=2, start_method="popen"), devices=1, max_steps=4)
     module = TinyRegressor()

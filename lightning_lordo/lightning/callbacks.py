@@ -150,7 +150,8 @@ def reports_undone(trainer: Trainer, kept: int) -> None:
 
 
 def refuse_weight_averaging(trainer: Trainer, local_rounds: bool) -> None:
-    """Lightning's weight averaging averages each rank's own replica, which local steps keep apart between syncs."""
+    """Lightning's weight averaging and pruning work on each rank's own replica, which local steps keep apart between
+    syncs."""
     kinds = tuple(k for k in (getattr(lightning_callbacks, "WeightAveraging", None),
                                 lightning_callbacks.StochasticWeightAveraging) if k)
     found = [type(c).__name__ for c in trainer.callbacks if isinstance(c, kinds)]
@@ -161,6 +162,13 @@ def refuse_weight_averaging(trainer: Trainer, local_rounds: bool) -> None:
             "would hold rank 0's average. Use it with devices=1 or strategy='lowrank_ddp' (synchronous steps), or "
             "average the synchronized model yourself (trainer.strategy.synchronizer.steps_since_sync == 0 after a "
             "sync).")
+    pruning = [type(c).__name__ for c in trainer.callbacks if isinstance(c, lightning_callbacks.ModelPruning)]
+    if pruning and local_rounds:  # its masks are buffers made after setup: no sync ever sees them
+        raise ValueError(
+            f"{pruning[0]} is not supported with LoRDO's local rounds on several processes: it prunes each rank's "
+            "own replica, which differ between syncs, so each rank keeps another mask and the ranks end with "
+            "different models. Use it with devices=1 or strategy='lowrank_ddp' (synchronous steps, identical "
+            "replicas), or prune before or after the distributed fit.")
 
 
 def add_final_sync(trainer: Trainer) -> None:
