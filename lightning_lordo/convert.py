@@ -164,7 +164,8 @@ def _warn_about_fullrank_matrices(optimizer: LoRDO, names: dict[Tensor, str]) ->
     """One warning for the matrices the rank cannot help (smaller side below the rank), or for a model with none
     that takes the low-rank step at all."""
     rows = optimizer.describe(names)
-    too_small = [f"{r['name'] or r['shape']} {r['shape']}" for r in rows if r["reason"].startswith("rank ")]
+    too_small = [f"{r['name'] or r['shape']} {r['shape']}" for r in rows  # a (d, 1) column: no rank helps
+                 if r["reason"].startswith("rank ") and min(r["shape"]) > 1]
     if not any(r["step"] == "lowrank" for r in rows):
         warnings.warn("LoRDO: no parameter of this model takes the low-rank step (it needs 2-D weights whose "
                       "smaller side is larger than the rank); every parameter runs AdamW locally, synchronized every "

@@ -209,6 +209,19 @@ def test_shapes_the_method_cannot_help_warn_once_and_train_full_rank(shape: str)
     assert dataset_loss(module) < before
 
 
+def test_a_weight_norm_magnitude_is_not_called_a_matrix_below_the_rank() -> None:
+    """weight_norm's magnitude is a (d, 1) column: no rank can help it, so it is not in the warning that asks for a
+    lower rank (every weight_norm user got it)."""
+    module = Tiny()
+    module.net[3] = nn.utils.parametrizations.weight_norm(module.net[3])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit = trainer(lordo(sync_every=3, start_method="popen"), devices=1, max_steps=3)
+        fit.fit(module, loader())
+    assert not [m for m in lordo_warnings(caught) if "smaller than the rank" in m]
+    assert (16, 1) in [tuple(row["shape"]) for row in fit.strategy.parameter_plan()]  # it is there, on AdamW
+
+
 @pytest.mark.parametrize(("model_class", "rank"), [(NoMatrices, 4), (Tiny, 32)], ids=["no 2-D", "all below rank"])
 def test_shapes_the_method_cannot_help_train_on_two_processes(model_class: type, rank: int) -> None:
     def full_rank_only(trainer: L.Trainer, module: L.LightningModule) -> None:
