@@ -107,7 +107,10 @@ class Snapshot(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         torch.save({"params": [p.detach().clone() for p in module.parameters()],
                     "buffers": [b.detach().clone() for b in module.buffers()],
-                    "totals": dict(trainer.strategy.accountant.totals),
+                    # the plugin's traffic; Lightning's own collectives are counted too, and a resumed run's setup
+                    # sends them again (its log_dir broadcast, its loaders' lengths): real bytes, not training state
+                    "totals": {k: v for k, v in trainer.strategy.accountant.totals.items()
+                               if k != "lightning_collectives"},
                     "ddp_equivalent": trainer.strategy.ddp_equivalent_bytes},
                    self.directory / f"{self.tag}_final_rank{trainer.global_rank}.pt")
         torch.save(self.batches, self.directory / f"{self.tag}_batches_rank{trainer.global_rank}.pt")

@@ -173,6 +173,21 @@ def test_lightnings_own_collectives_are_counted(tmp_path: Path) -> None:
         assert {k: v for k, v in logged.items() if k != key} == {k: v for k, v in plain.items() if k != key}
 
 
+class BroadcastAtFitEnd(L.Callback):
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        trainer.strategy.broadcast(b"y" * 1000)
+
+
+def test_a_collective_of_an_on_fit_end_hook_is_counted_in_its_fit(tmp_path: Path) -> None:
+    """Lightning tears the strategy down before the on_fit_end hooks: their collectives are the fit's still (they
+    were held for the next entry point's count, or lost)."""
+    path = tmp_path / "totals"
+    trainer(lordo(sync_every=4), callbacks=[BroadcastAtFitEnd(), SaveTotals(path)], max_steps=4).fit(
+        TinyRegressor(), loader())
+    totals, _, root = torch.load(f"{path}.0")
+    assert totals["lightning_collectives"] == 2 * 8 + 8 + len(pickle.dumps(root)) + 8 + len(pickle.dumps(b"y" * 1000))
+
+
 class SaveParams(L.Callback):
     def __init__(self, path: Path) -> None:
         self.path = path

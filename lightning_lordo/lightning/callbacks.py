@@ -105,6 +105,10 @@ class CommunicationMonitor(Callback):
             _write(trainer, {self.prefix + k: v for k, v in figures(strategy, report).items()},
                    max(_lightning_step(trainer) - 1, 0))
         self._logged = len(strategy.sync_reports)
+        sync = strategy.synchronizer  # synchronous steps report at each basis refresh: the steps since, as totals
+        if sync is not None and sync.synchronous_now and sync.optimizer_steps % sync.config.sync_every:
+            _write(trainer, {self.prefix + k: v for k, v in figures(strategy, totals_only=True).items()},
+                   max(_lightning_step(trainer) - 1, 0))
         for logger in trainer.loggers:
             logger.save()
         if self.summary and trainer.is_global_zero:

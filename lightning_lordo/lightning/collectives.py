@@ -43,7 +43,7 @@ class GuardedCollectives:
 
     _sigterm_pending = False  # a SIGTERM arrived; the next per-batch check tells every rank
     _posted_check: Optional[tuple[Any, torch.Tensor, int]] = None  # the check in flight: wait, flags, steps
-    _counting = False  # Lightning's collectives go into this fit's accountant (from configure_ddp to teardown)
+    _counting = False  # Lightning's collectives go into this fit's accountant (configure_ddp to the next entry)
     _control_comm: Optional[Communicator]  # the per-batch checks' communicator, on a gloo group of their own
     accountant: CommAccountant
     _is_last_step: Callable[[], bool]
@@ -142,15 +142,19 @@ class GuardedCollectives:
             self.accountant.add_wire("lightning_collectives", wire, in_round=False)
 
     def _start_counting(self) -> None:
-        """This fit's accountant exists (``configure_ddp``): what Lightning sent in this entry's setup goes in it."""
+        """This fit's accountant exists (``configure_ddp``): what Lightning sent in this entry's setup goes in it, and
+        what it sends until the next entry point starts (``setup_environment``)."""
         self._counting = True
         for entry in self.__dict__.pop("_pending_counts", []):
             self._add_lightning(*entry)
 
-    def _stop_counting(self) -> None:
-        """The entry point ended (``teardown``): a later one's setup belongs to it, not to this fit."""
+    @override
+    def setup_environment(self) -> None:
+        """An entry point (fit, validate, ...) starts: its setup's collectives wait for its accountant; what came
+        after the last one's teardown (``on_fit_end`` hooks) was counted in that fit."""
         self._counting = False
         self.__dict__.pop("_pending_counts", None)
+        super().setup_environment()  # type: ignore[misc]
 
     def _sigterm_check(self, finished: bool = False) -> None:
         """Lightning's check for SIGTERM before every training batch, replaced: an all-reduce of each rank's flags on

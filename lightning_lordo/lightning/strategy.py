@@ -394,5 +394,4 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         (``anchor_device="param"``) moves to host memory: a checkpoint saved after ``fit`` still has it."""
         if self.synchronizer is not None:
             self.synchronizer.anchor.tensors = [t.cpu() for t in self.synchronizer.anchor.tensors]
-        self._stop_counting()
         super().teardown()

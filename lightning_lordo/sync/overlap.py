@@ -261,8 +261,6 @@ class OverlappedRounds:
         reports = [self._land_in_flight()] if self.in_flight is not None else []
         if self.steps_since_sync > 0:
             reports.append(self.sync())
-        if self.synchronous_now and self.optimizer_steps % self.config.sync_every:  # the traffic since the last
-            reports.append(self._finish_synchronous_round(counted=False))  # report (lowrank_ddp, a warm-up)
         return reports
 
     @property

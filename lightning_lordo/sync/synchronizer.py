@@ -215,9 +215,9 @@ class Synchronizer(overlap.OverlappedRounds, DiscardedRounds):
         comm.broadcast(list(bases.values()), "bases")
         return bases
 
-    def _finish_synchronous_round(self, counted: bool = True) -> SyncReport:  # counted=False: fit's end, mid-interval
+    def _finish_synchronous_round(self) -> SyncReport:
         data, self._round = self._round, {"seconds": 0.0, "basis_seconds": 0.0, "movement": None}
-        self.syncs_done += counted
+        self.syncs_done += 1
         return self._report(seconds=data["seconds"], basis_seconds=data["basis_seconds"],
                             subspace_movement=data["movement"], pseudo_gradient_norm=None, extra={"synchronous": 1.0})
 
