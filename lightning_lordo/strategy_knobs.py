@@ -106,7 +106,7 @@ _OWN_DOCS = {
     "lowrank": "convert the user's Adam/AdamW into LoRDO (``True``), or keep any optimizer and only synchronize "
                "(``False``: the ``\"diloco\"`` preset).",
     "checkpoint_shards": "each rank writes its state beside the checkpoint (``<file>.lordo-<id>/rank-<r>.pt``); "
-                         "``False``: gathered into the file (Trainer only).",
+                         "``False``: gathered into the file (Trainer only; the gather is not counted).",
     "monitor_progress_bar": "the monitor the strategy adds shows ``lordo/saving_vs_ddp`` in the progress bar "
                             "(``None``: if a progress bar is shown; Trainer only).",
 }

@@ -1,6 +1,7 @@
 """Collectives that count what they send, and the communication model of SPEC §8.
 
-Every byte the plugin puts on the wire goes through :class:`Communicator`, which counts the tensors it
+Every byte the plugin puts on the wire goes through :class:`Communicator` (but for the gather of every rank's state
+into a single-file checkpoint, ``checkpoint_shards=False``: not counted), which counts the tensors it
 passes to ``torch.distributed`` (numel x itemsize, per worker) under a *purpose* (``pseudo_gradients``,
 ``moments``, ``bases``, ``buffers``, ``setup_broadcast``, ...). Beside these *payload* bytes it counts *wire*
 bytes, what the worker puts on the network by each collective's algorithm (:mod:`lightning_lordo.comm.accounting`).
