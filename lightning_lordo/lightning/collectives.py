@@ -119,7 +119,8 @@ class GuardedCollectives:
     def all_gather(self, tensor: Any, group: Optional[Any] = None, sync_grads: bool = False) -> Any:
         out = self._lightning_collective(lambda: self._caller("all_gather", "Lightning's all_gather"),
                                          lambda: super(GuardedCollectives, self).all_gather(tensor, group, sync_grads))
-        self._count("all_gather", tensor.numel() * tensor.element_size())
+        if isinstance(tensor, torch.Tensor):
+            self._count("all_gather", tensor.numel() * tensor.element_size())
         return out
 
     def _count(self, kind: str, nbytes: int, sender: bool = True) -> None:
