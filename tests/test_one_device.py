@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -35,13 +36,14 @@ class DemoLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _fit(strategy: Any, steps: int = 6) -> tuple[L.Trainer, DemoLM]:
+def _fit(strategy: Any, steps: int = 6, callbacks: Optional[list[L.Callback]] = None) -> tuple[L.Trainer, DemoLM]:
     torch.manual_seed(0)
     tokens = torch.randint(0, 2000, (64, 33))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
     module = DemoLM()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=callbacks)
     trainer.fit(module, loader)
     return trainer, module
 
@@ -86,11 +88,26 @@ def test_the_summary_of_one_device_counts_basis_refreshes_not_synchronizations()
 
     from lightning_lordo.lightning.callbacks import summary_table
 
-    trainer, _ = _fit(LoRDOStrategy(sync_every=2, monitor=False))
+    refreshes = []
+
+    class Count(L.Callback):  # the refreshes as they happen: new bases for matrices that had one
+        def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+            lordo = trainer.strategy.synchronizer.lordo
+            set_bases = lordo.set_bases
+
+            def counted(bases: Any) -> Any:
+                refreshes.extend(["refresh"] if bases and all("basis" in lordo.state[p] for p in bases) else [])
+                return set_bases(bases)
+
+            lordo.set_bases = counted
+
+    trainer, _ = _fit(LoRDOStrategy(sync_every=2, monitor=False), callbacks=[Count()])
     console = Console(record=True, width=120)
     console.print(summary_table(trainer.strategy))
     text = console.export_text()
     assert "basis refreshes (skipped)" in text and "mean refresh time" in text and "synchronizations" not in text
+    assert len(refreshes) == 2  # 6 steps, every 2: before steps 3 and 5 (3 report intervals)
+    assert re.search(r"basis refreshes \(skipped\)\s*\S\s*2 \(0\)", text), text
 
 
 @pytest.mark.parametrize("knobs", [{"synchronous": False}, {"basis_every": 2}, {"outer_optimizer": "nesterov"}])

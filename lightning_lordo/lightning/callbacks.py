@@ -230,8 +230,11 @@ def summary_table(strategy: Any) -> Table:
     table.add_column("value", justify="right")
     sync = strategy.synchronizer  # one device, synchronous: a sync is a basis refresh (and its time the refresh's)
     refreshes = sync is not None and bool(sync.config.synchronous) and strategy.world_size == 1
-    table.add_row(f"{'basis refreshes' if refreshes else 'synchronizations'} (skipped)",
-                  f"{s['syncs']} ({s['skipped_syncs']})")
+    if refreshes:  # before optimizer steps K + 1, 2K + 1, ...: not at a report (every K steps)
+        done = max(s["optimizer_steps"] - 1, 0) // sync.config.sync_every if sync.lordo is not None else 0
+        table.add_row("basis refreshes (skipped)", f"{done} ({s['skipped_syncs']})")
+    else:
+        table.add_row("synchronizations (skipped)", f"{s['syncs']} ({s['skipped_syncs']})")
     for purpose, nbytes in s["bytes_by_purpose"].items():
         table.add_row(f"  bytes sent: {purpose}", _human(nbytes))
     table.add_row("bytes sent, total", _human(s["bytes_sent_total"]))
