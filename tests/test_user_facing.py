@@ -153,6 +153,40 @@ def test_lordo_figures_share_lightnings_rows(tmp_path: Path, k: int, every: int,
     assert len(lordo_rows) == len(fit.strategy.sync_reports)
 
 
+class TotalsAtTheEnd(TinyRegressor):
+    """Writes rank 0's byte totals as the fit ends (the module's ``on_fit_end`` runs after every callback's)."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = out
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            totals = self.trainer.strategy.core.summary(self.trainer.world_size)
+            self.out.write_text(f"{totals['bytes_sent_total']} {totals['ddp_equivalent_bytes']}")
+
+
+@pytest.mark.parametrize("synchronous", [False, True], ids=["local-steps", "lowrank_ddp"])
+def test_the_last_row_has_the_totals_of_the_summary_and_the_epoch_of_the_last_batch(tmp_path: Path,
+                                                                                    synchronous: bool) -> None:
+    """Two epochs of 5 steps, syncs (or basis refreshes) every 4, validation with a ``sync_dist`` metric at each
+    epoch's end: the rows written as the fit ends (the last sync's, or the synchronous steps' since the last refresh)
+    are in epoch 1 (the fit loop has moved on to 2 by then), and the totals the summary prints, with the traffic after
+    the last sync, are the last ones logged."""
+    logger = CSVLogger(tmp_path, name="rows", version=0)
+    fit = trainer(lordo(sync_every=4, synchronous=synchronous), logger=logger, log_every_n_steps=3, max_steps=-1,
+                  max_epochs=2, limit_train_batches=5, limit_val_batches=2)
+    fit.fit(TotalsAtTheEnd(tmp_path / "totals.txt"), loader(), loader(32))
+    rows = _rows(logger)
+    lordo_rows = [r for r in rows if r["lordo/bytes_sent_total"]]
+    epochs = {r["step"]: r["epoch"] for r in rows if r["train_loss"]}  # Lightning's rows: its epoch at each step
+    assert all(r["epoch"] == epochs.get(r["step"], r["epoch"]) for r in lordo_rows)
+    assert [(r["step"], r["epoch"]) for r in lordo_rows][-1] == ("9", "1"), lordo_rows
+    total, ddp = map(float, (tmp_path / "totals.txt").read_text().split())
+    last = lordo_rows[-1]
+    assert (float(last["lordo/bytes_sent_total"]), float(last["lordo/ddp_equivalent_bytes"])) == (total, ddp)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # two optimizers
 # ---------------------------------------------------------------------------------------------------------------

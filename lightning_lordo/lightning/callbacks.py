@@ -68,9 +68,12 @@ class CommunicationMonitor(Callback):
         self._show_progress = False
         self._added_by_strategy = False
         self._joined_row = False  # figures went into Lightning's row of the last batch: forget them at the next
+        self._epoch = 0  # the epoch of the last training batch (the fit loop has moved past it at on_fit_end)
+        self._totals: Optional[tuple[float, float]] = None  # the byte totals of the last row written
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._logged, self._joined_row = len(_lordo_strategy(trainer).sync_reports), False
+        self._epoch, self._totals = trainer.current_epoch, None
         has_bar = trainer.progress_bar_callback is not None
         self._show_progress = has_bar if self.progress_bar is None else self.progress_bar
 
@@ -84,35 +87,48 @@ class CommunicationMonitor(Callback):
         new = strategy.sync_reports[self._logged :]
         self._logged = len(strategy.sync_reports)
         joins_row = bool(new) and bool(trainer.loggers) and _lightning_writes_this_batch(trainer)
+        self._epoch = trainer.current_epoch
         for i, report in enumerate(new):
-            metrics = {self.prefix + k: v for k, v in figures(strategy, report).items()}
+            metrics = self._noted({self.prefix + k: v for k, v in figures(strategy, report).items()})
             if joins_row and i == len(new) - 1:  # into Lightning's own row for this batch, exactly (float64)
                 for name, value in metrics.items():
                     pl_module.log(name, torch.tensor(float(value), dtype=torch.float64), on_step=True,
                                   on_epoch=False, logger=True, batch_size=1)
                 self._joined_row = True
             else:
-                _write(trainer, metrics, _lightning_step(trainer))
+                _write(trainer, metrics, _lightning_step(trainer), self._epoch)
         if self._show_progress:
             pl_module.log(self.prefix + "saving_vs_ddp", figures(strategy, totals_only=True)["bytes_saving_vs_ddp"],
                           on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # a final synchronization after the last batch (a fit that ended otherwise than at its last step): at the
-        # last batch's step, where Lightning writes its epoch-end metrics too
+        # last batch's step and epoch, where Lightning writes its epoch-end metrics too
         strategy = _lordo_strategy(trainer)
+        step = max(_lightning_step(trainer) - 1, 0)
         for report in strategy.sync_reports[self._logged :]:
-            _write(trainer, {self.prefix + k: v for k, v in figures(strategy, report).items()},
-                   max(_lightning_step(trainer) - 1, 0))
+            _write(trainer, self._noted({self.prefix + k: v for k, v in figures(strategy, report).items()}), step,
+                   self._epoch)
         self._logged = len(strategy.sync_reports)
-        sync = strategy.synchronizer  # synchronous steps report at each basis refresh: the steps since, as totals
-        if sync is not None and sync.synchronous_now and sync.optimizer_steps % sync.config.sync_every:
-            _write(trainer, {self.prefix + k: v for k, v in figures(strategy, totals_only=True).items()},
-                   max(_lightning_step(trainer) - 1, 0))
+        # the totals as the fit ends, where they moved since the last row (the synchronous steps since the last
+        # basis refresh; Lightning's collectives after the last sync: epoch-end metrics, checkpoint agreements)
+        totals = {self.prefix + k: v for k, v in figures(strategy, totals_only=True).items()}
+        sync = strategy.synchronizer
+        partial = sync is not None and sync.synchronous_now and sync.optimizer_steps % sync.config.sync_every
+        if partial or (self._totals is not None and self._key(totals) != self._totals):
+            _write(trainer, self._noted(totals), step, self._epoch)
         for logger in trainer.loggers:
             logger.save()
         if self.summary and trainer.is_global_zero:
             Console().print(summary_table(trainer.strategy))
+
+    def _key(self, metrics: dict[str, float]) -> tuple[float, float]:
+        return metrics[self.prefix + "bytes_sent_total"], metrics[self.prefix + "ddp_equivalent_bytes"]
+
+    def _noted(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics``, about to be logged: their byte totals are the last logged ones."""
+        self._totals = self._key(metrics)
+        return metrics
 
 
 def add_monitor(trainer: Trainer, progress_bar: Optional[bool]) -> None:
@@ -191,10 +207,10 @@ def _lightning_writes_this_batch(trainer: Trainer) -> bool:
     return logs_this_batch(trainer)
 
 
-def _write(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+def _write(trainer: Trainer, metrics: dict[str, float], step: int, epoch: int) -> None:
     """A row of its own at Lightning's ``step`` (with the ``epoch`` column Lightning's rows have)."""
     for logger in trainer.loggers:
-        logger.log_metrics({**metrics, "epoch": trainer.current_epoch}, step=step)
+        logger.log_metrics({**metrics, "epoch": epoch}, step=step)
 
 
 def _forget_logged(trainer: Trainer, prefix: str, keep: str) -> None:
