@@ -35,7 +35,8 @@ def user_frame(frame: Optional[FrameType]) -> Optional[FrameType]:
     outside_plugin = None
     while frame is not None:
         package = _package(frame)
-        if package not in FRAMEWORK_PACKAGES:
+        # not code in a file ("<string>": spawn's bootstrap, python -c): its loader has no source for the warning
+        if package not in FRAMEWORK_PACKAGES and not frame.f_code.co_filename.startswith("<"):
             return frame
         if outside_plugin is None and package != "lightning_lordo":
             outside_plugin = frame
@@ -89,8 +90,11 @@ class PluginWarnings:
                 continue
             self.shown.add(key)
             registry = w.module_globals.setdefault("__warningregistry__", {}) if w.module_globals is not None else None
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, module=w.module, registry=registry,
-                                   module_globals=w.module_globals)
+            try:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, module=w.module,
+                                       registry=registry, module_globals=w.module_globals)
+            except ImportError:  # a module whose loader cannot give its source (a built-in one, say): without it
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, module=w.module, registry=registry)
 
     def _intercept(self, message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
                    line: Optional[str] = None) -> None:
