@@ -340,3 +340,20 @@ def test_resume_in_the_warmup_and_after_the_switch_is_bit_identical(tmp_path: Pa
     for tag, ckpt, step in (("warmup", in_warmup, 6), ("local", after, 9)):
         _fit(tmp_path, tag, ckpt=str(ckpt), checkpoints=True, **WARMUP)
         _assert_resumed_exactly(tmp_path, tag, first_step=step + 1)
+
+
+def test_a_resume_that_runs_no_training_step_still_ends_with_one_model(tmp_path: Path) -> None:
+    """Resumed from a mid-round checkpoint (step 6) with ``max_steps=6`` already reached, Lightning runs no training
+    loop (neither ``on_train_start`` nor ``on_train_end``; a ``max_time`` spent does the same): the replicas each rank
+    restored are synchronized at the fit's end all the same, into the model a 6-step fit ends with, bit for bit."""
+    _fit(tmp_path, "full", checkpoints=True)
+    for tag, ckpt in (("six", None), ("noop", str(tmp_path / "ckpt" / "step=6.ckpt"))):
+        torch.manual_seed(0)
+        trainer(lordo(sync_every=K), callbacks=[Snapshot(tmp_path, tag)], max_steps=6, max_epochs=-1,
+                limit_val_batches=0).fit(BatchNormRegressor(scheduler=True), datamodule=ShuffledData(), ckpt_path=ckpt)
+    finals = [torch.load(tmp_path / f"noop_final_rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(finals[0]["params"], finals[1]["params"])), "the ranks differ"
+    for rank in (0, 1):
+        expected = torch.load(tmp_path / f"six_final_rank{rank}.pt", weights_only=True)
+        for kind in ("params", "buffers"):
+            assert all(torch.equal(a, b) for a, b in zip(finals[rank][kind], expected[kind])), (rank, kind)

@@ -161,6 +161,12 @@ class FinalSync(Callback):
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.swap_in_for_validation()
 
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A fit that ran no training loop (resumed at ``max_steps``, its ``max_time`` spent): no ``on_train_end``,
+        but the replicas a mid-round checkpoint restored are synchronized all the same."""
+        trainer.strategy.on_train_end_sync()
+
 
 def reports_undone(trainer: Trainer, kept: int) -> None:
     """A restore after setup undid the reports after the first ``kept``: the monitors log from there on."""

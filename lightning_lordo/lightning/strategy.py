@@ -222,6 +222,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         if self.monitor:
             add_monitor(trainer, self.monitor_progress_bar)
         add_final_sync(trainer)
+        self._finished = False  # this fit's final synchronization is to come
         refuse_weight_averaging(trainer, trainer.state.fn == TrainerFn.FITTING and self.world_size > 1
                                 and not self.sync_config.synchronous)
         install_sigterm_hooks(trainer, self._sigterm_check, self._sigterm_notifier)  # the per-batch check
