@@ -8,7 +8,8 @@ without the anchor where the saved model is the anchor, at a synchronization bou
 The Trainer's (:func:`trainer_entry`) adds the layout (knobs and parameter names, :func:`layout`), the launch step of a
 round in flight (``in_flight``), every rank's state (:func:`rank_state`: ``ranks``, or per-rank shards) and what
 Lightning's AdamW-shaped ``optimizer_states`` entry (:func:`adamw_entry`) leaves out; Fabric's (:func:`fabric_entry`),
-which saves at synchronization boundaries only, the optimizer's class, the communication totals and LoRDO's own
+which saves at synchronization boundaries only, the optimizer's class, the communication totals, the synchronization
+knobs (``sync_knobs``, read when present: a resume lists what changed) and LoRDO's own
 optimizer state (the user's optimizer entry holds it in AdamW's shape, as the Trainer's does). Everything is tensors (on
 the CPU in the Trainer's entry), numbers and strings, so ``torch.load(path, weights_only=True)`` reads it.
 
@@ -102,6 +103,15 @@ def sync_knobs(config: SyncConfig) -> dict[str, Any]:
     return knobs
 
 
+def sync_knob_changes(saved: Optional[dict[str, Any]], config: SyncConfig) -> list[str]:
+    """The synchronization knobs that differ from those a checkpoint recorded (``saved``; ``None``: none recorded),
+    as ``name: saved -> now``."""
+    now = sync_knobs(config)
+    return [f"{name}: {saved[name]!r} -> {value!r}" for name, value in now.items()
+            if saved is not None and name in saved and saved[name] != (list(value) if isinstance(value, tuple) else
+                                                                          value)]
+
+
 def layout(core: LoRDOCore) -> dict[str, Any]:
     """The knobs and parameter names a checkpoint records, to compare with those of the run that resumes it."""
     optimizer, names = core.optimizer, core.parameter_names
@@ -157,4 +167,4 @@ def fabric_entry(core: LoRDOCore, world_size: int, optimizer_state: Optional[dic
     (:func:`adamw_entry`)."""
     own = {} if optimizer_state is None else {"optimizer_state": optimizer_state, "optimizer_key": optimizer_key}
     return entry(core.synchronizer.state_dict(anchor=False), world_size, optimizer=type(core.optimizer).__name__,
-                 communication=core.accountant.state_dict(), **own)
+                 communication=core.accountant.state_dict(), sync_knobs=sync_knobs(core.sync_config), **own)

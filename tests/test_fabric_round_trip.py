@@ -138,9 +138,10 @@ def _one_process_file(tmp_path: Path) -> tuple[Path, Any]:
     return path, optimizer
 
 
-def _load_into_fresh(path: Path, optimizer_too: bool = True) -> tuple[dict[str, Any], list[str], int]:
-    """The optimizer's state after ``fabric.load`` into a new run, the warnings, and the synchronizer's step count."""
-    fabric = _launched()
+def _load_into_fresh(path: Path, optimizer_too: bool = True, **knobs: Any) -> tuple[dict[str, Any], list[str], int]:
+    """The optimizer's state after ``fabric.load`` into a new run (``knobs``: its strategy's), the warnings, and the
+    synchronizer's step count."""
+    fabric = _launched(**knobs)
     model = regression_model(1)
     net, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     with warnings.catch_warnings(record=True) as caught:
@@ -206,3 +207,15 @@ def test_a_lordo_entry_older_than_the_optimizer_entry_is_ignored_with_a_warning(
     _, said, steps = _load_into_fresh(tmp_path / "resaved.ckpt", optimizer_too=False)
     assert steps == 0 and any("is older than its optimizer entry" in m for m in said), (steps, said)
     assert _load_into_fresh(path, optimizer_too=False)[2] == 3  # the file as LoRDO saved it: counters restored
+
+
+@pytest.mark.parametrize("optimizer_too", [True, False], ids=["with-optimizer", "model-only"])
+def test_a_resume_with_other_distribution_knobs_lists_them(tmp_path: Path, optimizer_too: bool) -> None:
+    """As the Trainer's resume: one warning names every knob that changed, the distribution knobs too (Fabric's
+    entry did not record them: a resume with another ``sync_every`` said nothing)."""
+    path, _ = _one_process_file(tmp_path)
+    _, said, _ = _load_into_fresh(path, optimizer_too, sync_every=2 * K, overlap_steps=1)
+    said = [m for m in said if "the knobs passed now win" in m]
+    assert len(said) == 1 and f"sync_every: {K} -> {2 * K}" in said[0] and "overlap_steps: 0 -> 1" in said[0], said
+    _, said, _ = _load_into_fresh(path, optimizer_too)
+    assert not [m for m in said if "the knobs passed now win" in m], said

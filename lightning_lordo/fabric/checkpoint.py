@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from typing_extensions import override
 
-from lightning_lordo.checkpoint import adamw_entry, check, fabric_entry
+from lightning_lordo.checkpoint import adamw_entry, check, fabric_entry, sync_knob_changes
 from lightning_lordo.optim.loading import (
     FROM_ANOTHER_STRATEGY,
     LORDO_KNOBS,
@@ -147,6 +147,7 @@ class SynchronizedCheckpoints:
             notes.append(f"the checkpoint's {STATE_KEY!r} entry is older than its optimizer entry (another strategy "
                          "saved the file again with it): it is ignored, and the file is loaded as another strategy's")
             saved = own = None
+        notes += sync_knob_changes(saved.get("sync_knobs") if saved is not None else None, self.sync_config)
         if optimizer_key is not None and proxy[optimizer_key] is not None:
             self._load_optimizer(proxy[optimizer_key] if own is None else own, saved, notes)
         else:

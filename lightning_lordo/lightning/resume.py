@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_lordo.checkpoint import sync_knobs
+from lightning_lordo.checkpoint import sync_knob_changes
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.functional import EF_PROJECTION
 from lightning_lordo.optim.loading import group_knob_changes
@@ -57,10 +57,7 @@ class Saved(Protocol):
 
 def knob_changes(saved: dict[str, Any], strategy: Saved) -> list[str]:
     """The knobs that differ from the checkpoint's, as ``name: saved -> now`` (optimizer knobs per group)."""
-    changes = []
-    for name, value in sync_knobs(strategy.sync_config).items():
-        if name in saved["sync_knobs"] and saved["sync_knobs"][name] != _plain(value):
-            changes.append(f"{name}: {saved['sync_knobs'][name]!r} -> {value!r}")
+    changes = sync_knob_changes(saved["sync_knobs"], strategy.sync_config)
     changes += group_knob_changes(saved["optimizer_knobs"], strategy.optimizers[0])
     if saved["lowrank"] != strategy.lowrank:
         changes.append(f"lowrank: {saved['lowrank']!r} -> {strategy.lowrank!r} (preset "
