@@ -115,11 +115,15 @@ class CommAccountant:
         return sum(self.wire_totals.values())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"totals": dict(self.totals), "wire_totals": dict(self.wire_totals)}
+        """The totals, and the round being counted (a round in flight at a save: its report, after the resume, has
+        its bytes; the parts: the traffic since the last report)."""
+        return {"totals": dict(self.totals), "wire_totals": dict(self.wire_totals), "round": dict(self.round),
+                "wire_round": dict(self.wire_round), "parts": dict(self.parts), "wire_parts": dict(self.wire_parts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.totals = defaultdict(int, state["totals"])
-        self.wire_totals = defaultdict(int, state["wire_totals"])
+        """As saved (a state without the round, from an older version, starts an empty one)."""
+        for key in ("totals", "wire_totals", "round", "wire_round", "parts", "wire_parts"):
+            setattr(self, key, defaultdict(int, state.get(key, {})))
 
 
 #: the collective kinds the accountant prices (``Communicator`` passes these names)
