@@ -74,11 +74,23 @@ def check_initialized(module: nn.Module) -> None:
     """Refuse lazy parameters (``nn.LazyLinear`` before its first forward pass): the strategy needs every shape at
     setup, to broadcast the model and to plan each matrix's step."""
     lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    lazy += [n for n, b in module.named_buffers() if isinstance(b, nn.parameter.UninitializedBuffer)]
     if lazy:
-        raise RuntimeError(f"LoRDO needs every parameter's shape when training starts, but {lazy[:3]} "
+        raise RuntimeError(f"LoRDO needs every parameter's and buffer's shape when training starts, but {lazy[:3]} "
                            f"{'are' if len(lazy) > 1 else 'is'} not initialized yet (a lazy module such as "
                            "nn.LazyLinear). Run one forward pass with an example batch before trainer.fit (or "
                            "fabric.setup), e.g. model(example_input), as DistributedDataParallel requires too.")
+
+
+def check_dense(module: nn.Module, optimizer: LoRDO) -> None:
+    """Refuse embeddings with ``sparse=True`` that LoRDO steps: it takes dense gradients (as torch's Adam/AdamW)."""
+    stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    sparse = [n for n, m in module.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+              and id(m.weight) in stepped]
+    if sparse:
+        raise ValueError(f"LoRDO takes dense gradients, but {sparse[:3]} {'are' if len(sparse) > 1 else 'is'} an "
+                         "nn.Embedding or nn.EmbeddingBag with sparse=True. Pass sparse=False, or use "
+                         "strategy='diloco' with an optimizer that takes sparse gradients (torch.optim.SGD).")
 
 
 def full_rank_params(module: nn.Module, patterns: Sequence[re.Pattern[str]] = ()) -> dict[Tensor, str]:
@@ -171,7 +183,7 @@ def _warn_about_fullrank_matrices(optimizer: LoRDO, names: dict[Tensor, str]) ->
                       "smaller side is larger than the rank); every parameter runs AdamW locally, synchronized every "
                       "sync_every steps. Lower `rank` to use the low-rank step.", stacklevel=3)
     elif too_small:
-        warnings.warn(f"LoRDO: {len(too_small)} weight matrices are smaller than the rank and run AdamW: "
+        warnings.warn(f"LoRDO: {len(too_small)} weight matrices are not larger than the rank and run AdamW: "
                       f"{', '.join(too_small[:5])}{' ...' if len(too_small) > 5 else ''}. Lower `rank`, or opt "
                       "them out with rank=0 in their param group to silence this.", stacklevel=3)
 

@@ -22,6 +22,7 @@ from lightning_lordo.comm.accounting import ddp_wire_bytes
 from lightning_lordo.comm.communicator import CollectiveTimeout, CommAccountant, Communicator, translate
 from lightning_lordo.config import OPTIMIZER_DEFAULTS
 from lightning_lordo.convert import (
+    check_dense,
     compile_patterns,
     convert_optimizer,
     full_rank_params,
@@ -135,6 +136,8 @@ class LoRDOCore:
             raise TypeError(f"{self.owner}: {source} torch.optim.LBFGS, whose curvature history pairs its own last "
                             "step with the gradient change since, which a sync's jump to the average corrupts. Use "
                             "it on one device, or with strategy='ddp'.")
+        if isinstance(optimizer, LoRDO):
+            check_dense(module, optimizer)
         self.check_sync_knobs(optimizer, converted=optimizer is not user_optimizer)
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.ddp_bytes_per_step = nbytes(trainable)

@@ -342,6 +342,43 @@ def test_a_lazy_module_gets_the_fix_in_its_error() -> None:
     trainer(lordo(start_method="popen"), devices=1, max_steps=3).fit(module, loader())
 
 
+class LazyNorm(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 24), nn.LazyBatchNorm1d(affine=False), nn.GELU(), nn.Linear(24, 3))
+
+
+def test_a_lazy_module_with_buffers_only_gets_the_same_fix() -> None:
+    """``nn.LazyBatchNorm1d(affine=False)`` has no parameter, only uninitialized buffers: with 2 processes it failed
+    deep in the setup broadcast ("Can't access the shape of an uninitialized parameter or buffer")."""
+    with pytest.raises(RuntimeError, match=r"\['net.1.running_mean', 'net.1.running_var'\] are not initialized.*"
+                                           r"forward pass"):
+        trainer(lordo(start_method="popen"), devices=1, max_steps=3).fit(LazyNorm(), loader())
+    module = LazyNorm()
+    module.net(torch.randn(2, 12))
+    trainer(lordo(start_method="popen"), devices=1, max_steps=3).fit(module, loader())
+
+
+class SparseEmbedding(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.EmbeddingBag(10, 12, mode="mean", sparse=True)
+        self.net = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        codes = (x[:, :4].abs() * 3).long().clamp(max=9)
+        return nn.functional.mse_loss(self.net(x + self.embed(codes)), y)
+
+
+def test_a_sparse_embedding_is_refused_at_setup_with_the_fix() -> None:
+    """Its gradients are sparse, which LoRDO (as torch's Adam/AdamW) cannot step: refused before training, naming
+    the module, not at the first step with the shape alone."""
+    with pytest.raises(ValueError, match=r"\['embed'\] is an nn.Embedding or nn.EmbeddingBag with sparse=True\. "
+                                         r"Pass sparse=False"):
+        trainer(lordo(start_method="popen"), devices=1, max_steps=3).fit(SparseEmbedding(), loader())
+
+
 def test_a_lazy_module_under_fabric_gets_the_same_fix() -> None:
     import os
 

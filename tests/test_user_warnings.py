@@ -75,7 +75,7 @@ class EveryWarning(TinyRegressor):
         return loss * NAN if self.global_rank == 1 and self.trainer.global_step == 5 else loss
 
 
-EXPECTED = ("LoRDO applies weight decay decoupled", "weight matrices are smaller than the rank",
+EXPECTED = ("LoRDO applies weight decay decoupled", "weight matrices are not larger than the rank",
             "the averaged pseudo-gradient is not finite")
 
 
