@@ -182,6 +182,8 @@ def test_the_last_row_has_the_totals_of_the_summary_and_the_epoch_of_the_last_ba
     epochs = {r["step"]: r["epoch"] for r in rows if r["train_loss"]}  # Lightning's rows: its epoch at each step
     assert all(r["epoch"] == epochs.get(r["step"], r["epoch"]) for r in lordo_rows)
     assert [(r["step"], r["epoch"]) for r in lordo_rows][-1] == ("9", "1"), lordo_rows
+    # one type per column: the rows of their own as floats, as the rows merged into Lightning's (float64)
+    assert all("." in r["lordo/bytes_sent_total"] for r in lordo_rows), lordo_rows
     total, ddp = map(float, (tmp_path / "totals.txt").read_text().split())
     last = lordo_rows[-1]
     assert (float(last["lordo/bytes_sent_total"]), float(last["lordo/ddp_equivalent_bytes"])) == (total, ddp)

@@ -216,7 +216,7 @@ def _lightning_writes_this_batch(trainer: Trainer) -> bool:
 def _write(trainer: Trainer, metrics: dict[str, float], step: int, epoch: int) -> None:
     """A row of its own at Lightning's ``step`` (with the ``epoch`` column Lightning's rows have)."""
     for logger in trainer.loggers:
-        logger.log_metrics({**metrics, "epoch": epoch}, step=step)
+        logger.log_metrics({**{k: float(v) for k, v in metrics.items()}, "epoch": epoch}, step=step)
 
 
 def _forget_logged(trainer: Trainer, prefix: str, keep: str) -> None:
