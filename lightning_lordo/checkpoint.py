@@ -106,10 +106,11 @@ def sync_knobs(config: SyncConfig) -> dict[str, Any]:
 def sync_knob_changes(saved: Optional[dict[str, Any]], config: SyncConfig) -> list[str]:
     """The synchronization knobs that differ from those a checkpoint recorded (``saved``; ``None``: none recorded),
     as ``name: saved -> now``."""
-    now = sync_knobs(config)
-    return [f"{name}: {saved[name]!r} -> {value!r}" for name, value in now.items()
-            if saved is not None and name in saved and saved[name] != (list(value) if isinstance(value, tuple) else
-                                                                          value)]
+    if saved is None:
+        return []
+    plain = lambda value: list(value) if isinstance(value, tuple) else value  # noqa: E731 - a tuple saved as a list
+    return [f"{name}: {saved[name]!r} -> {value!r}" for name, value in sync_knobs(config).items()
+            if name in saved and plain(saved[name]) != plain(value)]
 
 
 def layout(core: LoRDOCore) -> dict[str, Any]:

@@ -54,3 +54,19 @@ def test_a_trainer_checkpoint_without_its_format_is_refused_at_resume(tmp_path: 
     with pytest.raises(ValueError, match=r"Checkpoint '.*a\.ckpt' was written by a development version"):
         trainer(lordo(sync_every=2, start_method="popen", synchronous=False), devices=1, max_steps=6).fit(
             TinyRegressor(), loader(), ckpt_path=tmp_path / "a.ckpt")
+
+
+def test_the_knob_changes_of_a_resume_compare_saved_tuples_as_values(tmp_path: Path) -> None:
+    """``switch_betas`` is a tuple in the config and in the saved file (torch keeps tuples), a list once a YAML or
+    an older file had it: the same value is no change (it was listed as ``(0.95, 0.99) -> (0.95, 0.99)``)."""
+    from lightning_lordo.config import SyncConfig
+
+    config = SyncConfig(warmup_steps=4, switch_betas=(0.95, 0.99), sync_every=8)
+    torch.save(checkpoint_format.sync_knobs(config), tmp_path / "knobs.pt")
+    saved = torch.load(tmp_path / "knobs.pt", weights_only=True)
+    assert checkpoint_format.sync_knob_changes(saved, config) == []
+    assert checkpoint_format.sync_knob_changes({**saved, "switch_betas": [0.95, 0.99]}, config) == []
+    assert checkpoint_format.sync_knob_changes(saved, SyncConfig(warmup_steps=4, switch_betas=(0.9, 0.99),
+                                                                 sync_every=4)) == [
+        "sync_every: 8 -> 4", "switch_betas: (0.95, 0.99) -> (0.9, 0.99)"]
+    assert checkpoint_format.sync_knob_changes(None, config) == []

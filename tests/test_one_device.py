@@ -108,6 +108,11 @@ def test_the_summary_of_one_device_counts_basis_refreshes_not_synchronizations()
     assert "basis refreshes (skipped)" in text and "mean refresh time" in text and "synchronizations" not in text
     assert len(refreshes) == 2  # 6 steps, every 2: before steps 3 and 5 (3 report intervals)
     assert re.search(r"basis refreshes \(skipped\)\s*\S\s*2 \(0\)", text), text
+    trainer, _ = _fit(LoRDOStrategy(preset="diloco", sync_every=2, monitor=False))  # your AdamW alone: no bases
+    console = Console(record=True, width=120)
+    console.print(summary_table(trainer.strategy))
+    text = console.export_text()
+    assert re.search(r"basis refreshes \(skipped\)\s*\S\s*0 \(0\)", text) and "refresh time" not in text, text
 
 
 @pytest.mark.parametrize("knobs", [{"synchronous": False}, {"basis_every": 2}, {"outer_optimizer": "nesterov"}])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from strategy_helpers import TinyRegressor, assert_identical, lordo, regression_data, trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -350,7 +352,13 @@ def test_a_resume_that_runs_no_training_step_still_ends_with_one_model(tmp_path:
     for tag, ckpt in (("six", None), ("noop", str(tmp_path / "ckpt" / "step=6.ckpt"))):
         torch.manual_seed(0)
         trainer(lordo(sync_every=K), callbacks=[Snapshot(tmp_path, tag)], max_steps=6, max_epochs=-1,
-                limit_val_batches=0).fit(BatchNormRegressor(scheduler=True), datamodule=ShuffledData(), ckpt_path=ckpt)
+                limit_val_batches=0, logger=CSVLogger(tmp_path, name=tag, version=0)).fit(
+                    BatchNormRegressor(scheduler=True), datamodule=ShuffledData(), ckpt_path=ckpt)
+    # the final sync's row: where the 6-step fit logged its own (the last batch's step and epoch)
+    rows = {tag: [r for r in csv.DictReader(open(tmp_path / tag / "version_0" / "metrics.csv"))
+                  if r.get("lordo/bytes_sent_sync")] for tag in ("six", "noop")}
+    assert rows["noop"] and (rows["noop"][-1]["step"], rows["noop"][-1]["epoch"]) == (
+        rows["six"][-1]["step"], rows["six"][-1]["epoch"]), rows
     finals = [torch.load(tmp_path / f"noop_final_rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     assert all(torch.equal(a, b) for a, b in zip(finals[0]["params"], finals[1]["params"])), "the ranks differ"
     for rank in (0, 1):
@@ -388,8 +396,8 @@ def test_the_landing_after_a_resume_reports_the_bytes_of_its_round(tmp_path: Pat
         landing = [r for r in resumed if r[0] == 14]
         expected = [r for r in full if r[0] == 14][0]
         assert landing and landing[0][1] and landing[0][1] == expected[1], (expected, landing)
-        # the parts since the last report: the round's, and Lightning's per-batch checks (but Lightning's setup
-        # collectives and the checkpoints' agreements, which differ between the two runs)
-        training = [{k: v for k, v in parts.items() if k not in ("lightning_collectives", "checkpoint")}
+        # the parts since the last report: the round's, Lightning's per-batch checks and the step-12 save's
+        # agreements (but Lightning's own setup collectives, which the resumed run's setup sends again)
+        training = [{k: v for k, v in parts.items() if k != "lightning_collectives"}
                     for parts in (landing[0][2], expected[2])]
         assert training[0] == training[1], training

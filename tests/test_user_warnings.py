@@ -156,3 +156,19 @@ def test_a_warning_held_back_is_shown_once_and_only_on_rank_zero(tmp_path: Path)
         found = _shown(path)
         assert len(found) == expected, found
         assert all(w["filename"] == __file__ for w in found)
+
+
+def test_a_warning_from_python_dash_c_is_at_the_users_line() -> None:
+    """Code run by ``python -c`` is the user's, though its file is ``<string>`` (only spawn's bootstrap, a
+    ``<string>`` frame calling into multiprocessing, is skipped): the warning shows there, not in Lightning."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, 'tests')\n"
+            "from strategy_helpers import TinyRegressor, loader, lordo, trainer\n"
+            "trainer(lordo(start_method='popen', rank=16), devices=1, max_steps=2).fit(TinyRegressor(), loader())\n")
+    done = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=240,
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = [line for line in done.stderr.splitlines() if "UserWarning: LoRDO" in line]
+    assert shown and all(line.startswith("<string>:3: ") for line in shown), shown

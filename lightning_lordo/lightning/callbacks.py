@@ -68,12 +68,12 @@ class CommunicationMonitor(Callback):
         self._show_progress = False
         self._added_by_strategy = False
         self._joined_row = False  # figures went into Lightning's row of the last batch: forget them at the next
-        self._epoch = 0  # the epoch of the last training batch (the fit loop has moved past it at on_fit_end)
+        self._epoch, self._ran = 0, False  # the last training batch's epoch (on_fit_end is past it); any batch?
         self._totals: Optional[tuple[float, float]] = None  # the byte totals of the last row written
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._logged, self._joined_row = len(_lordo_strategy(trainer).sync_reports), False
-        self._epoch, self._totals = trainer.current_epoch, None
+        self._epoch, self._totals, self._ran = trainer.current_epoch, None, False
         has_bar = trainer.progress_bar_callback is not None
         self._show_progress = has_bar if self.progress_bar is None else self.progress_bar
 
@@ -87,7 +87,7 @@ class CommunicationMonitor(Callback):
         new = strategy.sync_reports[self._logged :]
         self._logged = len(strategy.sync_reports)
         joins_row = bool(new) and bool(trainer.loggers) and _lightning_writes_this_batch(trainer)
-        self._epoch = trainer.current_epoch
+        self._epoch, self._ran = trainer.current_epoch, True
         for i, report in enumerate(new):
             metrics = self._noted({self.prefix + k: v for k, v in figures(strategy, report).items()})
             if joins_row and i == len(new) - 1:  # into Lightning's own row for this batch, exactly (float64)
@@ -104,11 +104,12 @@ class CommunicationMonitor(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # a final synchronization after the last batch (a fit that ended otherwise than at its last step): at the
         # last batch's step and epoch, where Lightning writes its epoch-end metrics too
-        strategy = _lordo_strategy(trainer)
-        step = max(_lightning_step(trainer) - 1, 0)
+        strategy = _lordo_strategy(trainer)  # a fit that ran no batch (resumed at max_steps): where it was restored
+        step, epoch = (max(_lightning_step(trainer) - 1, 0), self._epoch) if self._ran else \
+            (_lightning_step(trainer), trainer.current_epoch)
         for report in strategy.sync_reports[self._logged :]:
             _write(trainer, self._noted({self.prefix + k: v for k, v in figures(strategy, report).items()}), step,
-                   self._epoch)
+                   epoch)
         self._logged = len(strategy.sync_reports)
         # the totals as the fit ends, where they moved since the last row (the synchronous steps since the last
         # basis refresh; Lightning's collectives after the last sync: epoch-end metrics, checkpoint agreements)
@@ -116,7 +117,7 @@ class CommunicationMonitor(Callback):
         sync = strategy.synchronizer
         partial = sync is not None and sync.synchronous_now and sync.optimizer_steps % sync.config.sync_every
         if partial or (self._totals is not None and self._key(totals) != self._totals):
-            _write(trainer, self._noted(totals), step, self._epoch)
+            _write(trainer, self._noted(totals), step, epoch)
         for logger in trainer.loggers:
             logger.save()
         if self.summary and trainer.is_global_zero:
@@ -161,11 +162,6 @@ class FinalSync(Callback):
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         trainer.strategy.swap_in_for_validation()
 
-    @override
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """A fit that ran no training loop (resumed at ``max_steps``, its ``max_time`` spent): no ``on_train_end``,
-        but the replicas a mid-round checkpoint restored are synchronized all the same."""
-        trainer.strategy.on_train_end_sync()
 
 
 def reports_undone(trainer: Trainer, kept: int) -> None:
@@ -266,7 +262,7 @@ def summary_table(strategy: Any) -> Table:
     else:
         table.add_row("DDP would have sent", "nothing (one device)")
         table.add_row("saving vs DDP", "none (one device)")
-    if s["mean_sync_seconds"] is not None:
+    if s["mean_sync_seconds"] is not None and not (refreshes and sync.lordo is None):  # alone, no bases: no time
         table.add_row(f"mean {'refresh' if refreshes else 'sync'} time", f"{s['mean_sync_seconds'] * 1e3:.1f} ms")
         table.add_row("  of which bases", f"{s['mean_basis_seconds'] * 1e3:.1f} ms")
     if "optimizer_state_bytes" in s:

@@ -83,9 +83,10 @@ def check_checkpoint_io(checkpoint_io: Any) -> None:
 def count_agreements(comm_state: dict[str, Any], world_size: int) -> None:
     """Add a save's two agreements (``any_failed``: a 4-byte all-reduce each) to a saved accountant state, so the
     totals a resume starts from include them, payload and wire bytes alike."""
-    totals, wire = comm_state["totals"], comm_state.setdefault("wire_totals", {})
-    totals[PURPOSE] = totals.get(PURPOSE, 0) + AGREEMENT_BYTES
-    wire[PURPOSE] = wire.get(PURPOSE, 0) + 2 * wire_bytes("all_reduce", AGREEMENT_BYTES // 2, world_size)
+    for payload, wire in (("totals", "wire_totals"), ("parts", "wire_parts")):  # parts: the next report's
+        counts, wires = comm_state.setdefault(payload, {}), comm_state.setdefault(wire, {})
+        counts[PURPOSE] = counts.get(PURPOSE, 0) + AGREEMENT_BYTES
+        wires[PURPOSE] = wires.get(PURPOSE, 0) + 2 * wire_bytes("all_reduce", AGREEMENT_BYTES // 2, world_size)
 
 
 def new_save_id(communicator: Any, device: torch.device, collective: bool) -> str:

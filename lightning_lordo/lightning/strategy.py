@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional, Union
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -166,10 +166,8 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         self._restored_optimizer: Optional[dict[str, Any]] = None
         self._restored_names: Optional[list[str]] = None
         self._resume_notes: list[str] = []
-        self._sigterm_pending = False  # a SIGTERM arrived; the next per-batch check tells every rank
         self._finished = False  # the final synchronization of this fit ran
-        self._lordo_checkpoint = False
-        self._reset_on_load = False
+        self._lordo_checkpoint = self._reset_on_load = False
         self._plugin_warnings = PluginWarnings(partial(getattr, self, "global_rank"))  # rank 0, at the user's line
 
     @property  # type: ignore[override]
@@ -222,7 +220,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         if self.monitor:
             add_monitor(trainer, self.monitor_progress_bar)
         add_final_sync(trainer)
-        self._finished = False  # this fit's final synchronization is to come
+        self._finished = self._finished and trainer.state.fn != TrainerFn.FITTING  # this fit's final sync is to come
         refuse_weight_averaging(trainer, trainer.state.fn == TrainerFn.FITTING and self.world_size > 1
                                 and not self.sync_config.synchronous)
         install_sigterm_hooks(trainer, self._sigterm_check, self._sigterm_notifier)  # the per-batch check
@@ -391,8 +389,12 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
 
     @override
     def teardown(self) -> None:
-        """As Lightning moves the model and the optimizer state to the CPU, an anchor kept in accelerator memory
-        (``anchor_device="param"``) moves to host memory: a checkpoint saved after ``fit`` still has it."""
+        """A fit that ran no training loop (resumed at ``max_steps``, its ``max_time`` spent) has its final sync here,
+        before Lightning moves the model to the CPU; an anchor in accelerator memory (``anchor_device="param"``) then
+        moves to host memory: a checkpoint saved after ``fit`` still has it."""
+        state = self._trainer.state if self._trainer is not None else None
+        if state is not None and state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING:
+            self.on_train_end_sync()
         if self.synchronizer is not None:
             self.synchronizer.anchor.tensors = [t.cpu() for t in self.synchronizer.anchor.tensors]
         super().teardown()

@@ -32,15 +32,16 @@ def _package(frame: FrameType) -> str:
 def user_frame(frame: Optional[FrameType]) -> Optional[FrameType]:
     """The innermost frame from ``frame`` outwards that is the user's code; else the innermost one outside the
     plugin (e.g. Lightning's, in a process started by ``spawn``); ``None`` when every frame is the plugin's."""
-    outside_plugin = None
+    outside_plugin, inner = None, None
     while frame is not None:
         package = _package(frame)
-        # not code in a file ("<string>": spawn's bootstrap, python -c): its loader has no source for the warning
-        if package not in FRAMEWORK_PACKAGES and not frame.f_code.co_filename.startswith("<"):
+        # spawn's bootstrap (``python -c "from multiprocessing.spawn import spawn_main; ..."``) is not the user's
+        bootstrap = inner == "multiprocessing" and frame.f_code.co_filename.startswith("<")
+        if package not in FRAMEWORK_PACKAGES and not bootstrap:
             return frame
         if outside_plugin is None and package != "lightning_lordo":
             outside_plugin = frame
-        frame = frame.f_back
+        frame, inner = frame.f_back, package
     return outside_plugin
 
 
