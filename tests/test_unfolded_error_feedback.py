@@ -254,3 +254,33 @@ def test_folding_many_buffers_in_stacks_gives_what_folding_each_gives(monkeypatc
         assert EF_PROJECTION not in got
         torch.testing.assert_close(got["error_feedback"], want["error_feedback"], atol=1e-6, rtol=0)
     assert torch.equal(states[2]["error_feedback"], reference[2]["error_feedback"])
+
+
+def test_the_stacked_fold_holds_one_stack_of_products_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fold_each`` (the stacked layout's fold at a refresh) in stacks of ``STACK_BYTES``: each stack's product ``Q c``
+    is freed before the next one is made (two were alive at once: a sync's transient above its bound of two buckets),
+    and the buffers take the float64 reference's values."""
+    import weakref
+
+    from lightning_lordo.optim import bases, functional
+
+    monkeypatch.setattr(functional, "STACK_BYTES", 2 * 8 * 16 * 4)  # two (8, 16) float32 buffers a stack
+    gen = torch.Generator().manual_seed(0)
+    states = [{"error_feedback": torch.randn(8, 16, generator=gen), "basis": torch.linalg.qr(torch.randn(
+        8, 2, generator=gen))[0], EF_PROJECTION: torch.randn(2, 16, generator=gen)} for _ in range(6)]
+    expected = [(s["error_feedback"].double() - s["basis"].double() @ s[EF_PROJECTION].double()) for s in states]
+    products: list[weakref.ref] = []
+    alive: list[int] = []
+    bmm = torch.bmm
+
+    def tracked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        alive.append(sum(r() is not None for r in products))
+        out = bmm(a, b)
+        products.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(torch, "bmm", tracked)
+    bases.fold_each(states)
+    assert alive == [0, 0, 0], alive  # three stacks of two
+    for s, e in zip(states, expected):
+        assert EF_PROJECTION not in s and torch.allclose(s["error_feedback"].double(), e, atol=1e-6)

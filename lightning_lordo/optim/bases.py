@@ -183,6 +183,7 @@ def fold_each(states: Sequence[dict[str, Tensor]]) -> None:
             product = torch.bmm(torch.stack([s["basis"] for s in stack]), torch.stack([s.pop(EF_PROJECTION)
                                                                                       for s in stack]))
             torch._foreach_sub_([s["error_feedback"] for s in stack], product.unbind(0))
+            del product  # before the next stack's: at most one stack's product at a time
 
 
 #: A param group's counters (Python ints, saved with its knobs): its steps since its low-rank bases last changed,

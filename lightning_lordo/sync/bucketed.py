@@ -27,7 +27,9 @@ averaged across the workers where it is, its norms kept, its bases computed, and
   size keeps the round whole.
 
 So the transient memory of a sync is at most two buckets (the bucket and the communicator's flat message) plus the
-low-rank messages and, streamed, the parameters sent whole with their averages. The result is an
+low-rank messages and, streamed, the parameters sent whole with their averages; at the commit, in the stacked
+layout, the fold of unfolded error-feedback buffers holds one stack of products (at most ``STACK_BYTES``, 64 MB,
+whatever ``bucket_cap_mb``). The result is an
 :class:`~lightning_lordo.sync.exchange.Exchange` like the general path's (its ``averaged`` holds only the averages
 made whole), committed by the same :meth:`Synchronizer.land`. On the CPU it is bit for bit the general path's
 trajectory (tested, with 1 and 2 processes; with 3 or more, a ring all-reduce's order of summation follows an
