@@ -270,7 +270,7 @@ def summary_table(strategy: Any) -> Table:
         table.add_row("  AdamW's for the same parameters", _human(s["adamw_state_bytes"]))
         table.add_row("error-feedback buffers", _human(s["error_feedback_bytes"]))
     if "sync_buffer_bytes" in s:
-        table.add_row("sync buffers (anchor, outer momentum)", _human(s["sync_buffer_bytes"]))
+        table.add_row("sync buffers (anchor, momentum, payload state)", _human(s["sync_buffer_bytes"]))
     return table
 
 
