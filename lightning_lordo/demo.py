@@ -78,6 +78,7 @@ class _ResultWriter(L.Callback):
             out["bytes_by_purpose"] = dict(strategy.accountant.totals)
             out["syncs"] = strategy.synchronizer.syncs_done
             out["error_feedback_bytes"] = optimizer.memory_report()["error_feedback"]
+            out["sync_buffer_bytes"] = sum(strategy.synchronizer.memory_report().values())  # the anchor, mostly
         else:  # DDP's gradient all-reduce: every trainable parameter, in its dtype, every optimizer step
             per_step = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
             out["bytes_sent"] = per_step * trainer.global_step
@@ -132,20 +133,21 @@ def _datamodule(args: argparse.Namespace, seq_len: int) -> ByteDataModule:
 
 
 #: The columns of the demo's table (the terminal's and the README's, :func:`result_rows`).
-COLUMNS = ("method", "val loss", "val ppl", "sent per worker", "DDP / this", "optimizer state",
-           "of which error feedback", "wall time")
+COLUMNS = ("method", "val loss", "sent per worker", "DDP / this", "optimizer state",
+           "of which error feedback", "sync buffers", "wall time")
 
 
 def result_rows(results: list[dict[str, Any]]) -> list[list[str]]:
-    """The table's cells: the optimizer state includes the error-feedback buffers (LoRDO's full-size state)."""
+    """The table's cells: the optimizer state includes the error-feedback buffers (LoRDO's full-size state); the
+    sync buffers (LoRDO's anchor) are held beside it."""
     ddp = next(r for r in results if r["method"] == "ddp")
     rows = []
     for r in results:
         saving = ddp["bytes_sent"] / r["bytes_sent"] if r["bytes_sent"] else math.inf
-        feedback = r.get("error_feedback_bytes", 0)
-        rows.append([r["method"], f"{r['val_loss']:.3f}", f"{r['val_ppl']:.2f}", _human(r["bytes_sent"]),
-                     f"{saving:.1f}x", _human(r["optimizer_state_bytes"]),
-                     _human(feedback) if feedback else "-", f"{r['wall_seconds']:.1f} s"])
+        feedback, buffers = r.get("error_feedback_bytes", 0), r.get("sync_buffer_bytes", 0)
+        rows.append([r["method"], f"{r['val_loss']:.3f}", _human(r["bytes_sent"]),
+                     f"{saving:.1f}x", _human(r["optimizer_state_bytes"]), _human(feedback) if feedback else "-",
+                     _human(buffers) if buffers else "-", f"{r['wall_seconds']:.1f} s"])
     return rows
 
 

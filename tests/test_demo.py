@@ -44,8 +44,10 @@ def test_demo_console_command_tiny_run(tmp_path: Path) -> None:
     # the moments and bases are below AdamW's moments; with the float32 buffer (the CPU's) this tiny model's state is
     # above AdamW's. The table shows the state once, the buffer in it (it was added twice)
     assert lordo["optimizer_state_bytes"] - lordo["error_feedback_bytes"] < results["ddp"]["optimizer_state_bytes"]
-    assert result_rows(list(results.values()))[0][5] == _human(lordo["optimizer_state_bytes"])
-    assert "val ppl" in done.stdout and "lordo" in done.stdout and "ddp" in done.stdout
+    rows = result_rows(list(results.values()))
+    assert rows[0][4] == _human(lordo["optimizer_state_bytes"])
+    assert lordo["sync_buffer_bytes"] > 0 and rows[0][6] == _human(lordo["sync_buffer_bytes"]) and rows[1][6] == "-"
+    assert "loss" in done.stdout and "buffers" in done.stdout and "lordo" in done.stdout and "ddp" in done.stdout
 
 
 def test_demo_trains_on_a_given_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
