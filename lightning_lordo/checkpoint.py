@@ -142,10 +142,10 @@ def rank_state(core: LoRDOCore, rank: int) -> dict[str, Any]:
 
 def adamw_entry(core: LoRDOCore, saved: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
     """The optimizer entry (Lightning's ``optimizer_states``, Fabric's user key) for rank 0's LoRDO state ``saved``:
-    in torch AdamW's shape, so that a plain strategy (``"ddp"``, ``"fsdp"``, one device) resumes the checkpoint with
-    the user's AdamW, whether this plugin is installed or not (the low-rank moments expanded through their bases;
-    LoRDO's own state is in ``checkpoint["lordo"]``); and what the shape leaves out, for the Trainer's
-    ``checkpoint["lordo"]["optimizer_entry"]``."""
+    in torch AdamW's shape, so that a plain strategy (``"ddp"``, one device; ``"fsdp"``, GPU only, untried) resumes
+    the checkpoint with the user's AdamW, whether this plugin is installed or not (the low-rank moments expanded
+    through their bases; LoRDO's own state is in ``checkpoint["lordo"]``); and what the shape leaves out, for the
+    Trainer's ``checkpoint["lordo"]["optimizer_entry"]``."""
     params = [p for g in core.optimizer.param_groups for p in g["params"]]
     entries = [e for e in saved["state"].values() if e]
     left_out = {"expanded": sum("basis" in e for e in entries),

@@ -1,4 +1,4 @@
-"""What a LoRDO checkpoint leaves behind when another strategy resumes it (``strategy="ddp"``, one device, FSDP).
+"""What a LoRDO checkpoint leaves behind when another strategy resumes it ("ddp", one device; FSDP untried).
 
 A LoRDO checkpoint's ``optimizer_states`` entry is in torch AdamW's shape (``checkpoint.adamw_entry``): any
 strategy resumes it with the user's AdamW, no callback and no plugin needed. LoRDO's own optimizer state (bases,
