@@ -60,7 +60,7 @@ class _ResultWriter(L.Callback):
     """Rank 0 writes what only the workers know (bytes, optimizer state) to a file for the main process."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        self.path, self.buckets = path, None
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank != 0:
@@ -82,7 +82,17 @@ class _ResultWriter(L.Callback):
         else:  # DDP's gradient all-reduce: every trainable parameter, in its dtype, every optimizer step
             per_step = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
             out["bytes_sent"] = per_step * trainer.global_step
+            if self.buckets is not None:
+                out["sync_buffer_bytes"] = self.buckets
         self.path.write_text(json.dumps(out))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """DDP's gradient buckets (a copy of the gradients unless they are views), read while it still wraps."""
+        model = trainer.strategy.model
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            ddp = model._get_ddp_logging_data()
+            if not ddp.get("gradient_as_bucket_view"):
+                self.buckets = sum(int(n) for n in str(ddp["bucket_sizes"]).replace(",", " ").split())
 
 
 @torch.no_grad()
@@ -139,7 +149,7 @@ COLUMNS = ("method", "val loss", "sent per worker", "DDP / this", "optimizer sta
 
 def result_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     """The table's cells: the optimizer state includes the error-feedback buffers (LoRDO's full-size state); the
-    sync buffers (LoRDO's anchor) are held beside it."""
+    sync buffers are held beside it (LoRDO's anchor, DDP's gradient buckets)."""
     ddp = next(r for r in results if r["method"] == "ddp")
     rows = []
     for r in results:

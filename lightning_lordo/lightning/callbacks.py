@@ -163,7 +163,6 @@ class FinalSync(Callback):
         trainer.strategy.swap_in_for_validation()
 
 
-
 def reports_undone(trainer: Trainer, kept: int) -> None:
     """A restore after setup undid the reports after the first ``kept``: the monitors log from there on."""
     for monitor in trainer.callbacks:
