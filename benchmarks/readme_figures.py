@@ -57,9 +57,8 @@ def demo_block(results_file: Path = ROOT / "benchmarks" / "results" / "demo.json
     lines += ["", f"Provenance: `{prov['command']}` at {prov['commit'][:7]}{dirty}, torch {prov['torch']}, lightning "
               f"{prov['lightning']}, Python {prov['python']}, {prov['machine']}. {args['steps']} steps, "
               f"{args['workers']} workers x {args['batch_size']} sequences, K = {args['sync_every']}, rank "
-              f"{args['rank']}, one seed, LR {args['lr']:g} for both. DDP's bytes are computed, LoRDO's counted; "
-              "its error-feedback buffers are float32 on the CPU (bfloat16 on a GPU). Sync buffers: LoRDO's "
-              "anchor, DDP's gradient buckets."]
+              f"{args['rank']}, one seed, LR {args['lr']:g} for both. DDP's bytes computed, LoRDO's counted; error "
+              "feedback float32 on the CPU (bfloat16 on a GPU). Sync buffers: LoRDO's anchor, DDP's gradient buckets."]
     return "\n".join(lines)
 
 
