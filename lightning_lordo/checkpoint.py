@@ -108,9 +108,13 @@ def sync_knob_changes(saved: Optional[dict[str, Any]], config: SyncConfig) -> li
     as ``name: saved -> now``."""
     if saved is None:
         return []
-    plain = lambda value: list(value) if isinstance(value, tuple) else value  # noqa: E731 - a tuple saved as a list
     return [f"{name}: {saved[name]!r} -> {value!r}" for name, value in sync_knobs(config).items()
             if name in saved and plain(saved[name]) != plain(value)]
+
+
+def plain(value: Any) -> Any:
+    """A knob's value as compared across a save: a tuple as a list (a YAML or an older file has lists)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def layout(core: LoRDOCore) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_lordo.checkpoint import sync_knob_changes
+from lightning_lordo.checkpoint import plain, sync_knob_changes
 from lightning_lordo.config import SyncConfig
 from lightning_lordo.optim.functional import EF_PROJECTION
 from lightning_lordo.optim.loading import group_knob_changes
@@ -65,10 +65,6 @@ def knob_changes(saved: dict[str, Any], strategy: Saved) -> list[str]:
     return changes
 
 
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
 def own_states(restored: dict[str, Any], strategy: Any) -> bool:
     """Whether each rank resumes its own state (its shard): the same world size, a complete save, and not
     synchronous steps after local ones. Those average only the gradients, so each rank's own optimizer moments would
@@ -107,7 +103,7 @@ def refuse_unconvertible(saved: dict[str, Any], sync_state: dict[str, Any], stra
         raise ValueError(f"Cannot resume with synchronous steps ({knob}) at optimizer step {steps + 1}: the "
                          f"checkpoint was written mid-round ({why}), when the replicas differ. Resume from {where}.")
     for name in ("switch_betas", "switch_reset_moments", "switch_lr_scale"):
-        if switched and old.get("warmup_steps", 0) and _plain(getattr(now, name)) != _plain(old.get(name)):
+        if switched and old.get("warmup_steps", 0) and plain(getattr(now, name)) != plain(old.get(name)):
             raise ValueError(f"Cannot change {name} from {old.get(name)!r} to {getattr(now, name)!r}: the switch "
                              f"already happened (optimizer step {old['warmup_steps']}). Pass the checkpoint's value.")
     if saved["sync_names"] != [strategy.parameter_names.get(p, "") for p in strategy.synchronizer.params] \
@@ -216,7 +212,7 @@ def _refuse_round_changes(saved: Optional[dict[str, Any]], strategy: Saved) -> N
                                             else ())
     for old, group in zip(saved["optimizer_knobs"] or [], groups if isinstance(strategy.optimizers[0], LoRDO) else []):
         changed += [(k, old[k], group[k]) for k in shaping if k in old]
-    changed = [(name, was, now) for name, was, now in changed if _plain(was) != _plain(now)]
+    changed = [(name, was, now) for name, was, now in changed if plain(was) != plain(now)]
     if changed:
         listed = ", ".join(f"{name} from {was!r} to {now!r}" for name, was, now in changed)
         keep = ", ".join(f"{name}={was!r}" for name, was, _ in changed)
