@@ -355,7 +355,7 @@ def test_a_resume_that_runs_no_training_step_still_ends_with_one_model(tmp_path:
                 limit_val_batches=0, logger=CSVLogger(tmp_path, name=tag, version=0)).fit(
                     BatchNormRegressor(scheduler=True), datamodule=ShuffledData(), ckpt_path=ckpt)
     # the final sync's row: where the 6-step fit logged its own (the last batch's step and epoch)
-    rows = {tag: [r for r in csv.DictReader(open(tmp_path / tag / "version_0" / "metrics.csv"))
+    rows = {tag: [r for r in csv.DictReader((tmp_path / tag / "version_0" / "metrics.csv").read_text().splitlines())
                   if r.get("lordo/bytes_sent_sync")] for tag in ("six", "noop")}
     assert rows["noop"] and (rows["noop"][-1]["step"], rows["noop"][-1]["epoch"]) == (
         rows["six"][-1]["step"], rows["six"][-1]["epoch"]), rows
