@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import difflib
 import math
+import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from numbers import Real
 from typing import Any
@@ -57,9 +59,9 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 def check_group_keys(group: Mapping[str, Any], knobs: Iterable[str], whole_optimizer: Iterable[str]) -> None:
-    """Refuse a param group's key that would be ignored there: an argument of the whole optimizer (``seed``), an
-    Adam flag the optimizer does not have, or a close misspelling of a knob (``rnak``). Other keys (a scheduler's,
-    the user's own tags) pass, as torch's optimizers let them."""
+    """Refuse a param group's key that would be ignored there: an argument of the whole optimizer (``seed``), or an
+    Adam flag the optimizer does not have. Other keys (a scheduler's, the user's own tags) pass, as torch's
+    optimizers let them; one close to a knob's name (``rnak``, but also a tag such as ``no_decay``) with a warning."""
     knobs = tuple(knobs)
     for key in group:
         if key in whole_optimizer:
@@ -70,8 +72,18 @@ def check_group_keys(group: Mapping[str, Any], knobs: Iterable[str], whole_optim
                             "would be ignored. Drop it.")
         match = difflib.get_close_matches(str(key), knobs, n=1, cutoff=0.75) if key not in knobs else []
         if match and key not in _TORCH_GROUP_KEYS:
-            raise KnobError(key, f"Invalid param group key {key!r}: no knob has that name, so it would be ignored. "
-                            f"Did you mean {match[0]!r}?")
+            warnings.warn(f"LoRDO: the param group key {key!r} is not a knob, so LoRDO does not read it (it stays in "
+                          f"the group, as torch's optimizers keep your own keys). Did you mean {match[0]!r}? If it is "
+                          "your own tag, ignore this.", stacklevel=_outside_level())
+
+
+def _outside_level() -> int:
+    """The ``stacklevel`` of the innermost caller outside the plugin and torch (the user's line)."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and str(frame.f_globals.get("__name__")).partition(".")[0] in ("lightning_lordo",
+                                                                                                 "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 _ADAM_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")

@@ -56,10 +56,15 @@ def convert_optimizer(optimizer: Optimizer, full_rank: Mapping[Tensor, str], kno
             warnings.warn("LoRDO applies weight decay decoupled (as AdamW); your Adam's L2 weight_decay="
                           f"{group['weight_decay']} becomes decoupled decay.", stacklevel=2)
         groups.append({k: v for k, v in group.items() if k not in _ADAM_ONLY_KEYS})
-    fused = True if any(g.get("fused") for g in optimizer.param_groups) else None  # the user asked for it
+    # the user's explicit fused / foreach choice carries over (torch puts the flags in every group)
+    flags = [g.get("fused") for g in optimizer.param_groups]
+    fused = True if any(flags) else False if flags and all(f is False for f in flags) else None
+    foreach = not all(g.get("foreach") is False for g in optimizer.param_groups)
+    # the user's defaults, which a group added later (BaseFinetuning's unfreeze) takes, as it would from their AdamW
+    defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay") if k in optimizer.defaults}
     with warnings.catch_warnings():  # the optimizer warns per shape; the strategy says it once, below
-        warnings.simplefilter("ignore", UserWarning)
-        lordo = LoRDO(groups, seed=seed, full_rank=full_rank, fused=fused, **knobs)
+        warnings.filterwarnings("ignore", "LoRDO: rank=", UserWarning)
+        lordo = LoRDO(groups, seed=seed, full_rank=full_rank, fused=fused, foreach=foreach, **defaults, **knobs)
     _warn_about_fullrank_matrices(lordo, names)
     return lordo
 
@@ -214,6 +219,8 @@ def repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> No
 
     converted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a scheduler left on it stays quiet
     old.step = converted_step  # type: ignore[method-assign]
+    old.add_param_group = new.add_param_group  # type: ignore[method-assign]  # a group added through it (a callback
+    # holding the user's optimizer) lands in the optimizer that steps, with its knobs
 
 
 def scale_base_lrs(scheduler: Any, scale: float) -> None:

@@ -293,18 +293,32 @@ def test_optimizer_refuses_a_bad_value_in_a_param_group_before_any_step() -> Non
     assert torch.isfinite(w).all()
 
 
-@pytest.mark.parametrize(("group", "shown"), [({"rnak": 0}, "Did you mean 'rank'"), ({"seed": 3}, "seed=3"),
-                                               ({"foreach": False}, "foreach=False"), ({"amsgrad": True}, "amsgrad")])
+@pytest.mark.parametrize(("group", "shown"), [({"seed": 3}, "seed=3"), ({"foreach": False}, "foreach=False"),
+                                               ({"amsgrad": True}, "amsgrad")])
 def test_a_param_group_key_that_would_be_ignored_is_refused_and_the_group_not_added(group: dict[str, Any],
                                                                                     shown: str) -> None:
-    """A misspelt knob, an argument of the whole optimizer, or an Adam mode LoRDO lacks; other keys (a scheduler's,
-    the user's own) pass as torch's optimizers let them."""
+    """An argument of the whole optimizer, or an Adam mode LoRDO lacks; other keys (a scheduler's, the user's own)
+    pass as torch's optimizers let them."""
     w, v = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
     opt = LoRDO([w], rank=2)
     with pytest.raises(ValueError, match=re.escape(shown)):
         opt.add_param_group({"params": [v], **group})
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": [v], "initial_lr": 0.1, "name": "mine", "amsgrad": False})
+
+
+def test_a_key_close_to_a_knob_name_is_kept_with_a_warning_not_refused() -> None:
+    """A misspelt knob (``rnak``) and the user's own tag that looks like a knob (``no_decay``, ``lr_decay``: layer-wise
+    decay schedules read them) are indistinguishable: torch keeps both, so LoRDO keeps them too and names the knob
+    it may have meant, in the user's line."""
+    w, v = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+    with pytest.warns(UserWarning, match="'no_decay' is not a knob.*Did you mean 'ef_decay'") as caught:
+        opt = LoRDO([{"params": [w], "no_decay": True, "lr_decay": 0.75}], rank=2)
+    assert all(r.filename == __file__ for r in caught)
+    with pytest.warns(UserWarning, match="'rnak' is not a knob.*Did you mean 'rank'"):
+        opt.add_param_group({"params": [v], "rnak": 0})
+    assert [g.get("no_decay") for g in opt.param_groups] == [True, None] and opt.param_groups[1]["rnak"] == 0
+    assert opt.param_groups[1]["rank"] == 2  # the misspelt knob is not read
 
 
 @pytest.mark.parametrize("lr", [torch.tensor(-1.0), torch.tensor(NAN), torch.tensor([1e-3, 1e-3])], ids=str)

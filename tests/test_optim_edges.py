@@ -216,3 +216,28 @@ def test_install_bases_refuses_a_non_finite_or_misshapen_source_and_set_bases_a_
     with pytest.raises(ValueError, match=r"Invalid basis \(\(8, 2\), torch.float64, cpu\)"):
         opt.set_bases({w: torch.linalg.qr(torch.randn(8, 2, dtype=torch.float64))[0]})
     assert "basis" not in opt.state.get(w, {})
+
+
+def test_conversion_keeps_the_users_defaults_flags_and_tags_and_a_group_added_later_takes_them() -> None:
+    """A group added after the conversion (``BaseFinetuning.unfreeze_and_add_param_group``, or through the user's
+    own optimizer, which their callback may still hold) takes the user's defaults, as it would from their AdamW;
+    an explicit ``fused=False`` / ``foreach=False`` and the user's own tags carry over."""
+    from lightning_lordo.convert import convert_optimizer, repoint_schedulers
+
+    head, body = nn.Linear(8, 8), nn.Linear(8, 8)
+    for kind, kwargs in ((torch.optim.AdamW, {"lr": 3e-4, "betas": (0.85, 0.95), "eps": 1e-6, "weight_decay": 0.1}),
+                         (torch.optim.Adam, {"lr": 3e-4})):
+        user = kind([{"params": head.parameters(), "lr_decay": 0.75}], fused=False, foreach=False, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the tag passes without a word on conversion
+            warnings.filterwarnings("ignore", "LoRDO: .*not a knob")  # (it is close to ef_decay: said once)
+            lordo = convert_optimizer(user, {}, {"rank": 2}, 0, {})
+        assert lordo.fused is False and lordo.foreach is False and lordo.param_groups[0]["lr_decay"] == 0.75
+        repoint_schedulers([], user, lordo)
+        user.add_param_group({"params": body.parameters(), "lr": 1e-4})  # through the user's optimizer
+        expected = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], **kwargs).defaults if kind is torch.optim.AdamW \
+            else torch.optim.Adam([nn.Parameter(torch.zeros(1))], **kwargs).defaults
+        added = lordo.param_groups[1]
+        assert len(lordo.param_groups) == 2 and added["rank"] == 2 and added["lr"] == 1e-4
+        assert (added["betas"], added["eps"], added["weight_decay"]) == (
+            expected["betas"], expected["eps"], expected["weight_decay"]), (kind, added)
