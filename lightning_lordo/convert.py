@@ -57,14 +57,14 @@ def convert_optimizer(optimizer: Optimizer, full_rank: Mapping[Tensor, str], kno
                           f"{group['weight_decay']} becomes decoupled decay.", stacklevel=2)
         groups.append({k: v for k, v in group.items() if k not in _ADAM_ONLY_KEYS})
     # the user's explicit fused / foreach choice carries over (torch puts the flags in every group)
-    flags = [g.get("fused") for g in optimizer.param_groups]
-    fused = True if any(flags) else False if flags and all(f is False for f in flags) else None
-    foreach = not all(g.get("foreach") is False for g in optimizer.param_groups)
+    fused_flags = [g.get("fused") for g in optimizer.param_groups]
+    fused = True if any(fused_flags) else False if fused_flags and all(f is False for f in fused_flags) else None
+    flags = {"foreach": False} if all(g.get("foreach") is False for g in optimizer.param_groups) else {}
     # the user's defaults, which a group added later (BaseFinetuning's unfreeze) takes, as it would from their AdamW
     defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay") if k in optimizer.defaults}
     with warnings.catch_warnings():  # the optimizer warns per shape; the strategy says it once, below
         warnings.filterwarnings("ignore", "LoRDO: rank=", UserWarning)
-        lordo = LoRDO(groups, seed=seed, full_rank=full_rank, fused=fused, foreach=foreach, **defaults, **knobs)
+        lordo = LoRDO(groups, seed=seed, full_rank=full_rank, fused=fused, **flags, **defaults, **knobs)
     _warn_about_fullrank_matrices(lordo, names)
     return lordo
 
