@@ -26,6 +26,14 @@ def test_the_private_attributes_used_exist() -> None:
     source = inspect.getsource(torch.optim.lr_scheduler)
     assert "_opt_called" in source and "_wrapped_by_lr_sched" in source
     assert _compat.BackwardSyncControl.__name__ == "_BackwardSyncControl"
+    assert isinstance(type(fitted.fit_loop)._can_stop_early, property) and _compat.can_stop_early(fitted)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saves = ModelCheckpoint(save_last=True)
+    saves._last_checkpoint_saved = "last.ckpt"
+    _compat.redo_last_save(saves)
+    assert saves._last_checkpoint_saved == "" and "if self.save_last and not self._last_checkpoint_saved" in \
+        inspect.getsource(ModelCheckpoint.on_train_end)  # what redo_last_save relies on
 
 
 def test_the_hooks_are_installed_on_a_fit() -> None:

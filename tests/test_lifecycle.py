@@ -161,6 +161,67 @@ def test_a_fit_stopped_mid_round_is_one_model_in_the_users_on_train_end(tmp_path
     assert torch.equal(ranks[0]["train_end"], ranks[1]["train_end"])
 
 
+class EndsOtherwise(TinyRegressor):
+    """Validates every epoch (noting the model it validates); ``how``: ``"earlystop"`` (its val_loss rises, so
+    EarlyStopping stops after epoch 2 of 5), ``"dataloader_iter"`` (a ``training_step(dataloader_iter)``, whose last
+    batch Lightning knows only after it), ``"should_stop"`` (set at step 7 of an epoch of 5)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.validated = how, []
+        if how == "dataloader_iter":
+            self.training_step = self._training_step_on_iterator  # type: ignore[method-assign]
+
+    def _training_step_on_iterator(self, dataloader_iter: Any) -> torch.Tensor:
+        (x, y), *_ = next(dataloader_iter)
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.how == "should_stop" and self.trainer.global_step == 7:
+            self.trainer.should_stop = True
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.validated.append(flat_params(self).clone())
+        self.log("val_loss", float(self.current_epoch), sync_dist=True)
+
+    def val_dataloader(self) -> Any:
+        return loader(n=32)
+
+
+class SavedAndValidated(L.Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        saved = torch.load(self.directory / "last.ckpt", weights_only=True)["state_dict"]
+        final = flat_params(module)
+        assert torch.equal(torch.cat([saved[n].reshape(-1) for n, _ in module.named_parameters()]), final)
+        torch.save({"validated": module.validated[-1], "final": final, "step": trainer.global_step,
+                    "rank": trainer.global_rank}, self.directory / f"rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("how", ["earlystop", "dataloader_iter", "should_stop"])
+def test_a_fit_that_ends_off_its_known_last_step_saves_last_ckpt_with_the_model_fit_returns(tmp_path: Path,
+                                                                                            how: str) -> None:
+    """The final sync ran at ``on_train_end``, after ModelCheckpoint's last save (``last.ckpt`` held the model from
+    before it, DDP's the model fit returns). Where the batch tells the end (``should_stop`` from a batch, a
+    ``dataloader_iter`` step's last batch) the sync now runs then, so the validation after it sees the final model
+    as DDP's does; EarlyStopping decides after its validation (which saw the anchor), and ``last`` is written again."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    callbacks = [ModelCheckpoint(tmp_path, save_last=True), SavedAndValidated(tmp_path)]
+    if how == "earlystop":
+        callbacks.append(EarlyStopping("val_loss", patience=0, mode="min"))
+    trainer(lordo(sync_every=4), callbacks=callbacks, max_steps=-1, max_epochs=2 if how == "dataloader_iter" else 5,
+            enable_checkpointing=True, num_sanity_val_steps=0).fit(EndsOtherwise(how), loader(n=80))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]  # rank 0 checked last.ckpt
+    assert ranks[0]["step"] == {"earlystop": 10, "dataloader_iter": 10, "should_stop": 7}[how]
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
+    if how != "earlystop":
+        assert torch.equal(ranks[0]["validated"], ranks[0]["final"]), "the last validation saw the anchor"
+
+
 def test_weight_averaging_is_refused_with_local_rounds_and_runs_on_one_device() -> None:
     """EMA/SWA average each rank's own replica: with local rounds on 2 processes the ranks would end apart."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging

@@ -14,6 +14,7 @@ from typing import Any
 import lightning
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
 LIGHTNING_VERSION = lightning.__version__
@@ -73,3 +74,16 @@ def nccl_backstop(strategy: Any, timeout: timedelta) -> None:
     (Trainer and Fabric ``DDPStrategy`` alike)."""
     if strategy.root_device.type == "cuda":
         strategy._timeout = 2 * timeout + timedelta(minutes=1)
+
+
+def can_stop_early(trainer: Trainer) -> bool:
+    """Whether Lightning honours ``trainer.should_stop`` now (``fit_loop._can_stop_early``: ``min_epochs`` and
+    ``min_steps`` met); it trains on otherwise."""
+    return bool(trainer.fit_loop._can_stop_early)
+
+
+def redo_last_save(callback: Any) -> None:
+    """Have a ``ModelCheckpoint`` with ``save_last`` write ``last`` again in its ``on_train_end``, which it skips
+    once it has saved one (``_last_checkpoint_saved``): the model changed after that save."""
+    if isinstance(callback, ModelCheckpoint) and callback.save_last and hasattr(callback, "_last_checkpoint_saved"):
+        callback._last_checkpoint_saved = ""

@@ -35,11 +35,19 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch import callbacks as lightning_callbacks
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from rich.console import Console
 from rich.table import Table
 from typing_extensions import override
 
-from lightning_lordo.lightning._compat import batches_that_stepped, logged_results, logs_this_batch
+from lightning_lordo.lightning._compat import (
+    batches_that_stepped,
+    can_stop_early,
+    logged_results,
+    logs_this_batch,
+    redo_last_save,
+)
 from lightning_lordo.sync.report import SyncReport
 
 
@@ -98,8 +106,10 @@ class CommunicationMonitor(Callback):
             else:
                 _write(trainer, metrics, _lightning_step(trainer), self._epoch)
         if self._show_progress:
-            pl_module.log(self.prefix + "saving_vs_ddp", figures(strategy, totals_only=True)["bytes_saving_vs_ddp"],
-                          on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
+            saving = figures(strategy, totals_only=True)["bytes_saving_vs_ddp"]  # a host tensor: a float would be
+            # copied to the device and read back every batch (two GPU stalls)
+            pl_module.log(self.prefix + "saving_vs_ddp", torch.tensor(saving, dtype=torch.float64), on_step=True,
+                          on_epoch=False, prog_bar=True, logger=False, batch_size=1)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # a final synchronization after the last batch (a fit that ended otherwise than at its last step): at the
@@ -149,17 +159,25 @@ def add_monitor(trainer: Trainer, progress_bar: Optional[bool]) -> None:
 
 class FinalSync(Callback):
     """The strategy puts this first among the callbacks, because Lightning calls the strategy's hooks after the
-    callbacks' and the module's: a fit that ends before its last step (EarlyStopping, ``max_time``,
-    ``should_stop``) runs its final sync before the other ``on_train_end`` hooks (the user's, ``ModelCheckpoint``'s
-    last save), and validation mid-round has the synchronized model in before the other ``on_validation_start``
-    hooks; as with DDP they see one model."""
+    callbacks' and the module's: a fit whose end no step or batch told (EarlyStopping at an epoch's end, after
+    ModelCheckpoint's saves) runs its final sync before the other ``on_train_end`` hooks, and ModelCheckpoint's
+    ``save_last`` writes ``last`` again there; validation mid-round has the synchronized model in before the other
+    ``on_validation_start`` hooks. As with DDP they see one model."""
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        trainer.strategy.on_train_end_sync()
+        strategy = trainer.strategy
+        moves = not strategy.final_sync_done and getattr(strategy.synchronizer, "mid_round", False)
+        strategy.on_train_end_sync()
+        if moves:  # EarlyStopping stopped after the last save: ModelCheckpoint's on_train_end saves `last` again
+            for callback in trainer.checkpoint_callbacks:
+                redo_last_save(callback)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # stopped by the module's on_train_batch_end: the validation Lightning runs then sees the model fit returns
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and _stopping(trainer):
+            trainer.strategy.on_train_end_sync()
         trainer.strategy.swap_in_for_validation()
 
 
@@ -192,9 +210,41 @@ def refuse_weight_averaging(trainer: Trainer, local_rounds: bool) -> None:
             "replicas), or prune before or after the distributed fit.")
 
 
+class SyncBeforeSaves(Callback):
+    """The final sync of a fit that ends otherwise than at a step known to be its last, run as soon as the end is
+    known, so that the validation Lightning runs then and ``ModelCheckpoint``'s saves hold the model ``fit``
+    returns, as with DDP: ``should_stop`` that Lightning honours, set by a batch (``max_time``, the user's code), the
+    last batch of the last epoch when only the batch's end knows it (a ``dataloader_iter`` step), the last epoch cut
+    short. The strategy puts it right before the checkpoint callbacks, which Lightning keeps last (after the Timer).
+    EarlyStopping decides after a validation, which saw the anchor: there ``FinalSync`` has the last save redone."""
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if _stopping(trainer) or (_last_epoch(trainer) and last_batch):
+            trainer.strategy.on_train_end_sync()
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # before EarlyStopping's and ModelCheckpoint's (Lightning calls those after the module's hook)
+        if _stopping(trainer) or _last_epoch(trainer):
+            trainer.strategy.on_train_end_sync()
+
+
+def _stopping(trainer: Trainer) -> bool:
+    return trainer.should_stop and can_stop_early(trainer)
+
+
+def _last_epoch(trainer: Trainer) -> bool:
+    return trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs > 0
+
+
 def add_final_sync(trainer: Trainer) -> None:
     if not any(isinstance(c, FinalSync) for c in trainer.callbacks):
         trainer.callbacks.insert(0, FinalSync())
+    if not any(isinstance(c, SyncBeforeSaves) for c in trainer.callbacks):
+        saves = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, Checkpoint)]
+        trainer.callbacks.insert(saves[0] if saves else len(trainer.callbacks), SyncBeforeSaves())
 
 
 def _lightning_step(trainer: Trainer) -> int:
