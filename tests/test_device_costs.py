@@ -480,3 +480,40 @@ def test_a_batched_payload_dispatches_ops_per_shape_not_per_matrix() -> None:
         counted[(batched, n)] = count.ops
     assert counted[(True, 12)] == counted[(True, 24)] < counted[(False, 12)], counted
     assert counted[(False, 24)] - counted[(False, 12)] >= 12 * 5, counted  # at least 5 ops per matrix
+
+
+def test_a_gradient_average_reads_back_only_where_this_rank_lacks_a_gradient() -> None:
+    """The synchronous steps (``"lowrank_ddp"``, ``warmup_steps``): every gradient present, the average dispatches
+    one op for the flags it sends beside them and reads nothing back (it wrote each flag with its own op, one per
+    parameter, and read them all back every step); a missing one is read back to learn whether another rank had it."""
+    from lightning_lordo.sync.exchange import average_gradients
+
+    one_rank = SimpleNamespace(world_size=2, average_temporaries=lambda tensors, purpose: None)  # the same everywhere
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(50)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with counts.Counts() as all_present:
+        average_gradients(one_rank, params)
+    assert all_present.reads == 0 and all_present.ops <= 2, (all_present.reads, all_present.by_op)
+    params[3].grad = None
+    with counts.Counts() as one_missing:
+        average_gradients(one_rank, params)
+    assert one_missing.reads == 1 and params[3].grad is None and params[4].grad is not None
+
+
+def test_the_diagnostics_of_a_round_are_one_host_read() -> None:
+    """The sums a round's last step collects (low-rank and full-rank terms, error feedback) are read back together,
+    once per sync (they were three reads: a GPU stall each)."""
+    from lightning_lordo import LoRDO
+
+    params = [torch.nn.Parameter(torch.randn(16, 12)), torch.nn.Parameter(torch.randn(12))]
+    opt = LoRDO(params, rank=4, error_feedback=True)
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if step == 1:
+            opt.request_diagnostics()
+        opt.step()
+    with counts.Counts() as c:
+        found = opt.diagnostics()
+    assert set(found) == {"term_ratio", "error_feedback_norm"} and c.reads == 1, (found, c.reads)

@@ -57,6 +57,13 @@ class BarChecker(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if 1 <= trainer.global_step < 4:  # after steps 1-3, before the first sync (sync_every=4)
             self.between_syncs.append(trainer.progress_bar_metrics[BAR])
+        if trainer.global_step >= 1:
+            # the last batch's figure reached Lightning as a host tensor: a float would become a tensor on the
+            # module's device (float32), uploaded and read back by the bar at every batch, two stalls of a GPU
+            from lightning_lordo.lightning._compat import logged_results
+
+            held = [m.value for m in logged_results(trainer).values() if m.meta.name == BAR]
+            assert len(held) == 1 and held[0].dtype == torch.float64 and held[0].device.type == "cpu", held
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         strategy = trainer.strategy

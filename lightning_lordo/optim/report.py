@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
 from torch import Tensor
 
 from lightning_lordo.optim.functional import EF_PROJECTION, Hyper, can_unfold, resolve_rank
@@ -98,9 +99,13 @@ def _category(key: str, lowrank: bool) -> str:
 def diagnostics(stats: Mapping[str, Tensor]) -> dict[str, float]:
     """:meth:`LoRDO.diagnostics` from the sums one step collected (``low_sq``, ``full_sq``, ``ef_sq``)."""
     out: dict[str, float] = {}
-    if "low_sq" in stats and "full_sq" in stats:
-        low = stats["low_sq"].item()
-        out["term_ratio"] = (stats["full_sq"].item() / low) ** 0.5 if low > 0 else float("inf")
-    if "ef_sq" in stats:
-        out["error_feedback_norm"] = stats["ef_sq"].item() ** 0.5
+    names = [k for k in ("low_sq", "full_sq", "ef_sq") if k in stats]
+    if not names:
+        return out
+    sums = dict(zip(names, torch.stack([stats[k].reshape(()).double() for k in names]).tolist()))  # one host read
+    if "low_sq" in sums and "full_sq" in sums:
+        low = sums["low_sq"]
+        out["term_ratio"] = (sums["full_sq"] / low) ** 0.5 if low > 0 else float("inf")
+    if "ef_sq" in sums:
+        out["error_feedback_norm"] = sums["ef_sq"] ** 0.5
     return out

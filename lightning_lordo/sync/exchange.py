@@ -261,18 +261,20 @@ def average_gradients(comm: Communicator, params: Sequence[Tensor]) -> None:
     with the gradients). Alone there is nothing to average: no op, no host read."""
     if comm.world_size == 1:
         return
-    flags = torch.zeros(len(params), device=params[0].device if params else None)
-    grads = []
-    for i, p in enumerate(params):
-        if p.grad is not None and p.grad.is_sparse:
-            raise RuntimeError("LoRDO's synchronous phase averages dense gradients only; use a dense embedding "
-                               "(sparse=False).")
-        flags[i] = float(p.grad is not None)
-        grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
+    if any(p.grad is not None and p.grad.is_sparse for p in params):
+        raise RuntimeError("LoRDO's synchronous phase averages dense gradients only; use a dense embedding "
+                           "(sparse=False).")
+    missing = [i for i, p in enumerate(params) if p.grad is None]
+    flags = torch.ones(len(params), device=params[0].device if params else None)  # one fill, not one op per flag
+    for i in missing:
+        flags[i] = 0.0
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     comm.average_temporaries([*grads, flags], "gradients")  # a bucket at a time: no second set of gradients
-    for p, g, flag in zip(params, grads, flags.tolist()):
-        if p.grad is None and flag > 0:
-            p.grad = g
+    if missing:  # read back only where this rank lacks a gradient (another rank's counts)
+        held = flags.tolist()
+        for i in missing:
+            if held[i] > 0:
+                params[i].grad = grads[i]
 
 
 def average_first_gradients(comm: Communicator, grads: dict[Tensor, Tensor], config: SyncConfig
@@ -282,7 +284,7 @@ def average_first_gradients(comm: Communicator, grads: dict[Tensor, Tensor], con
     non-finite one (NaN/Inf on some worker) is replaced by a seeded random matrix, identical on all workers."""
     means = quantized_mean(comm, list(grads.values()), "initial_gradients", config.payload_dtype).means
     averaged = {p: m.float() for p, m in zip(grads, means)}
-    bad = [i for i, g in enumerate(averaged.values()) if not all_finite([g])]
+    bad = [i for i, ok in enumerate(finite_flags(list(averaged.values())).tolist()) if not ok]  # one host read
     for i, p in enumerate(averaged):
         if i in bad:
             averaged[p] = seeded_normal(averaged[p].shape, mix_seed(config.seed, i, offset=104_729), averaged[p].device)
