@@ -15,7 +15,9 @@ kernel on a device), counted apart:
    ops do not grow with the depth, so the ops per tensor fall as the model deepens; the width matters only where a
    shape's matrices pass 64 MB and go in several stacks (``STACK_BYTES``), hence the full-width model.
 2. ``step``: dispatched ops of one optimizer step, LoRDO against torch's foreach and fused AdamW, on GPT-2-small's
-   parameter set (full widths: the step's stacks are bounded at 64 MB).
+   parameter set (full widths: the step's stacks are bounded at 64 MB): all, and those on device data (the ones
+   that launch kernels; torch's foreach AdamW dispatches one host op per step counter, which launches none), and of
+   those the ones that compute (not views).
 
 Usage: ``python benchmarks/counts.py`` (a few minutes, about 8 GB). Writes ``results/counts.json``.
 """
@@ -70,6 +72,8 @@ class Counts(TorchDispatchMode):
     def __init__(self, host: Iterable[Tensor] = ()) -> None:
         super().__init__()
         self.ops, self.reads = 0, 0
+        self.host_ops = 0  # ops on host tensors alone (step counters): no kernel on a device either
+        self.device_views = 0  # ops that only view device data: no kernel either
         self.by_op: dict[str, int] = {}
         self._host = WeakIdKeyDictionary()
         for t in host:
@@ -85,6 +89,8 @@ class Counts(TorchDispatchMode):
         self.by_op[name] = self.by_op.get(name, 0) + 1
         inputs = tensors_in([args, kwargs or {}])
         host = bool(inputs) and all(self._is_host(a) for a in inputs)
+        self.host_ops += host
+        self.device_views += not host and name.startswith(VIEWS)
         if name.startswith(READS) and not host:
             self.reads += 1
         out = func(*args, **(kwargs or {}))
@@ -235,9 +241,12 @@ def count_syncs_two_processes(shapes: Sequence[tuple[int, int, int, int]] = (SCA
 
 
 def count_step(make: Callable[[list[Tensor], torch.nn.Module], torch.optim.Optimizer],
-               shape: tuple[int, int, int, int] = GPT2_SMALL, bytes_divisor: int = 1) -> int:
+               shape: tuple[int, int, int, int] = GPT2_SMALL, bytes_divisor: int = 1) -> dict[str, int]:
     """Dispatched ops of one optimizer step on the parameter set of a GPT of ``shape`` (GPT-2-small's: 12 layers,
-    width 768, tied head, 1,024 positions; positions shrink with the width), with :func:`byte_bounds_divided`."""
+    width 768, tied head, 1,024 positions; positions shrink with the width), with :func:`byte_bounds_divided`:
+    all of them (``ops``), those on device data (``device_ops``: not on the step counters alone, which stay in
+    host memory on an accelerator too; torch's foreach AdamW reads each parameter's counter on the host), and of
+    those the ones that do not only view memory (``kernel_ops``: each launches at least one kernel)."""
     torch.manual_seed(0)
     layers, width, vocab, heads = shape
     model = CharGPT(vocab_size=vocab, d_model=width, n_layers=layers, n_heads=heads, seq_len=1024 * width // 768,
@@ -251,18 +260,24 @@ def count_step(make: Callable[[list[Tensor], torch.nn.Module], torch.optim.Optim
         opt.step()
         with Counts(step_counters(opt)) as counts:
             opt.step()
-    return counts.ops
+    return {"ops": counts.ops, "device_ops": counts.ops - counts.host_ops,
+            "kernel_ops": counts.ops - counts.host_ops - counts.device_views}
 
 
 def count_steps(shape: tuple[int, int, int, int] = GPT2_SMALL, bytes_divisor: int = 1) -> dict[str, Any]:
     # the accelerators' layout (layout="stacked"), counted on the CPU
+    """Per optimizer: ``ops`` and ``device_ops`` (:func:`count_step`). LoRDO as on an accelerator: the stacked layout,
+    and torch's foreach AdamW for the embeddings and the head (``fused=None`` takes it there; on the CPU the fused
+    one). The ratios are of kernel ops."""
     row = {"adamw_foreach": count_step(lambda ps, m: torch.optim.AdamW(ps, foreach=True), shape, bytes_divisor),
            "adamw_fused": count_step(lambda ps, m: torch.optim.AdamW(ps, fused=True), shape, bytes_divisor)}
     for name in ("lordo", "lordo_lean"):
         knobs = preset_knobs(name)[0]
         row[name] = count_step(lambda ps, m, k=knobs: LoRDO(ps, rank=12, full_rank=full_rank_params(m),
-                                                            layout="stacked", **k), shape, bytes_divisor)
-    row.update({f"{name}_over_foreach": round(row[name] / row["adamw_foreach"], 2) for name in ("lordo", "lordo_lean")})
+                                                            layout="stacked", fused=False, **k), shape, bytes_divisor)
+    for name in ("lordo", "lordo_lean"):
+        for base in ("adamw_foreach", "adamw_fused"):
+            row[f"{name}_over_{base[6:]}"] = round(row[name]["kernel_ops"] / row[base]["kernel_ops"], 1)
     return row
 
 
@@ -279,7 +294,8 @@ def main() -> None:
               f"{'yes' if r['streamed'] else 'no':>9}{r['reads']:>12}{r['ops']:>8}{r['ops_per_tensor']:>12}"
               f"{r['view_ops']:>8}{r['kernel_ops_per_tensor']:>21}")
     step = count_steps()
-    print("\nstep (GPT-2-small's parameter set, full widths): dispatched ops", json.dumps(step))
+    print("\nstep (GPT-2-small's parameter set, full widths): dispatched ops, all and on device data",
+          json.dumps(step))
     result = {"provenance": provenance("python benchmarks/counts.py"), "sync": sync_rows, "step": step}
     path = ROOT / "results" / "counts.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
