@@ -224,12 +224,17 @@ def repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> No
 
 
 def scale_base_lrs(scheduler: Any, scale: float) -> None:
-    """Multiply a scheduler's base LRs (and those of the schedulers inside it) by ``scale``: after the switch at the
-    end of the warm-up, the schedule follows the param groups' learning rates the synchronizer scaled."""
+    """Multiply the learning rates a scheduler keeps (and those of the schedulers inside it) by ``scale``: its base
+    LRs, CyclicLR's peaks, ReduceLROnPlateau's and the cosine schedules' floors. After the switch at the end of the
+    warm-up the whole schedule follows the param groups' learning rates the synchronizer scaled (OneCycleLR keeps
+    its LRs in the groups)."""
     if scale == 1.0:
         return
-    if hasattr(scheduler, "base_lrs"):
-        scheduler.base_lrs = [lr * scale for lr in scheduler.base_lrs]
+    for name in ("base_lrs", "max_lrs", "min_lrs"):
+        if isinstance(getattr(scheduler, name, None), list):
+            setattr(scheduler, name, [lr * scale for lr in getattr(scheduler, name)])
+    if isinstance(getattr(scheduler, "eta_min", None), (int, float)):
+        scheduler.eta_min = scheduler.eta_min * scale
     for inner in getattr(scheduler, "_schedulers", ()):
         scale_base_lrs(inner, scale)
 

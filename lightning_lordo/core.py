@@ -139,6 +139,11 @@ class LoRDOCore:
         if isinstance(optimizer, LoRDO):
             check_dense(module, optimizer)
         self.check_sync_knobs(optimizer, converted=optimizer is not user_optimizer)
+        cycling = [type(c.scheduler).__name__ for c in schedulers if getattr(c.scheduler, "cycle_momentum", False)]
+        if cycling and "switch_betas" in self.knobs.sync_given:
+            raise ValueError(f"Invalid switch_betas={self.sync_config.switch_betas!r}: your {cycling[0]} cycles the "
+                             "momentum (cycle_momentum=True) and sets beta1 at every step, so switch_betas' beta1 "
+                             "would be overwritten after the switch. Pass cycle_momentum=False, or drop switch_betas.")
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.ddp_bytes_per_step = nbytes(trainable)
         self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,

@@ -231,3 +231,43 @@ def test_a_sync_averages_the_optimizer_state_asked_for(preset: str, knobs: dict[
     strategy = lordo(sync_every=4, lowrank=preset == "lordo", **knobs) if preset == "lordo" else \
         LoRDOStrategy(preset="diloco", sync_every=4, start_method="fork", **strategy_kwargs(**knobs))
     trainer(strategy, callbacks=[checker], max_steps=10).fit(TinyRegressor(), loader())
+
+
+def test_the_switch_scales_every_learning_rate_a_scheduler_keeps() -> None:
+    """``switch_lr_scale`` scaled the schedulers' base LRs only: CyclicLR's peaks, the cosine and plateau floors
+    stayed, so a CyclicLR after the switch climbed back to its unscaled peak."""
+    from lightning_lordo.convert import scale_base_lrs
+
+    def optimizer() -> torch.optim.Optimizer:
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9)
+
+    cyclic = torch.optim.lr_scheduler.CyclicLR(optimizer(), base_lr=0.01, max_lr=0.1, step_size_up=4)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer(), T_max=10, eta_min=0.02)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer(), min_lr=0.004)
+    shared = optimizer()
+    chained = torch.optim.lr_scheduler.SequentialLR(shared, [torch.optim.lr_scheduler.CosineAnnealingLR(
+        shared, T_max=10, eta_min=0.02)], milestones=[])
+    for scheduler in (cyclic, cosine, plateau, chained):
+        scale_base_lrs(scheduler, 0.5)
+    assert cyclic.base_lrs == [0.005] and cyclic.max_lrs == [0.05]
+    assert cosine.base_lrs == [0.05] and cosine.eta_min == 0.01 and plateau.min_lrs == [0.002]
+    assert chained._schedulers[0].eta_min == 0.01
+
+
+def test_switch_betas_beside_a_scheduler_that_cycles_momentum_is_refused() -> None:
+    """OneCycleLR and CyclicLR with ``cycle_momentum=True`` set beta1 at every step: switch_betas' beta1 was
+    overwritten after the switch without a word."""
+
+    class Cycling(TinyRegressor):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=20)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
+
+    fit = trainer(lordo(sync_every=2, start_method="popen", warmup_steps=2, switch_betas=(0.8, 0.9)), devices=1,
+                  max_steps=4)
+    with pytest.raises(ValueError, match=r"switch_betas=\(0.8, 0.9\): your OneCycleLR cycles the momentum .*Pass "
+                                         r"cycle_momentum=False, or drop switch_betas"):
+        fit.fit(Cycling(), loader())
+    trainer(lordo(sync_every=2, start_method="popen", warmup_steps=2, switch_lr_scale=0.5), devices=1,
+            max_steps=4).fit(Cycling(), loader())  # the scale alone: OneCycleLR keeps its LRs in the groups
