@@ -193,12 +193,13 @@ def _warn_about_fullrank_matrices(optimizer: LoRDO, names: dict[Tensor, str]) ->
                       "them out with rank=0 in their param group to silence this.", stacklevel=3)
 
 
-def repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> None:
+def repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> Any:
     """Make the user's LR schedulers drive ``new`` (same groups, same order) and keep their step counts.
 
     Schedulers made of schedulers (``SequentialLR``, ``ChainedScheduler``) hold inner ones that point at ``old``
     too: they are re-pointed as well, and ``old`` shares ``new``'s param-group dicts, so anything else still
-    holding ``old`` changes the learning rate ``new`` uses."""
+    holding ``old`` changes the learning rate ``new`` uses. Returns the handle of the first step's mark
+    (:func:`track_step_calls`), for the caller to remove after that step."""
 
     def repoint(scheduler: Any) -> None:
         if getattr(scheduler, "optimizer", None) is old:
@@ -209,7 +210,7 @@ def repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> No
     for config in configs:
         repoint(config.scheduler)
     old.param_groups = new.param_groups
-    track_step_calls(new, old)
+    mark = track_step_calls(new, old)
     kind = type(old).__name__
 
     def converted_step(*args: Any, **kwargs: Any) -> None:  # its groups lost Adam's own keys: torch would KeyError
@@ -221,6 +222,14 @@ def repoint_schedulers(configs: list[Any], old: Optimizer, new: Optimizer) -> No
     old.step = converted_step  # type: ignore[method-assign]
     old.add_param_group = new.add_param_group  # type: ignore[method-assign]  # a group added through it (a callback
     # holding the user's optimizer) lands in the optimizer that steps, with its knobs
+    return mark
+
+
+def cycling_momentum(schedulers: Sequence[Any]) -> list[str]:
+    """The schedulers (those inside ``SequentialLR``/``ChainedScheduler`` too) that set beta1 at every step
+    (``cycle_momentum=True``: OneCycleLR, CyclicLR)."""
+    return [type(s).__name__ for s in schedulers if getattr(s, "cycle_momentum", False)] + [
+        name for s in schedulers for name in cycling_momentum(getattr(s, "_schedulers", ()))]
 
 
 def scale_base_lrs(scheduler: Any, scale: float) -> None:
@@ -239,23 +248,38 @@ def scale_base_lrs(scheduler: Any, scale: float) -> None:
         scale_base_lrs(inner, scale)
 
 
-def track_step_calls(optimizer: Optimizer, source: Optional[Optimizer] = None) -> None:
+def unfrozen_message(new: list[str]) -> str:
+    return (f"LoRDO synchronizes the parameters that were trainable when training started, but {new[:5]} became "
+            "trainable later; they would drift apart on every rank. Unfreeze them before trainer.fit / fabric.setup, "
+            "or save a checkpoint and resume to include them. A callback that unfreezes during fit (Lightning's "
+            "BaseFinetuning, BackboneFinetuning) freezes them again on resume: train in two fits instead, the second "
+            "from the first's checkpoint with them trainable and without the callback.")
+
+
+def undriven_step_message(owner: str) -> str:
+    return (f"{owner}: the optimizer took a step the strategy did not drive, so it would never be synchronized and "
+            "the ranks would drift apart (e.g. an optimizer_step override that calls optimizer.optimizer.step()). "
+            "Step the optimizer you are given: optimizer.step(closure=optimizer_closure) in optimizer_step, or the "
+            "one fabric.setup returned.")
+
+
+def track_step_calls(optimizer: Optimizer, source: Optional[Optimizer] = None) -> Any:
     """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does (``_opt_called``,
     ``_wrapped_by_lr_sched``: torch's private flags, the one private API outside ``lightning/_compat.py``), so that
     re-pointed schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``. The step stays
-    the optimizer's own (a ``functools.partial`` carries the mark; a hook notes the first step, then removes
-    itself): nothing of this module runs at later steps. ``source`` (the user's optimizer it was converted from) is
-    marked at the same first step, for a scheduler that was not handed over and still points at it."""
+    the optimizer's own (a ``functools.partial`` carries the mark; a hook notes the first step, and the caller
+    removes it after that step with the handle returned: removed from inside torch's loop over the hooks, it broke
+    the loop for any hook after it). ``source`` (the user's optimizer it was converted from) is marked too, for a
+    scheduler that was not handed over."""
     step = functools.partial(type(optimizer).step, weakref.proxy(optimizer))  # no reference cycle, as torch's
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = step  # type: ignore[method-assign]
 
-    def first_step(opt: Optimizer, args: Any, kwargs: Any) -> None:
+    def stepped(opt: Optimizer, args: Any, kwargs: Any) -> None:
         for marked in (opt, source) if source is not None else (opt,):
             marked._opt_called = True  # type: ignore[attr-defined]
-        handle.remove()
 
-    handle = optimizer.register_step_post_hook(first_step)
+    return optimizer.register_step_post_hook(stepped)
 
 
 def several_optimizers_message(module: Any) -> str:

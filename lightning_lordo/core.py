@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -25,10 +26,13 @@ from lightning_lordo.convert import (
     check_dense,
     compile_patterns,
     convert_optimizer,
+    cycling_momentum,
     full_rank_params,
     plan_message,
     repoint_schedulers,
     scale_base_lrs,
+    undriven_step_message,
+    unfrozen_message,
 )
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.strategy_knobs import Knobs
@@ -81,6 +85,8 @@ class LoRDOCore:
         self.module: Optional[nn.Module] = None
         self.optimizer: Optional[Optimizer] = None  # the optimizer stepped: LoRDO, or the user's (diloco)
         self.unfrozen: set[str] = set()  # one process: the parameters unfrozen after setup, warned about once
+        self._prepared = False  # before_step ran for the step being taken (a step without it is refused)
+        self._first_step_mark: Any = None  # the conversion's hook that marks the first step for the schedulers
 
     def new_fit(self) -> None:
         """A new run counts its own traffic and reports."""
@@ -106,7 +112,7 @@ class LoRDOCore:
                              f"does not (shapes {strays[:3]}), so they would never be synchronized. Give the "
                              "optimizer one model's parameters, or make them one model (e.g. an nn.ModuleDict of "
                              "both, set up once).")
-        optimizer = user_optimizer
+        optimizer, core, owner = user_optimizer, weakref.ref(self), self.owner  # the hook below keeps no core alive
         if self.knobs.lowrank:
             if not isinstance(optimizer, LoRDO) and type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
                 raise TypeError(
@@ -129,8 +135,8 @@ class LoRDOCore:
                                  "strategy.parameter_plan() lists them with their steps. Fix or drop the pattern.")
             optimizer = convert_optimizer(user_optimizer, full_rank_params(module, self.full_rank_patterns),
                                           self.knobs.optimizer_knobs, self.sync_config.seed, self.parameter_names)
-            if optimizer is not user_optimizer:
-                repoint_schedulers(list(schedulers), user_optimizer, optimizer)
+            if optimizer is not user_optimizer:  # its first step's hook goes at the first after_step
+                self._first_step_mark = repoint_schedulers(list(schedulers), user_optimizer, optimizer)
         if isinstance(optimizer, torch.optim.LBFGS) and self.communicator.world_size > 1 and \
                 not self.sync_config.synchronous:
             raise TypeError(f"{self.owner}: {source} torch.optim.LBFGS, whose curvature history pairs its own last "
@@ -139,7 +145,7 @@ class LoRDOCore:
         if isinstance(optimizer, LoRDO):
             check_dense(module, optimizer)
         self.check_sync_knobs(optimizer, converted=optimizer is not user_optimizer)
-        cycling = [type(c.scheduler).__name__ for c in schedulers if getattr(c.scheduler, "cycle_momentum", False)]
+        cycling = cycling_momentum([c.scheduler for c in schedulers])
         if cycling and "switch_betas" in self.knobs.sync_given:
             raise ValueError(f"Invalid switch_betas={self.sync_config.switch_betas!r}: your {cycling[0]} cycles the "
                              "momentum (cycle_momentum=True) and sets beta1 at every step, so switch_betas' beta1 "
@@ -150,6 +156,10 @@ class LoRDOCore:
                                          self.communicator, self.overlap_comm)
         self.synchronizer.switch_callbacks.append(on_switch)
         self.module, self.optimizer = module, optimizer
+        def refuse_undriven(opt: Optimizer, args: Any, kwargs: Any) -> None:  # on the step's path: core.py's code
+            if getattr(core(), "_prepared", True) is False:
+                raise RuntimeError(undriven_step_message(owner))
+        optimizer.register_step_post_hook(refuse_undriven)
         return optimizer
 
     def check_sync_knobs(self, optimizer: Optimizer, converted: bool) -> None:
@@ -206,11 +216,15 @@ class LoRDOCore:
         """After the backward pass of each optimizer step: the gradient average (synchronous phase), first bases."""
         assert self.synchronizer is not None
         self.synchronizer.before_optimizer_step()
+        self._prepared = True
 
     def after_step(self, last: bool = False) -> Optional[SyncReport]:
         """After each optimizer step: the step count and, every ``sync_every`` steps (or at ``last``), the sync."""
         synchronizer = self.synchronizer
         assert synchronizer is not None
+        self._prepared = False
+        if self._first_step_mark is not None:  # removed here: from inside torch's loop over the hooks it breaks it
+            self._first_step_mark = self._first_step_mark.remove()
         k = self.sync_config.sync_every  # at a sync, or every K synchronous steps (their gradients' average)
         due = (synchronizer.optimizer_steps + 1) % k == 0 if synchronizer.synchronous_now \
             else synchronizer.steps_since_sync + 1 >= k
@@ -252,12 +266,7 @@ class LoRDOCore:
                               stacklevel=3)
             self.unfrozen.update(new)
         elif new:
-            raise RuntimeError(f"LoRDO synchronizes the parameters that were trainable when training started, but "
-                               f"{new[:5]} became trainable later; they would drift apart on every rank. Unfreeze "
-                               "them before trainer.fit / fabric.setup, or save a checkpoint and resume to include "
-                               "them. A callback that unfreezes during fit (Lightning's BaseFinetuning, "
-                               "BackboneFinetuning) freezes them again on resume: train in two fits instead, the "
-                               "second from the first's checkpoint with them trainable and without the callback.")
+            raise RuntimeError(unfrozen_message(new))
 
     # ------------------------------------------------------------------ figures
     def ddp_equivalent_bytes(self, world_size: int, report: Optional[SyncReport] = None) -> int:
@@ -387,3 +396,4 @@ class HoldsCore:
         """Bytes DDP's gradient all-reduce would have passed per worker for the optimizer steps so far (0 on one
         device: DDP sends nothing there)."""
         return self.core.ddp_equivalent_bytes(self.world_size)  # type: ignore[attr-defined]
+

@@ -30,8 +30,10 @@ def test_the_private_attributes_used_exist() -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     saves = ModelCheckpoint(save_last=True)
-    saves._last_checkpoint_saved = "last.ckpt"
-    _compat.redo_last_save(saves)
+    saves._last_checkpoint_saved, saves._last_global_step_saved = "last.ckpt", 6
+    _compat.redo_last_save(saves, 5)  # saved at another step: kept
+    assert saves._last_checkpoint_saved == "last.ckpt"
+    _compat.redo_last_save(saves, 6)
     assert saves._last_checkpoint_saved == "" and "if self.save_last and not self._last_checkpoint_saved" in \
         inspect.getsource(ModelCheckpoint.on_train_end)  # what redo_last_save relies on
 

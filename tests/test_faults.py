@@ -745,3 +745,42 @@ def test_a_discarded_round_keeps_the_parameters_each_worker_stepped_for_the_next
     for i in range(3, 6):  # the next round syncs at step 6, and clears the set
         report = _step(model, opt, sync, i)
     assert not report.skipped and sync.stepped == set()
+
+
+class SteppedAround(TinyRegressor):
+    """``how``: ``"wrapped"`` steps the optimizer inside Lightning's wrapper, ``"one_rank"`` skips batch 2's step on
+    rank 1 only, ``"all_ranks"`` on every rank."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if self.how == "wrapped":
+            optimizer.optimizer.step(closure=optimizer_closure)
+        elif batch_idx == 2 and (self.how == "all_ranks" or self.global_rank == 1):
+            optimizer_closure()  # the forward and backward passes, and no step
+        else:
+            optimizer.step(closure=optimizer_closure)
+
+
+def test_a_step_the_strategy_does_not_drive_or_one_rank_skips_is_an_error_at_once() -> None:
+    """A step of the wrapped optimizer never synchronized (the ranks ended apart without a word), and a step skipped
+    on one rank hung the other in the next sync for ``timeout`` and then blamed a dead worker. Skipped on every
+    rank alike, the fit goes on."""
+    with pytest.raises(Exception, match=r"the optimizer took a step the strategy did not drive.*optimizer\.step\("
+                                        r"closure=optimizer_closure\)"):
+        trainer(lordo(sync_every=4), max_steps=6).fit(SteppedAround("wrapped"), loader())
+    started = time.monotonic()
+    with pytest.raises(Exception, match=r"the workers took different numbers of optimizer steps \(this rank [23] "
+                                        r"before this batch\).*reduce_boolean_decision"):
+        trainer(lordo(sync_every=4), max_steps=6).fit(SteppedAround("one_rank"), loader())
+    assert time.monotonic() - started < 30  # not the 60 s timeout
+    trainer(lordo(sync_every=4), max_steps=6, callbacks=[OneModelAtTheEnd()]).fit(SteppedAround("all_ranks"),
+                                                                                 loader())
+
+
+class OneModelAtTheEnd(L.Callback):
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        assert torch.equal(*gather(flat_params(module))), "the ranks ended apart"
+        assert trainer.strategy.synchronizer.optimizer_steps == 5 and trainer.global_step == 6  # one skipped

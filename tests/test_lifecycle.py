@@ -163,8 +163,11 @@ def test_a_fit_stopped_mid_round_is_one_model_in_the_users_on_train_end(tmp_path
 
 class EndsOtherwise(TinyRegressor):
     """Validates every epoch (noting the model it validates); ``how``: ``"earlystop"`` (its val_loss rises, so
-    EarlyStopping stops after epoch 2 of 5), ``"dataloader_iter"`` (a ``training_step(dataloader_iter)``, whose last
-    batch Lightning knows only after it), ``"should_stop"`` (set at step 7 of an epoch of 5)."""
+    EarlyStopping stops after epoch 2 of 5), ``"earlystop_mid_epoch"`` (validating every 3 batches: it stops at
+    the second validation, mid-epoch, at step 8 of rounds of 5), ``"dataloader_iter"`` (a
+    ``training_step(dataloader_iter)``, whose last batch Lightning knows only after it), ``"should_stop"`` (set in
+    the module's ``on_train_batch_end`` of step 7, in an epoch of 5), ``"should_stop_in_step"`` (set within step 7,
+    as a Timer of the batch does)."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -180,10 +183,14 @@ class EndsOtherwise(TinyRegressor):
         if self.how == "should_stop" and self.trainer.global_step == 7:
             self.trainer.should_stop = True
 
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        if self.how == "should_stop_in_step" and self.trainer.global_step == 6:  # as a batch's Timer does
+            self.trainer.should_stop = True
+
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:
             self.validated.append(flat_params(self).clone())
-        self.log("val_loss", float(self.current_epoch), sync_dist=True)
+        self.log("val_loss", float(self.trainer.global_step), sync_dist=True)  # rises: EarlyStopping stops
 
     def val_dataloader(self) -> Any:
         return loader(n=32)
@@ -201,7 +208,8 @@ class SavedAndValidated(L.Callback):
                     "rank": trainer.global_rank}, self.directory / f"rank{trainer.global_rank}.pt")
 
 
-@pytest.mark.parametrize("how", ["earlystop", "dataloader_iter", "should_stop"])
+@pytest.mark.parametrize("how", ["earlystop", "earlystop_mid_epoch", "dataloader_iter", "should_stop",
+                                 "should_stop_in_step"])
 def test_a_fit_that_ends_off_its_known_last_step_saves_last_ckpt_with_the_model_fit_returns(tmp_path: Path,
                                                                                             how: str) -> None:
     """The final sync ran at ``on_train_end``, after ModelCheckpoint's last save (``last.ckpt`` held the model from
@@ -210,16 +218,24 @@ def test_a_fit_that_ends_off_its_known_last_step_saves_last_ckpt_with_the_model_
     as DDP's does; EarlyStopping decides after its validation (which saw the anchor), and ``last`` is written again."""
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-    callbacks = [ModelCheckpoint(tmp_path, save_last=True), SavedAndValidated(tmp_path)]
-    if how == "earlystop":
+    every = ModelCheckpoint(tmp_path / "every", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    callbacks = [ModelCheckpoint(tmp_path, save_last=True), every, SavedAndValidated(tmp_path)]
+    if how.startswith("earlystop"):
         callbacks.append(EarlyStopping("val_loss", patience=0, mode="min"))
-    trainer(lordo(sync_every=4), callbacks=callbacks, max_steps=-1, max_epochs=2 if how == "dataloader_iter" else 5,
-            enable_checkpointing=True, num_sanity_val_steps=0).fit(EndsOtherwise(how), loader(n=80))
+    k = 5 if how == "earlystop_mid_epoch" else 4  # its stop at step 8: mid-round
+    trainer(lordo(sync_every=k), callbacks=callbacks, max_steps=-1, max_epochs=2 if how == "dataloader_iter" else 5,
+            enable_checkpointing=True, num_sanity_val_steps=0,
+            val_check_interval=3 if how == "earlystop_mid_epoch" else 1.0).fit(EndsOtherwise(how), loader(n=80))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]  # rank 0 checked last.ckpt
-    assert ranks[0]["step"] == {"earlystop": 10, "dataloader_iter": 10, "should_stop": 7}[how]
-    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
-    if how != "earlystop":
+    step = {"earlystop": 10, "earlystop_mid_epoch": 8, "dataloader_iter": 10, "should_stop": 7,
+            "should_stop_in_step": 7}[how]
+    assert ranks[0]["step"] == step and torch.equal(ranks[0]["final"], ranks[1]["final"])
+    if not how.startswith("earlystop"):  # the stop was known before the validation after it
         assert torch.equal(ranks[0]["validated"], ranks[0]["final"]), "the last validation saw the anchor"
+    if how in ("dataloader_iter", "should_stop_in_step"):  # and before the batch's saves (the module's hook: after)
+        saved = torch.load(tmp_path / "every" / f"step={step}.ckpt", weights_only=True)["state_dict"]
+        assert torch.equal(torch.cat([v.reshape(-1) for k, v in saved.items() if k.startswith("net.")]),
+                           ranks[0]["final"]), "the save at the last batch held the anchor"
 
 
 def test_weight_averaging_is_refused_with_local_rounds_and_runs_on_one_device() -> None:
@@ -256,3 +272,18 @@ def test_pruning_is_refused_with_local_rounds_and_prunes_alike_with_synchronous_
                                                                                           loader(n=64))
     trainer(lordo(sync_every=4, synchronous=True), callbacks=[pruning(), MasksAtEnd()], max_epochs=2,
             max_steps=-1).fit(TinyRegressor(), loader(n=64))
+
+
+class HookOfYourOwn(L.Callback):
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.steps = 0
+        trainer.optimizers[0].register_step_post_hook(lambda *args: setattr(self, "steps", self.steps + 1))
+
+
+def test_a_step_hook_of_your_own_runs_beside_the_strategys() -> None:
+    """The conversion's first-step hook removed itself while torch looped over the hooks: any hook registered after
+    it failed the first step (``OrderedDict mutated during iteration``)."""
+    own = HookOfYourOwn()
+    fit = trainer(lordo(sync_every=2, start_method="popen"), devices=1, max_steps=4, callbacks=[own])
+    fit.fit(TinyRegressor(), loader())
+    assert own.steps == 4 and len(fit.optimizers[0]._optimizer_step_post_hooks) == 2  # the strategy's check, yours

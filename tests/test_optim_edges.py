@@ -228,9 +228,7 @@ def test_conversion_keeps_the_users_defaults_flags_and_tags_and_a_group_added_la
     for kind, kwargs in ((torch.optim.AdamW, {"lr": 3e-4, "betas": (0.85, 0.95), "eps": 1e-6, "weight_decay": 0.1}),
                          (torch.optim.Adam, {"lr": 3e-4})):
         user = kind([{"params": head.parameters(), "lr_decay": 0.75}], fused=False, foreach=False, **kwargs)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the tag passes without a word on conversion
-            warnings.filterwarnings("ignore", "LoRDO: .*not a knob")  # (it is close to ef_decay: said once)
+        with pytest.warns(UserWarning, match="'lr_decay' is not a knob"):  # kept, with a warning (close to ef_decay)
             lordo = convert_optimizer(user, {}, {"rank": 2}, 0, {})
         assert lordo.fused is False and lordo.foreach is False and lordo.param_groups[0]["lr_decay"] == 0.75
         repoint_schedulers([], user, lordo)

@@ -264,10 +264,17 @@ def test_switch_betas_beside_a_scheduler_that_cycles_momentum_is_refused() -> No
             cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=20)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
 
-    fit = trainer(lordo(sync_every=2, start_method="popen", warmup_steps=2, switch_betas=(0.8, 0.9)), devices=1,
-                  max_steps=4)
-    with pytest.raises(ValueError, match=r"switch_betas=\(0.8, 0.9\): your OneCycleLR cycles the momentum .*Pass "
-                                         r"cycle_momentum=False, or drop switch_betas"):
-        fit.fit(Cycling(), loader())
+    class Nested(TinyRegressor):  # inside a SequentialLR: the same
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=20)
+            return [optimizer], [torch.optim.lr_scheduler.SequentialLR(optimizer, [cycle], milestones=[])]
+
+    for module in (Cycling(), Nested()):
+        fit = trainer(lordo(sync_every=2, start_method="popen", warmup_steps=2, switch_betas=(0.8, 0.9)), devices=1,
+                      max_steps=4)
+        with pytest.raises(ValueError, match=r"switch_betas=\(0.8, 0.9\): your OneCycleLR cycles the momentum .*"
+                                             r"Pass cycle_momentum=False, or drop switch_betas"):
+            fit.fit(module, loader())
     trainer(lordo(sync_every=2, start_method="popen", warmup_steps=2, switch_lr_scale=0.5), devices=1,
             max_steps=4).fit(Cycling(), loader())  # the scale alone: OneCycleLR keeps its LRs in the groups

@@ -238,11 +238,11 @@ class WireCheck(L.Callback):
         last = strategy.sync_reports[-1]
         out = figures(strategy, last)
         # a sync's row holds the totals at the end of that sync; the end-of-training check after the last one (an
-        # all-reduce of two float32 flags: 8 bytes, also on the wire at M = 2) only the current totals hold
+        # all-reduce of four float64 flags: 32 bytes, also on the wire at M = 2) only the current totals hold
         assert out["wire_bytes_total"] == last.total_wire_bytes > 0 and out["bytes_sent_total"] == last.total_bytes
         current = figures(strategy)
-        assert current["wire_bytes_total"] == strategy.accountant.total_wire_bytes == last.total_wire_bytes + 8
-        assert current["bytes_sent_total"] == strategy.accountant.total_bytes == last.total_bytes + 8
+        assert current["wire_bytes_total"] == strategy.accountant.total_wire_bytes == last.total_wire_bytes + 32
+        assert current["bytes_sent_total"] == strategy.accountant.total_bytes == last.total_bytes + 32
         assert out["ddp_equivalent_wire_bytes"] == out["ddp_equivalent_bytes"] > 0  # M = 2: the ring sends 1x
         assert out["wire_saving_vs_ddp"] == saving_ratio(out["ddp_equivalent_wire_bytes"], out["wire_bytes_total"])
         for report in strategy.sync_reports:  # all-reduces only in a round at M = 2: wire = payload

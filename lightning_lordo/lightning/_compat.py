@@ -82,8 +82,10 @@ def can_stop_early(trainer: Trainer) -> bool:
     return bool(trainer.fit_loop._can_stop_early)
 
 
-def redo_last_save(callback: Any) -> None:
-    """Have a ``ModelCheckpoint`` with ``save_last`` write ``last`` again in its ``on_train_end``, which it skips
-    once it has saved one (``_last_checkpoint_saved``): the model changed after that save."""
-    if isinstance(callback, ModelCheckpoint) and callback.save_last and hasattr(callback, "_last_checkpoint_saved"):
+def redo_last_save(callback: Any, step: int) -> None:
+    """Have a ``ModelCheckpoint`` with ``save_last`` that saved at ``step`` (``_last_global_step_saved``) write
+    ``last`` again in its ``on_train_end``, which it skips once it has saved one (``_last_checkpoint_saved``): the
+    model changed after that save."""
+    if isinstance(callback, ModelCheckpoint) and callback.save_last and hasattr(callback, "_last_checkpoint_saved") \
+            and getattr(callback, "_last_global_step_saved", None) == step:
         callback._last_checkpoint_saved = ""

@@ -159,26 +159,35 @@ def add_monitor(trainer: Trainer, progress_bar: Optional[bool]) -> None:
 
 class FinalSync(Callback):
     """The strategy puts this first among the callbacks, because Lightning calls the strategy's hooks after the
-    callbacks' and the module's: a fit whose end no step or batch told (EarlyStopping at an epoch's end, after
-    ModelCheckpoint's saves) runs its final sync before the other ``on_train_end`` hooks, and ModelCheckpoint's
-    ``save_last`` writes ``last`` again there; validation mid-round has the synchronized model in before the other
-    ``on_validation_start`` hooks. As with DDP they see one model."""
+    callbacks' and the module's: a fit whose end no step or batch told (EarlyStopping, after ModelCheckpoint's
+    saves) runs its final sync before the other ``on_train_end`` hooks, and a ModelCheckpoint that saved ``last`` at
+    the final step before that sync saves it again; validation mid-round has the synchronized model in before the
+    other ``on_validation_start`` hooks. As with DDP they see one model."""
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
-        moves = not strategy.final_sync_done and getattr(strategy.synchronizer, "mid_round", False)
-        strategy.on_train_end_sync()
-        if moves:  # EarlyStopping stopped after the last save: ModelCheckpoint's on_train_end saves `last` again
-            for callback in trainer.checkpoint_callbacks:
-                redo_last_save(callback)
+        final_sync(trainer)
+        if strategy.saves_before_final_sync:  # a `last` saved at this step has the model from before the sync:
+            for callback in trainer.checkpoint_callbacks:  # ModelCheckpoint's on_train_end saves it again
+                redo_last_save(callback, trainer.global_step)
+        strategy.saves_before_final_sync = False
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # stopped by the module's on_train_batch_end: the validation Lightning runs then sees the model fit returns
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and _stopping(trainer):
-            trainer.strategy.on_train_end_sync()
+            final_sync(trainer)
         trainer.strategy.swap_in_for_validation()
+
+
+def final_sync(trainer: Trainer) -> None:
+    """The final sync from a callback; where it moves the model, the checkpoints saved so far hold the model from
+    before it (until the next save: ``SynchronizedState.save_checkpoint``)."""
+    strategy = trainer.strategy
+    if not strategy.final_sync_done and getattr(strategy.synchronizer, "mid_round", False):
+        strategy.saves_before_final_sync = True
+    strategy.on_train_end_sync()
 
 
 def reports_undone(trainer: Trainer, kept: int) -> None:
@@ -216,19 +225,19 @@ class SyncBeforeSaves(Callback):
     returns, as with DDP: ``should_stop`` that Lightning honours, set by a batch (``max_time``, the user's code), the
     last batch of the last epoch when only the batch's end knows it (a ``dataloader_iter`` step), the last epoch cut
     short. The strategy puts it right before the checkpoint callbacks, which Lightning keeps last (after the Timer).
-    EarlyStopping decides after a validation, which saw the anchor: there ``FinalSync`` has the last save redone."""
+    EarlyStopping decides after a validation, which saw the anchor: there ``FinalSync`` has ``last`` saved again."""
 
     @override
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         if _stopping(trainer) or (_last_epoch(trainer) and last_batch):
-            trainer.strategy.on_train_end_sync()
+            final_sync(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # before EarlyStopping's and ModelCheckpoint's (Lightning calls those after the module's hook)
         if _stopping(trainer) or _last_epoch(trainer):
-            trainer.strategy.on_train_end_sync()
+            final_sync(trainer)
 
 
 def _stopping(trainer: Trainer) -> bool:

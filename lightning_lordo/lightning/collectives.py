@@ -180,7 +180,9 @@ class GuardedCollectives:
                 wait()
                 self._act_on_checks(flags, False, posted)
             control.context = f"Lightning's per-batch SIGTERM check {here}"
-            flags = torch.tensor([float(self._sigterm_pending), float(finished)])
+            step = steps % 4096  # its mean and mean square: equal on every rank iff the ranks took as many steps
+            flags = torch.tensor([float(self._sigterm_pending), float(finished), step, step * step],
+                                 dtype=torch.float64)
             wait = control.begin_all_reduce_mean(flags, "lightning_sigterm_check")
             if finished or self._next_step_communicates():  # read now: a rank that has finished would not be there
                 wait()
@@ -209,7 +211,7 @@ class GuardedCollectives:
         self._posted_check = None
 
     def _act_on_checks(self, flags: torch.Tensor, finished: bool, steps: int) -> None:
-        sigterm, done = flags.tolist()
+        sigterm, done, mean, mean_square = flags.tolist()
         if 0 < done < 1:  # the same decision on every rank
             mine = "finished" if finished else f"was about to take optimizer step {steps + 1}"
             theirs = "others were still training" if finished else "another rank had finished"
@@ -217,6 +219,12 @@ class GuardedCollectives:
                 f"LoRDO: the workers ran different numbers of batches: this rank {mine} while {theirs} (it took "
                 f"{steps} steps). Give every rank the same number of batches: a DistributedSampler with drop_last, "
                 "or data of equal length per rank.")
+        if mean_square - mean * mean > 1e-6:  # a variance: exact below 2^53, at least ~1/world_size when not 0
+            raise CollectiveTimeout(
+                f"LoRDO: the workers took different numbers of optimizer steps (this rank {steps} before this batch), "
+                "so their syncs would not pair: an optimizer_step override skipped a step on some ranks only. "
+                "Decide on every rank alike, e.g. skip = self.trainer.strategy.reduce_boolean_decision(skip, "
+                "all=False).")
         if sigterm > 0:  # on every rank at once; Lightning's own checks follow its flag, set only here
             note_sigterm(self.lightning_module.trainer)
             raise SIGTERMException()

@@ -284,7 +284,8 @@ def average_first_gradients(comm: Communicator, grads: dict[Tensor, Tensor], con
     non-finite one (NaN/Inf on some worker) is replaced by a seeded random matrix, identical on all workers."""
     means = quantized_mean(comm, list(grads.values()), "initial_gradients", config.payload_dtype).means
     averaged = {p: m.float() for p, m in zip(grads, means)}
-    bad = [i for i, ok in enumerate(finite_flags(list(averaged.values())).tolist()) if not ok]  # one host read
+    finite = torch.stack([torch.isfinite(g).all() for g in averaged.values()]) if averaged else torch.ones(0)
+    bad = [i for i, ok in enumerate(finite.tolist()) if not ok]  # one host read
     for i, p in enumerate(averaged):
         if i in bad:
             averaged[p] = seeded_normal(averaged[p].shape, mix_seed(config.seed, i, offset=104_729), averaged[p].device)
