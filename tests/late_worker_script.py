@@ -1,12 +1,14 @@
 """One node of two (``NODE_RANK=0``, ``num_nodes=2``) whose peer never joins, with a 2 s timeout: for
-tests/test_state_faults.py, run as a user's script (never inside pytest)."""
+tests/test_state_faults.py, run as a user's script (never inside pytest); ``fabric``: Fabric's setup instead."""
+
+import sys
 
 import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_lordo import LoRDOStrategy
+from lightning_lordo import LoRDOFabricStrategy, LoRDOStrategy
 
 
 class M(L.LightningModule):
@@ -21,6 +23,11 @@ class M(L.LightningModule):
         return torch.optim.AdamW(self.parameters())
 
 
-L.Trainer(strategy=LoRDOStrategy(timeout=2), accelerator="cpu", devices=1, num_nodes=2, max_steps=1,
-          logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(
-    M(), DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
+if sys.argv[1:] == ["fabric"]:
+    fabric = L.Fabric(strategy=LoRDOFabricStrategy(timeout=2), accelerator="cpu", devices=1, num_nodes=2)
+    fabric.launch()
+    fabric.setup(M(), torch.optim.AdamW(M().parameters()))
+else:
+    L.Trainer(strategy=LoRDOStrategy(timeout=2), accelerator="cpu", devices=1, num_nodes=2, max_steps=1,
+              logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(
+        M(), DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))

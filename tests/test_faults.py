@@ -704,11 +704,12 @@ class AlwaysNaNOnRank1(TinyRegressor):
         return loss * NAN if self.global_rank == 1 else loss
 
 
-@pytest.mark.parametrize("limit", [1, 3])
-def test_a_run_that_is_non_finite_at_every_sync_stops_naming_the_rank(limit: int) -> None:
+@pytest.mark.parametrize(("limit", "overlap"), [(1, 0), (3, 0), (3, 1)])
+def test_a_run_that_is_non_finite_at_every_sync_stops_naming_the_rank(limit: int, overlap: int) -> None:
     """After ``max_skipped_syncs`` consecutive discarded rounds the run stops with NonFiniteTraining (on every
-    rank alike) instead of returning with a model frozen since the last good round."""
-    strategy = lordo(sync_every=2, max_skipped_syncs=limit)
+    rank alike) instead of returning with a model frozen since the last good round; with ``overlap_steps`` at the
+    landing of the last of them."""
+    strategy = lordo(sync_every=2, max_skipped_syncs=limit, **({"overlap_steps": overlap} if overlap else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with pytest.raises(Exception) as info:
@@ -716,7 +717,8 @@ def test_a_run_that_is_non_finite_at_every_sync_stops_naming_the_rank(limit: int
     message = str(info.value)
     assert "NonFiniteTraining" in message or isinstance(info.value, NonFiniteTraining), message
     assert f"{limit} consecutive syncs were discarded" in message and "rank(s) [1]" in message, message
-    assert f"sync {limit} (optimizer step {2 * limit})" in message and "since optimizer step 0" in message
+    where = "landing" if overlap else f"optimizer step {2 * limit}"
+    assert f"sync {limit} ({where})" in message and "since optimizer step 0" in message
 
 
 def test_a_non_finite_gradient_in_the_synchronous_steps_stops_the_run_at_the_switch() -> None:

@@ -398,7 +398,8 @@ def test_a_lazy_module_under_fabric_gets_the_same_fix() -> None:
         os.environ.update(environment)
 
 
-def test_a_worker_that_does_not_join_in_time_gets_an_error_naming_the_timeout_knob() -> None:
+@pytest.mark.parametrize("entry", ["trainer", "fabric"])
+def test_a_worker_that_does_not_join_in_time_gets_an_error_naming_the_timeout_knob(entry: str) -> None:
     import os
     import subprocess
     import sys
@@ -409,9 +410,11 @@ def test_a_worker_that_does_not_join_in_time_gets_an_error_naming_the_timeout_kn
     for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
         env.pop(name, None)
     script = Path(__file__).with_name("late_worker_script.py")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(script), *(["fabric"] if entry == "fabric" else [])], env=env,
+                          capture_output=True, text=True, timeout=120)
     last = done.stderr.strip().splitlines()[-1]
-    assert done.returncode != 0 and "within timeout=2 s" in last and "LoRDOStrategy(timeout=" in last, last
+    owner = "LoRDOFabricStrategy" if entry == "fabric" else "LoRDOStrategy"
+    assert done.returncode != 0 and "within timeout=2 s" in last and f" {owner}(timeout=" in last, last
 
 
 def test_a_fabric_loop_that_fails_with_a_round_in_flight_ends_with_the_users_exception() -> None:
