@@ -232,6 +232,15 @@ def cycling_momentum(schedulers: Sequence[Any]) -> list[str]:
         name for s in schedulers for name in cycling_momentum(getattr(s, "_schedulers", ()))]
 
 
+def check_switch_betas(schedulers: Sequence[Any], switch_betas: Any) -> None:
+    """Refuse ``switch_betas`` beside a scheduler that would overwrite its beta1 at every step."""
+    cycling = cycling_momentum(schedulers)
+    if cycling:
+        raise ValueError(f"Invalid switch_betas={switch_betas!r}: your {cycling[0]} cycles the momentum "
+                         "(cycle_momentum=True) and sets beta1 at every step, so switch_betas' beta1 would be "
+                         "overwritten after the switch. Pass cycle_momentum=False, or drop switch_betas.")
+
+
 def scale_base_lrs(scheduler: Any, scale: float) -> None:
     """Multiply the learning rates a scheduler keeps (and those of the schedulers inside it) by ``scale``: its base
     LRs, CyclicLR's peaks, ReduceLROnPlateau's and the cosine schedules' floors. After the switch at the end of the
@@ -257,10 +266,11 @@ def unfrozen_message(new: list[str]) -> str:
 
 
 def undriven_step_message(owner: str) -> str:
-    return (f"{owner}: the optimizer took a step the strategy did not drive, so it would never be synchronized and "
-            "the ranks would drift apart (e.g. an optimizer_step override that calls optimizer.optimizer.step()). "
-            "Step the optimizer you are given: optimizer.step(closure=optimizer_closure) in optimizer_step, or the "
-            "one fabric.setup returned.")
+    fix = ("step the optimizer fabric.setup returned, not the one inside it" if "Fabric" in owner else
+           "an optimizer_step override must call optimizer.step(closure=optimizer_closure) on the optimizer it is "
+           "given, not optimizer.optimizer.step()")
+    return (f"{owner}: the optimizer took a step the strategy did not drive, which the strategy cannot synchronize "
+            f"(the ranks would drift apart; on one device its bases would not refresh): {fix}.")
 
 
 def track_step_calls(optimizer: Optimizer, source: Optional[Optimizer] = None) -> Any:

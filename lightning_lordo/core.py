@@ -24,9 +24,9 @@ from lightning_lordo.comm.communicator import CollectiveTimeout, CommAccountant,
 from lightning_lordo.config import OPTIMIZER_DEFAULTS
 from lightning_lordo.convert import (
     check_dense,
+    check_switch_betas,
     compile_patterns,
     convert_optimizer,
-    cycling_momentum,
     full_rank_params,
     plan_message,
     repoint_schedulers,
@@ -85,7 +85,7 @@ class LoRDOCore:
         self.module: Optional[nn.Module] = None
         self.optimizer: Optional[Optimizer] = None  # the optimizer stepped: LoRDO, or the user's (diloco)
         self.unfrozen: set[str] = set()  # one process: the parameters unfrozen after setup, warned about once
-        self._prepared = False  # before_step ran for the step being taken (a step without it is refused)
+        self._prepared: Optional[bool] = None  # True: before_step ran for this step; False: a step now is refused
         self._first_step_mark: Any = None  # the conversion's hook that marks the first step for the schedulers
 
     def new_fit(self) -> None:
@@ -145,11 +145,8 @@ class LoRDOCore:
         if isinstance(optimizer, LoRDO):
             check_dense(module, optimizer)
         self.check_sync_knobs(optimizer, converted=optimizer is not user_optimizer)
-        cycling = cycling_momentum([c.scheduler for c in schedulers])
-        if cycling and "switch_betas" in self.knobs.sync_given:
-            raise ValueError(f"Invalid switch_betas={self.sync_config.switch_betas!r}: your {cycling[0]} cycles the "
-                             "momentum (cycle_momentum=True) and sets beta1 at every step, so switch_betas' beta1 "
-                             "would be overwritten after the switch. Pass cycle_momentum=False, or drop switch_betas.")
+        if "switch_betas" in self.knobs.sync_given:
+            check_switch_betas([c.scheduler for c in schedulers], self.sync_config.switch_betas)
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.ddp_bytes_per_step = nbytes(trainable)
         self.synchronizer = Synchronizer(trainable, list(module.buffers()), optimizer, self.sync_config,
@@ -160,6 +157,7 @@ class LoRDOCore:
             if getattr(core(), "_prepared", True) is False:
                 raise RuntimeError(undriven_step_message(owner))
         optimizer.register_step_post_hook(refuse_undriven)
+        self._prepared = False  # armed: a step before_step did not prepare is refused (until finish or teardown)
         return optimizer
 
     def check_sync_knobs(self, optimizer: Optimizer, converted: bool) -> None:
@@ -195,8 +193,7 @@ class LoRDOCore:
         if alone and self.communicator is not None and self.communicator.world_size == 1:
             warnings.warn(f"LoRDO on one process: {', '.join(f'{k}={getattr(config, k)!r}' for k in alone)} shape "
                           "what travels between workers or the rounds, and one process has neither here, so they "
-                          "have no effect.",
-                          stacklevel=3)
+                          "have no effect.", stacklevel=3)
 
     def plan_message(self) -> Optional[str]:
         """The start-up line of the parameter plan (``None`` without a LoRDO optimizer)."""
@@ -238,6 +235,7 @@ class LoRDOCore:
     def finish(self) -> list[SyncReport]:
         """The end of training: the round in flight lands, and the steps since it are synchronized."""
         assert self.synchronizer is not None
+        self._prepared = None  # until the next driven step: the optimizer may be used on its own afterwards
         reports = self.synchronizer.finish()
         self.sync_reports += reports
         return reports
@@ -245,8 +243,7 @@ class LoRDOCore:
     def round_ended(self) -> bool:
         """At the exit: the round in flight's thread ends (bounded by the timeout; not landed). Whether no thread of
         this core is still in a collective, so that its groups may be destroyed."""
-        sync = self.synchronizer
-        if sync is None:
+        if (sync := self.synchronizer) is None:
             return True
         sync.let_in_flight_end()
         launched = sync.in_flight
@@ -369,6 +366,10 @@ class InCore:
 
 class HoldsCore:
     """The core's state under the strategy's names (a mixin of both strategies)."""
+
+    def teardown(self) -> None:
+        self.core._prepared = None  # the optimizer's steps are the user's own after the fit (or a failed one)
+        super().teardown()  # type: ignore[misc]
 
     core: LoRDOCore
     sync_config = InCore()

@@ -343,8 +343,8 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
     def _finish_training(self) -> None:
         """Once per fit: check that every rank ended (one that still has batches is at its per-batch check, which
         this pairs with), then the final synchronization: training ends with one model, identical on all ranks."""
-        if self._finished or self.synchronizer is None:
-            return
+        if self.synchronizer is None or (self._finished and not self.synchronizer.mid_round):  # again after a step
+            return  # taken after it (an optimizer_step that steps twice: Lightning's step count is the batch's)
         self._finished = True
         trainer = self._trainer
         if self.world_size > 1 and trainer is not None and self.communicator is not None \
