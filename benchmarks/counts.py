@@ -265,10 +265,9 @@ def count_step(make: Callable[[list[Tensor], torch.nn.Module], torch.optim.Optim
 
 
 def count_steps(shape: tuple[int, int, int, int] = GPT2_SMALL, bytes_divisor: int = 1) -> dict[str, Any]:
-    # the accelerators' layout (layout="stacked"), counted on the CPU
-    """Per optimizer: ``ops`` and ``device_ops`` (:func:`count_step`). LoRDO as on an accelerator: the stacked layout,
-    and torch's foreach AdamW for the embeddings and the head (``fused=None`` takes it there; on the CPU the fused
-    one). The ratios are of kernel ops."""
+    """Per optimizer: ``ops``, ``device_ops`` and ``kernel_ops`` (:func:`count_step`). LoRDO as on an accelerator,
+    counted on the CPU: the stacked layout, and torch's foreach AdamW for the embeddings and the head (``fused=None``
+    takes it there; on the CPU the fused one). The ratios are of kernel ops."""
     row = {"adamw_foreach": count_step(lambda ps, m: torch.optim.AdamW(ps, foreach=True), shape, bytes_divisor),
            "adamw_fused": count_step(lambda ps, m: torch.optim.AdamW(ps, fused=True), shape, bytes_divisor)}
     for name in ("lordo", "lordo_lean"):

@@ -47,6 +47,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from counts import tensors_in
 from gpu_fit import check_lightning
 from gpu_resume import check_resume
 from harness import ROOT, provenance
@@ -297,7 +298,7 @@ class _Ops(TorchDispatchMode):
         self.ops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        tensors = tensors_in([args, kwargs or {}])  # in a foreach op's lists too
         self.ops += not tensors or not all(t.device.type == "cpu" and t.dim() == 0 for t in tensors)
         return func(*args, **(kwargs or {}))
 

@@ -57,14 +57,18 @@ def convert_optimizer(optimizer: Optimizer, full_rank: Mapping[Tensor, str], kno
                           f"{group['weight_decay']} becomes decoupled decay.", stacklevel=2)
         groups.append({k: v for k, v in group.items() if k not in _ADAM_ONLY_KEYS})
     # the user's explicit fused / foreach choice carries over (torch puts the flags in every group)
-    fused_flags = [g.get("fused") for g in optimizer.param_groups]
-    fused = True if any(fused_flags) else False if fused_flags and all(f is False for f in fused_flags) else None
-    flags = {"foreach": False} if all(g.get("foreach") is False for g in optimizer.param_groups) else {}
+    flags: dict[str, Any] = {"fused": None}
+    if any(g.get("fused") for g in optimizer.param_groups):
+        flags["fused"] = True
+    elif all(g.get("fused") is False for g in optimizer.param_groups):
+        flags["fused"] = False
+    if all(g.get("foreach") is False for g in optimizer.param_groups):
+        flags["foreach"] = False  # else LoRDO's own default
     # the user's defaults, which a group added later (BaseFinetuning's unfreeze) takes, as it would from their AdamW
     defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay") if k in optimizer.defaults}
     with warnings.catch_warnings():  # the optimizer warns per shape; the strategy says it once, below
         warnings.filterwarnings("ignore", "LoRDO: rank=", UserWarning)
-        lordo = LoRDO(groups, seed=seed, full_rank=full_rank, fused=fused, **flags, **defaults, **knobs)
+        lordo = LoRDO(groups, seed=seed, full_rank=full_rank, **flags, **defaults, **knobs)
     _warn_about_fullrank_matrices(lordo, names)
     return lordo
 
@@ -241,7 +245,7 @@ def check_switch_betas(schedulers: Sequence[Any], switch_betas: Any) -> None:
                          "overwritten after the switch. Pass cycle_momentum=False, or drop switch_betas.")
 
 
-def scale_base_lrs(scheduler: Any, scale: float) -> None:
+def scale_scheduler_lrs(scheduler: Any, scale: float) -> None:
     """Multiply the learning rates a scheduler keeps (and those of the schedulers inside it) by ``scale``: its base
     LRs, CyclicLR's peaks, ReduceLROnPlateau's and the cosine schedules' floors. After the switch at the end of the
     warm-up the whole schedule follows the param groups' learning rates the synchronizer scaled (OneCycleLR keeps
@@ -254,7 +258,7 @@ def scale_base_lrs(scheduler: Any, scale: float) -> None:
     if isinstance(getattr(scheduler, "eta_min", None), (int, float)):
         scheduler.eta_min = scheduler.eta_min * scale
     for inner in getattr(scheduler, "_schedulers", ()):
-        scale_base_lrs(inner, scale)
+        scale_scheduler_lrs(inner, scale)
 
 
 def unfrozen_message(new: list[str]) -> str:
@@ -275,7 +279,8 @@ def undriven_step_message(owner: str) -> str:
 
 def track_step_calls(optimizer: Optimizer, source: Optional[Optimizer] = None) -> Any:
     """Mark ``optimizer.step`` the way ``torch.optim.lr_scheduler.LRScheduler`` does (``_opt_called``,
-    ``_wrapped_by_lr_sched``: torch's private flags, the one private API outside ``lightning/_compat.py``), so that
+    ``_wrapped_by_lr_sched``: torch's private flags; with ``SequentialLR``'s and ``ChainedScheduler``'s inner
+    ``_schedulers``, read in this module, the private API outside ``lightning/_compat.py``), so that
     re-pointed schedulers do not warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``. The step stays
     the optimizer's own (a ``functools.partial`` carries the mark; a hook notes the first step, and the caller
     removes it after that step with the handle returned: removed from inside torch's loop over the hooks, it broke

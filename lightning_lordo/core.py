@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo._tensors import nbytes
 from lightning_lordo.comm.accounting import ddp_wire_bytes
-from lightning_lordo.comm.communicator import CollectiveTimeout, CommAccountant, Communicator, translate
+from lightning_lordo.comm.communicator import CommAccountant, Communicator
 from lightning_lordo.config import OPTIMIZER_DEFAULTS
 from lightning_lordo.convert import (
     check_dense,
@@ -30,7 +30,7 @@ from lightning_lordo.convert import (
     full_rank_params,
     plan_message,
     repoint_schedulers,
-    scale_base_lrs,
+    scale_scheduler_lrs,
     undriven_step_message,
     unfrozen_message,
 )
@@ -38,24 +38,6 @@ from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.strategy_knobs import Knobs
 from lightning_lordo.sync.report import SyncReport, breakdown
 from lightning_lordo.sync.synchronizer import Synchronizer
-
-
-def guarded(communicator: Optional[Communicator], what: Any, timeout: Any, run: Callable[[], Any]) -> Any:
-    """Run one of the framework's own collectives (``run``: Lightning's or Fabric's barrier, broadcast, reduce,
-    all_gather; bounded by the process group's timeout) with its failure named as the plugin's own are: what was
-    running (``what``, a string or a function giving it, called only on a failure) and the likely causes, as
-    :class:`~lightning_lordo.comm.communicator.CollectiveTimeout`, instead of the backend's raw text. After an
-    earlier failure it refuses at once: the process group cannot be trusted any more."""
-    if communicator is not None and communicator.failure is not None:
-        raise CollectiveTimeout(f"LoRDO: {what() if callable(what) else what} was not attempted because an earlier "
-                                f"collective failed: {communicator.failure}")
-    try:
-        return run()
-    except RuntimeError as err:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
-        failure = translate(err, what() if callable(what) else what, timeout)
-        if communicator is not None:
-            communicator.failure = str(failure)
-        raise failure from err
 
 
 def saving_ratio(ddp: float, sent: float) -> float:
@@ -85,7 +67,8 @@ class LoRDOCore:
         self.module: Optional[nn.Module] = None
         self.optimizer: Optional[Optimizer] = None  # the optimizer stepped: LoRDO, or the user's (diloco)
         self.unfrozen: set[str] = set()  # one process: the parameters unfrozen after setup, warned about once
-        self._prepared: Optional[bool] = None  # True: before_step ran for this step; False: a step now is refused
+        self._step_driven = False  # before_step ran for the step being taken (after_step clears it)
+        self._undriven_check: Any = None  # the optimizer's hook that refuses a step without it (its handle)
         self._first_step_mark: Any = None  # the conversion's hook that marks the first step for the schedulers
 
     def new_fit(self) -> None:
@@ -153,11 +136,13 @@ class LoRDOCore:
                                          self.communicator, self.overlap_comm)
         self.synchronizer.switch_callbacks.append(on_switch)
         self.module, self.optimizer = module, optimizer
+
         def refuse_undriven(opt: Optimizer, args: Any, kwargs: Any) -> None:  # on the step's path: core.py's code
-            if getattr(core(), "_prepared", True) is False:
+            found = core()
+            if found is not None and not found._step_driven:
                 raise RuntimeError(undriven_step_message(owner))
-        optimizer.register_step_post_hook(refuse_undriven)
-        self._prepared = False  # armed: a step before_step did not prepare is refused (until finish or teardown)
+
+        self._undriven_check = optimizer.register_step_post_hook(refuse_undriven)  # until finish() or teardown
         return optimizer
 
     def check_sync_knobs(self, optimizer: Optimizer, converted: bool) -> None:
@@ -206,22 +191,23 @@ class LoRDOCore:
     @staticmethod
     def scale_schedulers(schedulers: Sequence[Any], scale: float) -> None:
         for scheduler in schedulers:
-            scale_base_lrs(scheduler, scale)
+            scale_scheduler_lrs(scheduler, scale)
 
     # ------------------------------------------------------------------ the step
     def before_step(self) -> None:
         """After the backward pass of each optimizer step: the gradient average (synchronous phase), first bases."""
         assert self.synchronizer is not None
         self.synchronizer.before_optimizer_step()
-        self._prepared = True
+        self._step_driven = True
 
     def after_step(self, last: bool = False) -> Optional[SyncReport]:
         """After each optimizer step: the step count and, every ``sync_every`` steps (or at ``last``), the sync."""
         synchronizer = self.synchronizer
         assert synchronizer is not None
-        self._prepared = False
+        self._step_driven = False
         if self._first_step_mark is not None:  # removed here: from inside torch's loop over the hooks it breaks it
-            self._first_step_mark = self._first_step_mark.remove()
+            self._first_step_mark.remove()
+            self._first_step_mark = None
         k = self.sync_config.sync_every  # at a sync, or every K synchronous steps (their gradients' average)
         due = (synchronizer.optimizer_steps + 1) % k == 0 if synchronizer.synchronous_now \
             else synchronizer.steps_since_sync + 1 >= k
@@ -235,10 +221,17 @@ class LoRDOCore:
     def finish(self) -> list[SyncReport]:
         """The end of training: the round in flight lands, and the steps since it are synchronized."""
         assert self.synchronizer is not None
-        self._prepared = None  # until the next driven step: the optimizer may be used on its own afterwards
+        self.release_optimizer()
         reports = self.synchronizer.finish()
         self.sync_reports += reports
         return reports
+
+    def release_optimizer(self) -> None:
+        """The optimizer's steps are the user's own again (after the final sync, at teardown): no more check of
+        undriven steps. Training may go on (Fabric's ``finish()`` mid-run): the next setup checks again."""
+        if self._undriven_check is not None:
+            self._undriven_check.remove()
+            self._undriven_check = None
 
     def round_ended(self) -> bool:
         """At the exit: the round in flight's thread ends (bounded by the timeout; not landed). Whether no thread of
@@ -368,7 +361,7 @@ class HoldsCore:
     """The core's state under the strategy's names (a mixin of both strategies)."""
 
     def teardown(self) -> None:
-        self.core._prepared = None  # the optimizer's steps are the user's own after the fit (or a failed one)
+        self.core.release_optimizer()  # after the fit (or a failed one)
         super().teardown()  # type: ignore[misc]
 
     core: LoRDOCore
@@ -397,4 +390,3 @@ class HoldsCore:
         """Bytes DDP's gradient all-reduce would have passed per worker for the optimizer steps so far (0 on one
         device: DDP sends nothing there)."""
         return self.core.ddp_equivalent_bytes(self.world_size)  # type: ignore[attr-defined]
-

@@ -26,7 +26,8 @@ class M(L.LightningModule):
 if sys.argv[1:] == ["fabric"]:
     fabric = L.Fabric(strategy=LoRDOFabricStrategy(timeout=2), accelerator="cpu", devices=1, num_nodes=2)
     fabric.launch()
-    fabric.setup(M(), torch.optim.AdamW(M().parameters()))
+    model = M()
+    fabric.setup(model, torch.optim.AdamW(model.parameters()))
 else:
     L.Trainer(strategy=LoRDOStrategy(timeout=2), accelerator="cpu", devices=1, num_nodes=2, max_steps=1,
               logger=False, enable_checkpointing=False, enable_progress_bar=False).fit(

@@ -175,7 +175,10 @@ def test_the_counter_sees_reads_of_device_values_but_not_of_step_counters() -> N
         value.sum().item()
         bool(value.abs().max() > 0)
         value.tolist()
+        value.view(2, 2)
     assert c.reads == 3
+    # host ops: step.item, the stack of steps; views: value.view; kernels: sum, item, abs, max, gt, is_nonzero
+    assert (c.host_ops, c.device_views, c.ops - c.host_ops - c.device_views) == (2, 1, 6), c.by_op
 
 
 @pytest.mark.slow
@@ -185,12 +188,9 @@ def test_an_optimizer_steps_kernels_grow_with_the_shapes_not_with_the_depth() ->
     step counters on the host. It still launches far more than AdamW (``benchmarks/README.md``): the ratios to
     foreach AdamW are here to be printed, not held."""
     rows = [counts.count_steps(shape) for shape in (counts.SCALED_12, counts.SCALED_24)]
+    tensors = 196  # the 12-layer GPT's parameter tensors: the step is batched, fewer kernel ops than tensors
     for name in ("lordo", "lordo_lean"):
-        assert rows[0][name]["kernel_ops"] == rows[1][name]["kernel_ops"] < 196 / 1.5, rows  # 196 tensors at 12
-    foreach = rows[1]["adamw_foreach"]  # its dispatches are mostly two host ops per tensor's step counter (388)
-    assert foreach["ops"] - foreach["device_ops"] == 2 * 388 and foreach["kernel_ops"] < 20, rows
-    big = counts.count_steps(counts.GPT2_SMALL_BY_16, bytes_divisor=16)  # cut as GPT-2-small (the test above)
-    assert big["lordo"]["kernel_ops"] > big["lordo_lean"]["kernel_ops"] > big["adamw_foreach"]["kernel_ops"], big
+        assert rows[0][name]["kernel_ops"] == rows[1][name]["kernel_ops"] < tensors, rows
 
 
 def test_stacked_bases_match_the_per_matrix_reference() -> None:
@@ -495,16 +495,16 @@ def test_a_gradient_average_reads_back_only_where_this_rank_lacks_a_gradient() -
     parameter, and read them all back every step); a missing one is read back to learn whether another rank had it."""
     from lightning_lordo.sync.exchange import average_gradients
 
-    one_rank = SimpleNamespace(world_size=2, average_temporaries=lambda tensors, purpose: None)  # the same everywhere
+    identity_comm = SimpleNamespace(world_size=2, average_temporaries=lambda tensors, purpose: None)  # as if equal
     params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(50)]
     for p in params:
         p.grad = torch.randn_like(p)
     with counts.Counts() as all_present:
-        average_gradients(one_rank, params)
+        average_gradients(identity_comm, params)
     assert all_present.reads == 0 and all_present.ops <= 2, (all_present.reads, all_present.by_op)
     params[3].grad = None
     with counts.Counts() as one_missing:
-        average_gradients(one_rank, params)
+        average_gradients(identity_comm, params)
     assert one_missing.reads == 1 and params[3].grad is None and params[4].grad is not None
 
 

@@ -810,3 +810,19 @@ def test_with_overlap_the_save_refusal_asks_for_finish(tmp_path: Path) -> None:
     assert "the next is after" not in str(refused.value)
     fabric.strategy.finish()
     fabric.save(tmp_path / "finished.ckpt", {"model": net, "optimizer": optimizer})
+
+
+def test_a_step_of_the_optimizer_inside_the_one_fabric_set_up_is_refused_until_finish() -> None:
+    """Fabric's loop stepping the optimizer inside the wrapper fabric.setup returned: no sync would ever see it. The
+    error names Fabric's way; after finish() the optimizer is the user's own again."""
+    fabric, model = _launched(lowrank=False), regression_model()
+    net, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1e-2))
+    x, y = next(iter(loader()))
+    fabric.backward(nn.functional.mse_loss(net(x), y))
+    with pytest.raises(RuntimeError, match=r"did not drive.*step the optimizer fabric\.setup returned, not the one "
+                                           r"inside it"):
+        optimizer.optimizer.step()
+    fabric.backward(nn.functional.mse_loss(net(x), y))
+    optimizer.step()  # the driven step
+    fabric.strategy.finish()
+    optimizer.optimizer.step()  # the user's own after finish()

@@ -750,8 +750,8 @@ def test_a_discarded_round_keeps_the_parameters_each_worker_stepped_for_the_next
 
 
 class SteppedAround(TinyRegressor):
-    """``how``: ``"wrapped"`` steps the optimizer inside Lightning's wrapper, ``"one_rank"`` skips batch 2's step on
-    rank 1 only, ``"all_ranks"`` on every rank."""
+    """``how``: ``"wrapped"`` steps the optimizer inside Lightning's wrapper, ``"twice"`` steps twice per batch,
+    ``"one_rank"`` skips batch 2's step on rank 1 only, ``"all_ranks"`` on every rank."""
 
     def __init__(self, how: str) -> None:
         super().__init__()

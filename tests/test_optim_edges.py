@@ -233,8 +233,7 @@ def test_conversion_keeps_the_users_defaults_flags_and_tags_and_a_group_added_la
         assert lordo.fused is False and lordo.foreach is False and lordo.param_groups[0]["lr_decay"] == 0.75
         repoint_schedulers([], user, lordo)
         user.add_param_group({"params": body.parameters(), "lr": 1e-4})  # through the user's optimizer
-        expected = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], **kwargs).defaults if kind is torch.optim.AdamW \
-            else torch.optim.Adam([nn.Parameter(torch.zeros(1))], **kwargs).defaults
+        expected = kind([nn.Parameter(torch.zeros(1))], **kwargs).defaults
         added = lordo.param_groups[1]
         assert len(lordo.param_groups) == 2 and added["rank"] == 2 and added["lr"] == 1e-4
         assert (added["betas"], added["eps"], added["weight_decay"]) == (

@@ -236,7 +236,7 @@ def test_a_sync_averages_the_optimizer_state_asked_for(preset: str, knobs: dict[
 def test_the_switch_scales_every_learning_rate_a_scheduler_keeps() -> None:
     """``switch_lr_scale`` scaled the schedulers' base LRs only: CyclicLR's peaks, the cosine and plateau floors
     stayed, so a CyclicLR after the switch climbed back to its unscaled peak."""
-    from lightning_lordo.convert import scale_base_lrs
+    from lightning_lordo.convert import scale_scheduler_lrs
 
     def optimizer() -> torch.optim.Optimizer:
         return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9)
@@ -248,7 +248,7 @@ def test_the_switch_scales_every_learning_rate_a_scheduler_keeps() -> None:
     chained = torch.optim.lr_scheduler.SequentialLR(shared, [torch.optim.lr_scheduler.CosineAnnealingLR(
         shared, T_max=10, eta_min=0.02)], milestones=[])
     for scheduler in (cyclic, cosine, plateau, chained):
-        scale_base_lrs(scheduler, 0.5)
+        scale_scheduler_lrs(scheduler, 0.5)
     assert cyclic.base_lrs == [0.005] and cyclic.max_lrs == [0.05]
     assert cosine.base_lrs == [0.05] and cosine.eta_min == 0.01 and plateau.min_lrs == [0.002]
     assert chained._schedulers[0].eta_min == 0.01

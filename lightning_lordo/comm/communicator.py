@@ -325,10 +325,9 @@ class Communicator:
 #: What a failed or timed-out collective usually means, and what to do (the end of every such error message).
 LIKELY_CAUSES = (
     "Likely causes: a worker died (see its log), hangs, or cannot be reached; or the workers are not at the same "
-    "point, e.g. they ran different numbers of batches (give every rank the same number of batches: a "
-    "DistributedSampler with drop_last, or data of equal length per rank) or of optimizer steps (an optimizer_step "
-    "that skips a step on some ranks only). If the workers are only slow, raise the "
-    "timeout with LoRDOStrategy(timeout=...) (Fabric: LoRDOFabricStrategy(timeout=...)).")
+    "point: different numbers of batches (give every rank as many: a DistributedSampler with drop_last) or of "
+    "optimizer steps (an optimizer_step skipping a step on some ranks only). If the workers are only slow, raise "
+    "the timeout with LoRDOStrategy(timeout=...) (Fabric: LoRDOFabricStrategy(timeout=...)).")
 
 
 def translate(err: BaseException, what: str, timeout: timedelta) -> CollectiveTimeout:

@@ -45,7 +45,7 @@ from lightning_lordo.config import SyncConfig
 from lightning_lordo.convert import (
     check_initialized,
 )
-from lightning_lordo.core import HoldsCore, InCore, LoRDOCore, guarded
+from lightning_lordo.core import HoldsCore, InCore, LoRDOCore
 from lightning_lordo.fabric.checkpoint import SynchronizedCheckpoints
 from lightning_lordo.lightning._compat import BackwardSyncControl, nccl_backstop
 from lightning_lordo.strategy_knobs import (
@@ -56,6 +56,7 @@ from lightning_lordo.strategy_knobs import (
     Experimental,
     resolve_knobs,
 )
+from lightning_lordo.sync.faults import guarded
 from lightning_lordo.sync.report import SyncReport
 from lightning_lordo.sync.synchronizer import Synchronizer
 

@@ -76,6 +76,12 @@ def nccl_backstop(strategy: Any, timeout: timedelta) -> None:
         strategy._timeout = 2 * timeout + timedelta(minutes=1)
 
 
+def is_last_batch(trainer: Trainer) -> bool:
+    """Whether the training batch just run is its epoch's last (``fit_loop.epoch_loop.batch_progress``; a
+    ``dataloader_iter`` step learns it only after the step)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
 def can_stop_early(trainer: Trainer) -> bool:
     """Whether Lightning honours ``trainer.should_stop`` now (``fit_loop._can_stop_early``: ``min_epochs`` and
     ``min_steps`` met); it trains on otherwise."""

@@ -44,6 +44,7 @@ from typing_extensions import override
 from lightning_lordo.lightning._compat import (
     batches_that_stepped,
     can_stop_early,
+    is_last_batch,
     logged_results,
     logs_this_batch,
     redo_last_save,
@@ -168,10 +169,10 @@ class FinalSync(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
         final_sync(trainer)
-        if strategy.saves_before_final_sync:  # a `last` saved at this step has the model from before the sync:
+        if strategy.saved_before_final_sync:  # a `last` saved at this step has the model from before the sync:
             for callback in trainer.checkpoint_callbacks:  # ModelCheckpoint's on_train_end saves it again
                 redo_last_save(callback, trainer.global_step)
-        strategy.saves_before_final_sync = False
+        strategy.saved_before_final_sync = False
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -186,7 +187,7 @@ def final_sync(trainer: Trainer) -> None:
     before it (until the next save: ``SynchronizedState.save_checkpoint``)."""
     strategy = trainer.strategy
     if not strategy.final_sync_done and getattr(strategy.synchronizer, "mid_round", False):
-        strategy.saves_before_final_sync = True
+        strategy.saved_before_final_sync = True
     strategy.on_train_end_sync()
 
 
@@ -229,14 +230,13 @@ class SyncBeforeSaves(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        if _stopping(trainer) or (_last_epoch(trainer) and last_batch):
+        if _stopping(trainer) or (last_epoch(trainer) and is_last_batch(trainer)):
             final_sync(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # before EarlyStopping's and ModelCheckpoint's (Lightning calls those after the module's hook)
-        if _stopping(trainer) or _last_epoch(trainer):
+        if _stopping(trainer) or last_epoch(trainer):
             final_sync(trainer)
 
 
@@ -244,7 +244,8 @@ def _stopping(trainer: Trainer) -> bool:
     return trainer.should_stop and can_stop_early(trainer)
 
 
-def _last_epoch(trainer: Trainer) -> bool:
+def last_epoch(trainer: Trainer) -> bool:
+    """Whether the epoch running is ``max_epochs``' last."""
     return trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs > 0
 
 

@@ -17,8 +17,8 @@ from typing_extensions import override
 
 from lightning_lordo.comm.accounting import wire_bytes
 from lightning_lordo.comm.communicator import CollectiveTimeout, Communicator, side_communicator
-from lightning_lordo.core import guarded
 from lightning_lordo.lightning._compat import note_sigterm
+from lightning_lordo.sync.faults import guarded
 
 if TYPE_CHECKING:
     import lightning as L
@@ -165,8 +165,9 @@ class GuardedCollectives:
         (:meth:`_next_step_communicates`) it is read at once. Every rank reads the same result at the same batch, so
         a SIGTERM to any rank stops every rank at the same batch, at most one batch later than a blocking check. A
         rank that ran out of batches while others have more (``finished``, at the end of training; that check
-        waits) makes all of them stop with an error saying so; a failure (a worker that died or hangs between
-        syncs) is raised as :class:`CollectiveTimeout` naming this check, instead of swallowed by Lightning."""
+        waits) makes all of them stop with an error saying so, as do ranks that took different numbers of optimizer
+        steps (a step skipped on some ranks only); a failure (a worker that died or hangs between syncs) is raised
+        as :class:`CollectiveTimeout` naming this check, instead of swallowed by Lightning."""
         assert self.communicator is not None and self.synchronizer is not None and self.lightning_module is not None
         control = self._control_comm
         steps = self.synchronizer.optimizer_steps
@@ -180,7 +181,8 @@ class GuardedCollectives:
                 wait()
                 self._act_on_checks(flags, False, posted)
             control.context = f"Lightning's per-batch SIGTERM check {here}"
-            step = steps % 4096  # its mean and mean square: equal on every rank iff the ranks took as many steps
+            step = steps % 4096  # mean and mean square: their variance, the same on every rank (one decision), is 0
+            # when all took as many steps (mod 4096: a mismatch shows a batch after it starts, long before that)
             flags = torch.tensor([float(self._sigterm_pending), float(finished), step, step * step],
                                  dtype=torch.float64)
             wait = control.begin_all_reduce_mean(flags, "lightning_sigterm_check")
@@ -219,7 +221,7 @@ class GuardedCollectives:
                 f"LoRDO: the workers ran different numbers of batches: this rank {mine} while {theirs} (it took "
                 f"{steps} steps). Give every rank the same number of batches: a DistributedSampler with drop_last, "
                 "or data of equal length per rank.")
-        if mean_square - mean * mean > 1e-6:  # a variance: exact below 2^53, at least ~1/world_size when not 0
+        if mean_square - mean * mean > 1e-6:  # float64 sums of squares below 2^24: exact; else at least 1/n - 1/n^2
             raise CollectiveTimeout(
                 f"LoRDO: the workers took different numbers of optimizer steps (this rank {steps} before this batch), "
                 "so their syncs would not pair: an optimizer_step override skipped a step on some ranks only. "

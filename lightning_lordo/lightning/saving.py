@@ -50,7 +50,7 @@ class SynchronizedState:
     _overlap_to_redo: Optional[dict[str, Any]] = None  # the copies of a round in flight at the save
     _trainer: Optional[Trainer]  # the strategy's: the Trainer of the module being run
     #: a final sync from a callback moved the model after the last save (``callbacks.final_sync``; a save clears it)
-    saves_before_final_sync: bool = False
+    saved_before_final_sync: bool = False
 
     # ------------------------------------------------------------------ one model for evaluation and checkpoints
     def _mid_round(self) -> bool:
@@ -120,7 +120,7 @@ class SynchronizedState:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """A collective: all ranks call it. With ``checkpoint_shards`` (the default) each rank writes its own state
         next to the file (``shards.py``); without, every rank's state is gathered to rank 0 into the file."""
-        self.saves_before_final_sync = False
+        self.saved_before_final_sync = False
         if self.synchronizer is None or "optimizer_states" not in checkpoint:  # save_weights_only: the model only
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return

@@ -336,15 +336,15 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return False
         if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps:
-            return True
-        last_epoch = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs > 0
-        return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+            return True  # (below, inline, as callbacks.last_epoch and _compat.is_last_batch: this runs every step)
+        return trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs > 0 and \
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
     def _finish_training(self) -> None:
-        """Once per fit: check that every rank ended (one that still has batches is at its per-batch check, which
-        this pairs with), then the final synchronization: training ends with one model, identical on all ranks."""
-        if self.synchronizer is None or (self._finished and not self.synchronizer.mid_round):  # again after a step
-            return  # taken after it (an optimizer_step that steps twice: Lightning's step count is the batch's)
+        """Once per fit (again after a step past it: two steps in the last batch): check that every rank ended (one
+        with batches left is at its per-batch check, which this pairs with), then the final sync: one model."""
+        if self.synchronizer is None or (self._finished and not self.synchronizer.mid_round):
+            return
         self._finished = True
         trainer = self._trainer
         if self.world_size > 1 and trainer is not None and self.communicator is not None \
@@ -359,7 +359,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
 
     def on_train_end_sync(self) -> None:
         """The final synchronization, if the last step did not run it (a fit that ended otherwise): from the
-        first callback's ``on_train_end`` (``callbacks.FinalSync``), else from the strategy's."""
+        callbacks as soon as the end is known (``callbacks.final_sync``), else from the strategy's hooks."""
         with self._plugin_warnings:
             self._finish_training()
 

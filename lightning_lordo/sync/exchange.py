@@ -284,6 +284,7 @@ def average_first_gradients(comm: Communicator, grads: dict[Tensor, Tensor], con
     non-finite one (NaN/Inf on some worker) is replaced by a seeded random matrix, identical on all workers."""
     means = quantized_mean(comm, list(grads.values()), "initial_gradients", config.payload_dtype).means
     averaged = {p: m.float() for p, m in zip(grads, means)}
+    # per element (finite_flags' norms would also flag a finite gradient whose norm passes the float range)
     finite = torch.stack([torch.isfinite(g).all() for g in averaged.values()]) if averaged else torch.ones(0)
     bad = [i for i, ok in enumerate(finite.tolist()) if not ok]  # one host read
     for i, p in enumerate(averaged):

@@ -46,15 +46,16 @@ from __future__ import annotations
 import signal
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_lordo._tensors import all_finite
+from lightning_lordo.comm.communicator import CollectiveTimeout, Communicator, translate
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.sync import exchange as ex
 from lightning_lordo.sync.report import SyncReport
@@ -208,3 +209,21 @@ class DiscardedRounds:
             )
         return self._finish(start, 0.0, None, float("nan"), skipped=True,
                             extra={"reset_params": float(len(reset)), "bad_ranks": float(len(bad_ranks))})
+
+
+def guarded(communicator: Optional[Communicator], what: Any, timeout: Any, run: Callable[[], Any]) -> Any:
+    """Run one of the framework's own collectives (``run``: Lightning's or Fabric's barrier, broadcast, reduce,
+    all_gather; bounded by the process group's timeout) with its failure named as the plugin's own are: what was
+    running (``what``, a string or a function giving it, called only on a failure) and the likely causes, as
+    :class:`~lightning_lordo.comm.communicator.CollectiveTimeout`, instead of the backend's raw text. After an
+    earlier failure it refuses at once: the process group cannot be trusted any more."""
+    if communicator is not None and communicator.failure is not None:
+        raise CollectiveTimeout(f"LoRDO: {what() if callable(what) else what} was not attempted because an earlier "
+                                f"collective failed: {communicator.failure}")
+    try:
+        return run()
+    except RuntimeError as err:  # gloo and NCCL raise RuntimeError subclasses (DistBackendError, ...)
+        failure = translate(err, what() if callable(what) else what, timeout)
+        if communicator is not None:
+            communicator.failure = str(failure)
+        raise failure from err
