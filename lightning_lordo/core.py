@@ -209,14 +209,17 @@ class LoRDOCore:
             self._first_step_mark.remove()
             self._first_step_mark = None
         k = self.sync_config.sync_every  # at a sync, or every K synchronous steps (their gradients' average)
-        due = (synchronizer.optimizer_steps + 1) % k == 0 if synchronizer.synchronous_now \
-            else synchronizer.steps_since_sync + 1 >= k
-        if due or last:
+        if last or ((synchronizer.optimizer_steps + 1) % k == 0 if synchronizer.synchronous_now else self.round_due()):
             self.check_synchronized_set()
         report = synchronizer.on_optimizer_step()
         if report is not None:
             self.sync_reports.append(report)
         return report
+
+    def round_due(self) -> bool:
+        """Whether the step being taken (not counted yet) ends a round of local steps: its sync follows."""
+        sync, k = self.synchronizer, self.sync_config.sync_every
+        return sync is not None and not sync.synchronous_now and sync.steps_since_sync + 1 >= k
 
     def finish(self) -> list[SyncReport]:
         """The end of training: the round in flight lands, and the steps since it are synchronized."""

@@ -201,11 +201,13 @@ class SavedAndValidated(L.Callback):
         self.directory = directory
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        saved = torch.load(self.directory / "last.ckpt", weights_only=True)["state_dict"]
-        final = flat_params(module)
+        checkpoint = torch.load(self.directory / "last.ckpt", weights_only=False)
+        saved, final = checkpoint["state_dict"], flat_params(module)
         assert torch.equal(torch.cat([saved[n].reshape(-1) for n, _ in module.named_parameters()]), final)
+        epochs = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"]  # where a resume goes on
         torch.save({"validated": module.validated[-1], "final": final, "step": trainer.global_step,
-                    "rank": trainer.global_rank}, self.directory / f"rank{trainer.global_rank}.pt")
+                    "rank": trainer.global_rank, "epochs_completed": epochs},
+                   self.directory / f"rank{trainer.global_rank}.pt")
 
 
 @pytest.mark.parametrize("how", ["earlystop", "earlystop_mid_epoch", "dataloader_iter", "should_stop",
@@ -230,6 +232,8 @@ def test_a_fit_that_ends_off_its_known_last_step_saves_last_ckpt_with_the_model_
     step = {"earlystop": 10, "earlystop_mid_epoch": 8, "dataloader_iter": 10, "should_stop": 7,
             "should_stop_in_step": 7}[how]
     assert ranks[0]["step"] == step and torch.equal(ranks[0]["final"], ranks[1]["final"])
+    if how in ("earlystop_mid_epoch", "should_stop"):  # saved mid-epoch, as DDP's: a resume finishes the epoch
+        assert ranks[0]["epochs_completed"] == 1, ranks[0]["epochs_completed"]  # (a save redone at the end: 2)
     if not how.startswith("earlystop"):  # the stop was known before the validation after it
         assert torch.equal(ranks[0]["validated"], ranks[0]["final"]), "the last validation saw the anchor"
     if how in ("dataloader_iter", "should_stop_in_step"):  # and before the batch's saves (the module's hook: after)

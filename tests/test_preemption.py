@@ -280,10 +280,12 @@ class RecordsCheckOrder(TinyRegressor):
 
     def on_train_end(self) -> None:
         local = [event for n in (1, 2) for event in (("post", n), ("step", n), ("wait", n))]
-        # the first step (the first bases), the sync step (4) and the last step wait for their check first; then
-        # the final check (inside the last step, which has not been counted yet) is posted and waited for
+        # the first step (the first bases), the sync step (4) and the last step wait for their check first; the sync
+        # step's own check of the step counts (inside it) goes before its round; then the final check (inside the
+        # last step, which has not been counted yet) is posted and waited for
         assert self.events == [("post", 0), ("wait", 0), ("step", 0), *local, ("post", 3), ("wait", 3), ("step", 3),
-                               ("post", 4), ("wait", 4), ("step", 4), ("post", 4), ("wait", 4)], self.events
+                               ("post", 3), ("wait", 3), ("post", 4), ("wait", 4), ("step", 4), ("post", 4),
+                               ("wait", 4)], self.events
 
 
 def test_the_per_batch_check_is_read_a_batch_later_so_no_step_waits_for_the_others() -> None:

@@ -105,8 +105,9 @@ class ByteChecker(L.Callback):
             "pseudo_gradients": syncs * sum(p.numel() * 4 for p in params),
             "moments": syncs * moments,
             "holders": syncs * len(lowrank) * 4,  # one float32 flag per averaged moment: does this worker hold it
-            # four float64 flags before every batch and at the end (SIGTERM, finished, the steps: mean and square)
-            "lightning_sigterm_check": (self.batches + 1) * 32,
+            # four float64 flags before every batch, at the end and before each round due (SIGTERM, finished, the
+            # steps: mean and square)
+            "lightning_sigterm_check": (self.batches + 1 + self.steps // self.k) * 32,
             # Lightning's has_len_all_ranks (the loaders' lengths, two int64 sums) and, on the sender, its log_dir
             # broadcast (an int64 size and the pickled root directory)
             "lightning_collectives": 2 * 8 + (8 + len(pickle.dumps(trainer.default_root_dir))

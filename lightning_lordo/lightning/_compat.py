@@ -88,10 +88,11 @@ def can_stop_early(trainer: Trainer) -> bool:
     return bool(trainer.fit_loop._can_stop_early)
 
 
-def redo_last_save(callback: Any, step: int) -> None:
-    """Have a ``ModelCheckpoint`` with ``save_last`` that saved at ``step`` (``_last_global_step_saved``) write
-    ``last`` again in its ``on_train_end``, which it skips once it has saved one (``_last_checkpoint_saved``): the
-    model changed after that save."""
-    if isinstance(callback, ModelCheckpoint) and callback.save_last and hasattr(callback, "_last_checkpoint_saved") \
-            and getattr(callback, "_last_global_step_saved", None) == step:
+def save_last_again(callback: Any, trainer: Trainer) -> None:
+    """A ``ModelCheckpoint`` with ``save_last`` that saved at this step (``_last_global_step_saved``) writes ``last``
+    again now (``_save_last_checkpoint``, with ``_monitor_candidates``; a file, not a link to the save before: its
+    ``_last_checkpoint_saved`` cleared): the model changed after that save."""
+    if isinstance(callback, ModelCheckpoint) and callback.save_last and \
+            getattr(callback, "_last_global_step_saved", None) == trainer.global_step:
         callback._last_checkpoint_saved = ""
+        callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))

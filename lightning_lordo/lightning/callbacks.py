@@ -47,7 +47,7 @@ from lightning_lordo.lightning._compat import (
     is_last_batch,
     logged_results,
     logs_this_batch,
-    redo_last_save,
+    save_last_again,
 )
 from lightning_lordo.sync.report import SyncReport
 
@@ -167,12 +167,7 @@ class FinalSync(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        strategy = trainer.strategy
         final_sync(trainer)
-        if strategy.saved_before_final_sync:  # a `last` saved at this step has the model from before the sync:
-            for callback in trainer.checkpoint_callbacks:  # ModelCheckpoint's on_train_end saves it again
-                redo_last_save(callback, trainer.global_step)
-        strategy.saved_before_final_sync = False
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -183,12 +178,16 @@ class FinalSync(Callback):
 
 
 def final_sync(trainer: Trainer) -> None:
-    """The final sync from a callback; where it moves the model, the checkpoints saved so far hold the model from
-    before it (until the next save: ``SynchronizedState.save_checkpoint``)."""
+    """The final sync from a callback (from ``on_validation_end`` too: the replicas come back from the anchor
+    validated first). Where it moves the model, a ModelCheckpoint that saved ``last`` at this step, before it, saves
+    it again at once: with the model ``fit`` returns, and the loops' state of that save (a resume continues there)."""
     strategy = trainer.strategy
-    if not strategy.final_sync_done and getattr(strategy.synchronizer, "mid_round", False):
-        strategy.saved_before_final_sync = True
+    moves = not strategy.final_sync_done and getattr(strategy.synchronizer, "mid_round", False)
+    strategy.leave_validation_view()
     strategy.on_train_end_sync()
+    if moves:
+        for callback in trainer.checkpoint_callbacks:
+            save_last_again(callback, trainer)
 
 
 def reports_undone(trainer: Trainer, kept: int) -> None:
@@ -231,6 +230,13 @@ class SyncBeforeSaves(Callback):
     @override
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         if _stopping(trainer) or (last_epoch(trainer) and is_last_batch(trainer)):
+            final_sync(trainer)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after EarlyStopping's decision there (a validation mid-epoch), before ModelCheckpoint's save: the save has
+        # the model fit returns, with the scores of the validation, which saw the anchor
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and _stopping(trainer):
             final_sync(trainer)
 
     @override

@@ -212,6 +212,18 @@ class GuardedCollectives:
             else Communicator(self.accountant, self.sync_config.timeout, group=group.group)
         self._posted_check = None
 
+    def _check_steps_before_round(self) -> None:
+        """Before a round of local steps: this rank's step count, sent as the per-batch check sends it. Every rank
+        sends it here; a rank that skipped this step is at its next batch's check instead, which pairs with it, so
+        both stop naming the cause, instead of waiting for the timeout in the round (``after_optimizer_step``)."""
+        assert self.synchronizer is not None
+        control, steps = self._control_comm, self.synchronizer.optimizer_steps + 1  # this step counted
+        control.context = f"sync {self.synchronizer.syncs_done + 1}'s step-count check (optimizer step {steps})"
+        step = steps % 4096
+        flags = torch.tensor([0.0, 0.0, step, step * step], dtype=torch.float64)
+        control.begin_all_reduce_mean(flags, "lightning_sigterm_check")()
+        self._act_on_checks(flags, False, steps)
+
     def _act_on_checks(self, flags: torch.Tensor, finished: bool, steps: int) -> None:
         sigterm, done, mean, mean_square = flags.tolist()
         if 0 < done < 1:  # the same decision on every rank
@@ -223,7 +235,7 @@ class GuardedCollectives:
                 "or data of equal length per rank.")
         if mean_square - mean * mean > 1e-6:  # float64 sums of squares below 2^24: exact; else at least 1/n - 1/n^2
             raise CollectiveTimeout(
-                f"LoRDO: the workers took different numbers of optimizer steps (this rank {steps} before this batch), "
+                f"LoRDO: the workers took different numbers of optimizer steps (this rank: {steps}), "
                 "so their syncs would not pair: an optimizer_step override skipped a step on some ranks only. "
                 "Decide on every rank alike, e.g. skip = self.trainer.strategy.reduce_boolean_decision(skip, "
                 "all=False).")

@@ -49,8 +49,6 @@ class SynchronizedState:
     _plugin_warnings: PluginWarnings  # warnings once, on rank 0, at the user's line
     _overlap_to_redo: Optional[dict[str, Any]] = None  # the copies of a round in flight at the save
     _trainer: Optional[Trainer]  # the strategy's: the Trainer of the module being run
-    #: a final sync from a callback moved the model after the last save (``callbacks.final_sync``; a save clears it)
-    saved_before_final_sync: bool = False
 
     # ------------------------------------------------------------------ one model for evaluation and checkpoints
     def _mid_round(self) -> bool:
@@ -85,6 +83,13 @@ class SynchronizedState:
             self._swap_model(synchronized=True)
             self._swapped_for_eval = True
 
+    def leave_validation_view(self) -> None:
+        """The replicas back in the model, if validation has the anchor in (``callbacks.final_sync`` from
+        ``on_validation_end``; the strategy's own ``on_validation_end``)."""
+        if self._swapped_for_eval:
+            self._swap_model(synchronized=False)
+            self._swapped_for_eval = False
+
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
@@ -92,9 +97,7 @@ class SynchronizedState:
 
     @override
     def on_validation_end(self) -> None:
-        if self._swapped_for_eval:
-            self._swap_model(synchronized=False)
-            self._swapped_for_eval = False
+        self.leave_validation_view()
         super().on_validation_end()
 
     @override
@@ -120,7 +123,6 @@ class SynchronizedState:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """A collective: all ranks call it. With ``checkpoint_shards`` (the default) each rank writes its own state
         next to the file (``shards.py``); without, every rank's state is gathered to rank 0 into the file."""
-        self.saved_before_final_sync = False
         if self.synchronizer is None or "optimizer_states" not in checkpoint:  # save_weights_only: the model only
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return

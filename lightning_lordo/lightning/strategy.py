@@ -291,9 +291,10 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
         self.core.scale_schedulers([c.scheduler for c in self.lr_scheduler_configs], self.sync_config.switch_lr_scale)
 
     def after_optimizer_step(self) -> None:
-        """Called by the LightningOptimizer after each optimizer step; the last one of ``fit`` runs the final sync,
-        so the checkpoints Lightning writes at the end of ``fit`` hold the final synchronized model and buffers."""
+        """After each optimizer step (before a round: the step counts); the last one of ``fit`` runs the final sync."""
         with self._plugin_warnings:
+            if self.world_size > 1 and self.core.round_due():
+                self._check_steps_before_round()
             last = self._is_last_step()
             self.core.after_step(last)
             if last:
@@ -317,8 +318,7 @@ class LoRDOStrategy(HoldsCore, SynchronizedState, GuardedCollectives, DDPStrateg
 
     @property
     def _trainer(self) -> Optional[Trainer]:
-        """The Trainer of the module being run (``None`` before one is attached, or in a launcher's main process
-        after its workers, where Lightning detached it)."""
+        """The Trainer of the module being run (``None`` before one is attached, or once Lightning detached it)."""
         try:
             return self.lightning_module.trainer if self.lightning_module is not None else None
         except RuntimeError:  # "not attached to a Trainer"
