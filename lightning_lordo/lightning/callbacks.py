@@ -160,10 +160,10 @@ def add_monitor(trainer: Trainer, progress_bar: Optional[bool]) -> None:
 
 class FinalSync(Callback):
     """The strategy puts this first among the callbacks, because Lightning calls the strategy's hooks after the
-    callbacks' and the module's: a fit whose end no step or batch told (EarlyStopping, after ModelCheckpoint's
-    saves) runs its final sync before the other ``on_train_end`` hooks, and a ModelCheckpoint that saved ``last`` at
-    the final step before that sync saves it again; validation mid-round has the synchronized model in before the
-    other ``on_validation_start`` hooks. As with DDP they see one model."""
+    callbacks' and the module's: a fit whose end no step, batch or validation told (EarlyStopping at an epoch's end,
+    after ModelCheckpoint's saves) runs its final sync before the other ``on_train_end`` hooks (``final_sync`` has a
+    ``last`` saved before it saved again); validation mid-round has the synchronized model in before the other
+    ``on_validation_start`` hooks. As with DDP they see one model."""
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -224,8 +224,9 @@ class SyncBeforeSaves(Callback):
     known, so that the validation Lightning runs then and ``ModelCheckpoint``'s saves hold the model ``fit``
     returns, as with DDP: ``should_stop`` that Lightning honours, set by a batch (``max_time``, the user's code), the
     last batch of the last epoch when only the batch's end knows it (a ``dataloader_iter`` step), the last epoch cut
-    short. The strategy puts it right before the checkpoint callbacks, which Lightning keeps last (after the Timer).
-    EarlyStopping decides after a validation, which saw the anchor: there ``FinalSync`` has ``last`` saved again."""
+    short, a stop decided at a validation's end (EarlyStopping mid-epoch: that validation saw the anchor). The
+    strategy puts it right before the checkpoint callbacks, which Lightning keeps last (after the Timer and
+    EarlyStopping; at an epoch's end Lightning calls those two after the others, so ``FinalSync`` syncs there)."""
 
     @override
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
