@@ -215,13 +215,19 @@ class GuardedCollectives:
     def _check_steps_before_round(self) -> None:
         """Before a round of local steps: this rank's step count, sent as the per-batch check sends it. Every rank
         sends it here; a rank that skipped this step is at its next batch's check instead, which pairs with it, so
-        both stop naming the cause, instead of waiting for the timeout in the round (``after_optimizer_step``)."""
-        assert self.synchronizer is not None
+        both stop naming the cause, instead of waiting for the timeout in the round (``after_optimizer_step``). Not
+        when that rank meets a collective of Lightning's first (a validation, an epoch end's save): then both wait
+        for the timeout, as before this check."""
+        assert self.synchronizer is not None and self.communicator is not None
         control, steps = self._control_comm, self.synchronizer.optimizer_steps + 1  # this step counted
         control.context = f"sync {self.synchronizer.syncs_done + 1}'s step-count check (optimizer step {steps})"
         step = steps % 4096
         flags = torch.tensor([0.0, 0.0, step, step * step], dtype=torch.float64)
-        control.begin_all_reduce_mean(flags, "lightning_sigterm_check")()
+        try:
+            control.begin_all_reduce_mean(flags, "lightning_sigterm_check")()
+        except CollectiveTimeout as err:  # the default group is not to be trusted either (an emergency save skips)
+            self.communicator.failure = self.communicator.failure or str(err)
+            raise
         self._act_on_checks(flags, False, steps)
 
     def _act_on_checks(self, flags: torch.Tensor, finished: bool, steps: int) -> None:
