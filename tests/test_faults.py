@@ -776,11 +776,14 @@ def test_a_step_the_strategy_does_not_drive_or_one_rank_skips_is_an_error_at_onc
     with pytest.raises(Exception, match=r"the optimizer took a step the strategy did not drive.*optimizer\.step\("
                                         r"closure=optimizer_closure\) on the optimizer it is given"):
         trainer(lordo(sync_every=4), max_steps=6).fit(SteppedAround("wrapped"), loader())
-    for skipped in (2, 3):  # a local step; the step a sync follows (the other rank is in the round, not at a check)
+    # a local step; the step a sync follows (the other rank checks before its round); the same with a validation
+    # after that batch (the skipping rank answers at the batch's end, before the validation's collectives)
+    for skipped, validation in ((2, False), (3, False), (3, True)):
         started = time.monotonic()
         with pytest.raises(Exception, match=r"the workers took different numbers of optimizer steps \(this rank: "
                                             r"[2-4]\).*reduce_boolean_decision"):
-            trainer(lordo(sync_every=4), max_steps=6).fit(SteppedAround("one_rank", skipped), loader())
+            trainer(lordo(sync_every=4), max_steps=6, val_check_interval=4, num_sanity_val_steps=0).fit(
+                SteppedAround("one_rank", skipped), loader(), loader(n=32) if validation else None)
         assert time.monotonic() - started < 30  # not the 60 s timeout
     trainer(lordo(sync_every=4), max_steps=6, callbacks=[OneModelAtTheEnd(5)]).fit(SteppedAround("all_ranks"),
                                                                                   loader())

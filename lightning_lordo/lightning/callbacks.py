@@ -229,7 +229,17 @@ class SyncBeforeSaves(Callback):
     EarlyStopping; at an epoch's end Lightning calls those two after the others, so ``FinalSync`` syncs there)."""
 
     @override
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        synchronizer = trainer.strategy.synchronizer
+        self._steps = (trainer.global_step, synchronizer.optimizer_steps if synchronizer is not None else 0)
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        strategy, synchronizer = trainer.strategy, trainer.strategy.synchronizer
+        skipped = synchronizer is not None and trainer.global_step > self._steps[0] and \
+            synchronizer.optimizer_steps == self._steps[1]
+        if skipped and strategy.world_size > 1 and strategy.core.round_due():  # the others check before their round
+            strategy._check_steps_before_round(taken=False)
         if _stopping(trainer) or (last_epoch(trainer) and is_last_batch(trainer)):
             final_sync(trainer)
 

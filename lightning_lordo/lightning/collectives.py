@@ -212,14 +212,14 @@ class GuardedCollectives:
             else Communicator(self.accountant, self.sync_config.timeout, group=group.group)
         self._posted_check = None
 
-    def _check_steps_before_round(self) -> None:
+    def _check_steps_before_round(self, taken: bool = True) -> None:
         """Before a round of local steps: this rank's step count, sent as the per-batch check sends it. Every rank
         sends it here; a rank that skipped this step is at its next batch's check instead, which pairs with it, so
-        both stop naming the cause, instead of waiting for the timeout in the round (``after_optimizer_step``). Not
-        when that rank meets a collective of Lightning's first (a validation, an epoch end's save): then both wait
-        for the timeout, as before this check."""
+        both stop naming the cause, instead of waiting for the timeout in the round (``after_optimizer_step``); a
+        rank that skipped it sends its own count (``taken=False``) at that batch's end, before any collective of
+        Lightning's (a validation, an epoch end's save: ``callbacks.SyncBeforeSaves``)."""
         assert self.synchronizer is not None and self.communicator is not None
-        control, steps = self._control_comm, self.synchronizer.optimizer_steps + 1  # this step counted
+        control, steps = self._control_comm, self.synchronizer.optimizer_steps + taken  # this step counted, if taken
         control.context = f"sync {self.synchronizer.syncs_done + 1}'s step-count check (optimizer step {steps})"
         step = steps % 4096
         flags = torch.tensor([0.0, 0.0, step, step * step], dtype=torch.float64)
