@@ -213,11 +213,10 @@ class GuardedCollectives:
         self._posted_check = None
 
     def _check_steps_before_round(self, taken: bool = True) -> None:
-        """Before a round of local steps: this rank's step count, sent as the per-batch check sends it. Every rank
-        sends it here; a rank that skipped this step is at its next batch's check instead, which pairs with it, so
-        both stop naming the cause, instead of waiting for the timeout in the round (``after_optimizer_step``); a
-        rank that skipped it sends its own count (``taken=False``) at that batch's end, before any collective of
-        Lightning's (a validation, an epoch end's save: ``callbacks.SyncBeforeSaves``)."""
+        """Before a round of local steps: this rank's step count, sent as the per-batch check sends it, by every rank
+        that took the step (``after_optimizer_step``). A rank that skipped it sends its own count (``taken=False``)
+        at that batch's end, before any collective of Lightning's (``callbacks.SyncBeforeSaves``): the two pair, and
+        every rank stops naming the cause instead of waiting for the timeout in the round."""
         assert self.synchronizer is not None and self.communicator is not None
         control, steps = self._control_comm, self.synchronizer.optimizer_steps + taken  # this step counted, if taken
         control.context = f"sync {self.synchronizer.syncs_done + 1}'s step-count check (optimizer step {steps})"
