@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from lightning_lordo.optim.lordo import LoRDO
 from lightning_lordo.optim.report import plan_summary
+from lightning_lordo.strategy_knobs import FROM_USER_OPTIMIZER
 
 #: Parameter names (regular expressions) that run full-rank AdamW besides what the structure finds
 #: (:func:`full_rank_params`): none; the strategies' ``full_rank_params`` adds the user's.
@@ -65,7 +66,7 @@ def convert_optimizer(optimizer: Optimizer, full_rank: Mapping[Tensor, str], kno
     if all(g.get("foreach") is False for g in optimizer.param_groups):
         flags["foreach"] = False  # else LoRDO's own default
     # the user's defaults, which a group added later (BaseFinetuning's unfreeze) takes, as it would from their AdamW
-    defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay") if k in optimizer.defaults}
+    defaults = {k: optimizer.defaults[k] for k in FROM_USER_OPTIMIZER if k in optimizer.defaults}
     with warnings.catch_warnings():  # the optimizer warns per shape; the strategy says it once, below
         warnings.filterwarnings("ignore", "LoRDO: rank=", UserWarning)
         lordo = LoRDO(groups, seed=seed, full_rank=full_rank, **flags, **defaults, **knobs)

@@ -50,8 +50,10 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
 }
 #: Suffix of a registered name -> its start method (as Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``).
 LAUNCH_SUFFIXES = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
-#: The optimizer knobs a strategy converts with (lr, betas, eps and weight_decay come from the user's optimizer).
-STRATEGY_OPTIMIZER_KNOBS = tuple(k for k in OPTIMIZER_DEFAULTS if k not in ("lr", "betas", "eps", "weight_decay"))
+#: The hyperparameters that come from the user's optimizer (its defaults too, on conversion), never a strategy's.
+FROM_USER_OPTIMIZER = ("lr", "betas", "eps", "weight_decay")
+#: The optimizer knobs a strategy converts with.
+STRATEGY_OPTIMIZER_KNOBS = tuple(k for k in OPTIMIZER_DEFAULTS if k not in FROM_USER_OPTIMIZER)
 #: The keys of the ``optimizer`` mapping: LoRDO's knobs and the names of the parameters kept full-rank.
 OPTIMIZER_MAPPING_KNOBS = (*STRATEGY_OPTIMIZER_KNOBS, "full_rank_params")
 #: The synchronization knobs that are named arguments of the strategies (the rest are :class:`Experimental`).
@@ -59,7 +61,6 @@ NAMED_SYNC_KNOBS = ("sync_every", "payload", "payload_dtype", "outer_optimizer",
                     "overlap_steps", "anchor_device", "bucket_cap_mb", "timeout")
 #: Named arguments a preset may set: their default is ``None``, "the preset's value".
 PRESET_NAMED = ("payload", "payload_dtype")
-_FROM_USER_OPTIMIZER = ("lr", "betas", "eps", "weight_decay")
 
 
 def docstring_entries(doc: str, section: str = "Attributes:") -> dict[str, str]:
@@ -127,7 +128,7 @@ assert all(k in PRESET_NAMED or k not in NAMED_SYNC_KNOBS for knobs, _ in PRESET
 
 def home_of(name: str, value: Any) -> Optional[str]:
     """Where the knob ``name`` is passed, written as the fix (``None``: no knob has that name)."""
-    if name in _FROM_USER_OPTIMIZER:
+    if name in FROM_USER_OPTIMIZER:
         return "your own optimizer (configure_optimizers, or the optimizer given to fabric.setup)"
     if name in OPTIMIZER_MAPPING_KNOBS:
         return f"optimizer={{{name!r}: {value!r}}}"
@@ -210,7 +211,7 @@ def resolve_knobs(owner: str, *, preset: str, named: Mapping[str, Any], optimize
     check_choice("preset", preset, tuple(PRESETS))
     for key, value in misplaced.items():
         home = home_of(key, value)
-        if key in _FROM_USER_OPTIMIZER:
+        if key in FROM_USER_OPTIMIZER:
             raise ValueError(f"{owner} got {key}={value!r}: it comes from {optimizer_source}. Set it there.")
         if key == "monitor":
             raise TypeError(f"{owner} got monitor={value!r}: Fabric has no callbacks, so there is no monitor to add. "
